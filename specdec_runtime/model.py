@@ -59,6 +59,7 @@ class KVCache(nn.Module):
     def size(self) -> int:
         return self.k.shape[3]
 
+    @torch.inference_mode()
     def move(self, src: Tensor, dst: int) -> None:
         """Copy slots `src` [n] to dst..dst+n-1 in every layer (keeps an accepted tree path)."""
         n = src.numel()
@@ -175,6 +176,7 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    @torch.inference_mode()
     def setup_cache(self, batch: int, size: int) -> None:
         """Allocate the KV cache and rope table for `size` slots (kept if already big enough)."""
         if self.cache is not None and self.cache.size >= size and self.cache.k.shape[1] == batch:
@@ -193,6 +195,7 @@ class Decoder(nn.Module):
         table = self.lm_head.weight.t() if self.embed is None else self.embed.weight
         return F.embedding(ids, table)
 
+    @torch.inference_mode()  # inference only: training uses the transformers model
     def forward(
         self,
         ids: Tensor,

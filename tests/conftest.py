@@ -1,0 +1,143 @@
+"""Shared fixtures: tiny random models from configs, a bigram stub with fixed logits, a tiny
+offline tokenizer, and the bundled SmolLM2-135M (converted once by scripts/setup.sh)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from specdec_runtime.config import DecoderConfig  # noqa: E402
+from specdec_runtime.model import Decoder, DecoderOutput  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,  # spread-out logits: greedy argmax has no near-ties
+)
+
+
+def tiny_hf_config(kind: str = "llama", **overrides):
+    """A 2-layer, hidden-64 transformers config of the given family."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[kind]
+    return cls(**{**TINY, **overrides})
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
+    """A random transformers causal LM (fp32, eval mode), deterministic for a seed."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind, **overrides), attn_implementation="sdpa")
+    return model.float().eval()
+
+
+def runtime_from_hf(hf_model) -> Decoder:
+    """Our Decoder with the same weights as a transformers model."""
+    return Decoder.from_hf_state_dict(DecoderConfig.from_hf(hf_model.config), hf_model.state_dict())
+
+
+def tiny_decoder(kind: str = "llama", seed: int = 0, **overrides) -> Decoder:
+    return runtime_from_hf(tiny_hf_model(kind, seed, **overrides))
+
+
+class BigramStub(nn.Module):
+    """A 'model' whose logits at each position depend only on that position's token: table[token].
+
+    Speaks the Decoder interface the generate loop and drafters use, with fixed, known logits.
+    """
+
+    def __init__(self, table: torch.Tensor, context: int = 512):
+        super().__init__()
+        self.table = table.float()  # [V, V]
+        self.config = DecoderConfig(
+            vocab_size=table.shape[1], hidden_size=1, intermediate_size=1, num_layers=1, num_heads=1,
+            num_kv_heads=1, head_dim=2, max_position_embeddings=context,
+        )  # fmt: skip
+        self.calls = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    def setup_cache(self, batch: int, size: int) -> None:
+        pass
+
+    def forward(self, ids, start, *, logits_to_keep=0, **_):
+        self.calls += 1
+        logits = self.table[ids]  # [B, T, V]
+        return DecoderOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, None)
+
+
+def bigram_table(V: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, V, generator=g) * scale
+
+
+def save_tiny_tokenizer(path: Path, extra_tokens: tuple[str, ...] = ()):
+    """A 34-token character-level tokenizer with a chat template; returns it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<eot>": 3}
+    for ch in "abcdefghijklmnopqrstuvwxyz ,.!?" + "".join(extra_tokens):
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=["<eot>"],
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}<eot>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    tok.save_pretrained(path)
+    return tok
+
+
+def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A tiny model folder as users have them: config, safetensors, tokenizer, generation config."""
+    tok = save_tiny_tokenizer(path)
+    model = tiny_hf_model(kind, seed, **{"vocab_size": len(tok), "bos_token_id": 1, "eos_token_id": 2, **overrides})
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """The bundled SmolLM2-135M-Instruct, loaded once for the session (fp32, CPU)."""
+    from specdec_runtime.loading import load_model
+
+    return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def bundled_hf():
+    from specdec_runtime.loading import load_hf_model
+
+    return load_hf_model("smollm2-135m-instruct").eval()

@@ -1,0 +1,79 @@
+"""`specdec generate` end to end on a tiny local model, and its error handling."""
+
+import json
+
+import pytest
+
+from specdec_runtime.cli import main
+from tests.conftest import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("cli") / "tiny", "llama", seed=0, num_hidden_layers=3)
+
+
+def run(argv, capsys):
+    main(argv)
+    return capsys.readouterr().out
+
+
+def test_generate_writes_outputs_equal_to_autoregressive(tiny_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "hello there"})
+        + "\n"
+        + json.dumps({"question_id": "q2", "category": "qa", "turns": ["why?"]})
+        + "\n"
+    )
+    outs = {}
+    for drafter in ("none", "truncate:1", "ngram"):
+        out_file = tmp_path / f"{drafter.replace(':', '')}.jsonl"
+        common = [
+            "--target",
+            str(tiny_dir),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--output",
+            str(out_file),
+        ]
+        table = run(["generate", *common, "--drafter", drafter, "--gamma", "3", "--baseline"], capsys)
+        assert f"drafter {drafter}" in table and "speedup" in table and "100%" in table  # lossless column
+        outs[drafter] = [json.loads(line) for line in out_file.read_text().splitlines()]
+    ar = outs["none"]
+    assert [r["id"] for r in ar] == ["0", "q2"] and ar[1]["category"] == "qa"
+    for records in outs.values():
+        for r, base in zip(records, ar):
+            assert r["output_ids"] == base["output_ids"] and r["identical_to_baseline"]
+            assert set(r) >= {"id", "output_ids", "text", "stats"} and r["stats"]["new_tokens"] == len(r["output_ids"])
+    assert outs["none"][0]["stats"]["tau"] == 1.0
+
+
+def test_single_prompt_prints_its_text(tiny_dir, capsys):
+    out = run(
+        ["generate", "--target", str(tiny_dir), "--prompt", "abc", "--max-new-tokens", "5", "--no-warmup"], capsys
+    )
+    assert "new tokens" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--target", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--max-new-tokens", "100000"], "the target's context is 256"),
+        (["--drafter", "truncate:9"], "K must be in 1..2"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+    ],
+)
+def test_user_errors_exit_with_a_message_not_a_traceback(tiny_dir, capsys, argv, message):
+    base = ["generate", "--prompt", "hi", "--max-new-tokens", "8"] + (
+        [] if "--target" in argv else ["--target", str(tiny_dir)]
+    )
+    argv = base + argv
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -1,0 +1,193 @@
+"""The generate loop: greedy losslessness, exact sampling, cache rollback, stopping, gamma control."""
+
+import itertools
+
+import pytest
+import torch
+
+from specdec_runtime.drafters import Draft, ModelDrafter, NgramDrafter
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.generate import generate
+from specdec_runtime.sampling import Sampler, warp
+from tests.conftest import BigramStub, bigram_table, runtime_from_hf, tiny_decoder, tiny_hf_model
+from tests.runtime.test_verify import assert_follows, assert_not_follows
+
+
+class OracleDrafter:
+    """Stub drafter that knows the target's greedy chain; each draft is right for its first
+    `correct` tokens (None: always right) and wrong after that."""
+
+    def __init__(self, table: torch.Tensor, correct: int | None):
+        self.next = table.argmax(-1)  # greedy successor of each token
+        self.correct, self.name = correct, f"oracle:{correct}"
+
+    def start(self, prompt, capacity):
+        pass
+
+    def draft(self, ids, gamma, sampler):
+        tokens, last = [], ids[-1]
+        for i in range(gamma):
+            last = self.next[last]
+            right = self.correct is None or i < self.correct
+            tokens.append(last if right else (last + 1) % self.next.numel())
+            last = tokens[-1]
+        return Draft(torch.stack(tokens), None)
+
+
+def bigram_greedy(table: torch.Tensor, first: int, n: int) -> list[int]:
+    out, t = [], first
+    for _ in range(n):
+        t = int(table[t].argmax())
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("correct", [None, 0, 1, 2])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_equals_target_greedy_with_stub_drafters(correct, gamma):
+    table = bigram_table(50, seed=0)
+    target = BigramStub(table)
+    out = generate(target, [3], OracleDrafter(table, correct), max_new_tokens=40, gamma=gamma)
+    assert out.tokens == bigram_greedy(table, 3, 40)
+    s = out.stats
+    assert s.new_tokens == 40 and s.target_forwards == target.calls
+    if correct is None:
+        assert s.acceptance_rate == 1.0
+    else:
+        assert s.accepted_at[: min(correct, gamma)] == s.drafted_at[: min(correct, gamma)]
+        assert sum(s.accepted_at[correct:]) == 0
+
+
+def test_always_right_drafter_gives_gamma_plus_one_tokens_per_forward():
+    table = bigram_table(50, seed=1)
+    target = BigramStub(table)
+    out = generate(target, [3], OracleDrafter(table, None), max_new_tokens=41, gamma=4)
+    # prefill gives 1 token, then 8 rounds of 4 accepted + 1 bonus
+    assert out.stats.target_forwards == 9 and out.stats.tau == pytest.approx(41 / 9)
+    assert out.stats.acceptance_per_position == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_drafter_that_is_the_target_gets_everything_accepted():
+    hf = tiny_hf_model("llama", seed=0)
+    target, twin = runtime_from_hf(hf), runtime_from_hf(hf)
+    ar = generate(target, [5, 9, 11, 2], max_new_tokens=30)
+    spec = generate(target, [5, 9, 11, 2], ModelDrafter(twin), max_new_tokens=30, gamma=4)
+    assert spec.tokens == ar.tokens
+    assert spec.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("spec", ["draft-model", "truncate", "ngram", "draft-model-adaptive"])
+def test_greedy_speculative_equals_target_greedy_with_real_tiny_models(kind, spec):
+    target = tiny_decoder(kind, seed=0, num_hidden_layers=3)
+    prompt = [7, 3, 9, 7, 3, 1, 4, 7, 3]
+    ar = generate(target, prompt, max_new_tokens=48)
+    drafter = {
+        "draft-model": lambda: ModelDrafter(tiny_decoder(kind, seed=1)),
+        "draft-model-adaptive": lambda: ModelDrafter(tiny_decoder(kind, seed=1), confidence=0.2),
+        "truncate": lambda: ModelDrafter(target, exit_layer=1, shares_target_cache=True),
+        "ngram": lambda: NgramDrafter(3),
+    }[spec]()
+    out = generate(target, prompt, drafter, max_new_tokens=48, gamma=4, adaptive_gamma=spec.endswith("adaptive"))
+    assert out.tokens == ar.tokens
+    assert out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "truncate"])
+def test_kv_cache_after_rejections_equals_a_fresh_prefill(drafter_kind):
+    hf = tiny_hf_model("llama", seed=0, num_hidden_layers=3)
+    target = runtime_from_hf(hf)
+    drafter = (
+        ModelDrafter(tiny_decoder("llama", seed=3))
+        if drafter_kind == "draft-model"
+        else ModelDrafter(target, exit_layer=1, shares_target_cache=True)
+    )
+    prompt = [1, 2, 3, 4, 5]
+    out = generate(target, prompt, drafter, Sampler(1.0, seed=0), max_new_tokens=37, gamma=5)
+    assert out.stats.drafted > out.stats.accepted > 0  # there were rejections
+    seq = torch.tensor([prompt + out.tokens[:-1]])  # the cache holds all but the newest token
+    n = seq.shape[1]
+    fresh = runtime_from_hf(hf)
+    fresh.setup_cache(1, n)
+    fresh(seq, 0)
+    torch.testing.assert_close(target.cache.k[..., :n, :], fresh.cache.k[..., :n, :], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(target.cache.v[..., :n, :], fresh.cache.v[..., :n, :], atol=1e-5, rtol=1e-5)
+
+
+def exact_joint(table: torch.Tensor, first: int, n: int, **warp_kwargs) -> torch.Tensor:
+    """P(t1..tn | first) of a bigram model under the warped distribution, flattened [V**n]."""
+    p = warp(table, **warp_kwargs)  # [V, V]
+    V = table.shape[0]
+    joint = torch.zeros([V] * n)
+    for seq in itertools.product(range(V), repeat=n):
+        prob, prev = 1.0, first
+        for t in seq:
+            prob *= float(p[prev, t])
+            prev = t
+        joint[seq] = prob
+    return joint.flatten()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 0, 0.9), (1.5, 2, 1.0)])
+def test_speculative_sampling_follows_the_target_distribution(temperature, top_k, top_p):
+    """Three tokens from a bigram target with a different bigram drafter: the joint distribution
+    of the output is the target's (chi-square over all 27 sequences), not the drafter's."""
+    V = 3
+    t_table, d_table = bigram_table(V, seed=10, scale=1.5), bigram_table(V, seed=11, scale=1.5)
+    target, drafter = BigramStub(t_table), ModelDrafter(BigramStub(d_table))
+    samples = []
+    for seed in range(3000):
+        out = generate(target, [0], drafter, Sampler(temperature, top_k, top_p, seed=seed), max_new_tokens=3, gamma=2)
+        a, b, c = out.tokens
+        samples.append(a * V * V + b * V + c)
+    w = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    assert_follows(samples, exact_joint(t_table, 0, 3, **w))
+    assert_not_follows(samples, exact_joint(d_table, 0, 3, **w))
+
+
+def test_stops_at_a_stop_token_inside_an_accepted_draft():
+    table = bigram_table(50, seed=2)
+    chain = bigram_greedy(table, 3, 30)
+    stop = chain[6]
+    first_stop = chain.index(stop)
+    for drafter in (None, OracleDrafter(table, None)):
+        out = generate(BigramStub(table), [3], drafter, max_new_tokens=30, gamma=4, stop_ids={stop})
+        assert out.tokens == chain[: first_stop + 1] and out.stop_reason == "stop_token"
+
+
+def test_stop_token_as_first_token_and_exact_length_budget():
+    table = bigram_table(50, seed=3)
+    chain = bigram_greedy(table, 3, 30)
+    out = generate(BigramStub(table), [3], OracleDrafter(table, None), max_new_tokens=30, stop_ids={chain[0]})
+    assert out.tokens == chain[:1] and out.stats.target_forwards == 1
+    for n in (1, 2, 7, 11):  # drafts are cut so a round never runs past the budget
+        out = generate(BigramStub(table), [3], OracleDrafter(table, None), max_new_tokens=n, gamma=4)
+        assert out.tokens == chain[:n] and out.stop_reason == "length"
+
+
+def test_adaptive_gamma_follows_the_transformers_heuristic():
+    table = bigram_table(50, seed=4)
+    right = generate(
+        BigramStub(table), [3], OracleDrafter(table, None), max_new_tokens=60, gamma=1, adaptive_gamma=True, max_gamma=7
+    )
+    assert len(right.stats.drafted_at) == 7  # 1, 3, 5, 7, 7, ... after fully accepted drafts
+    wrong = generate(BigramStub(table), [3], OracleDrafter(table, 0), max_new_tokens=20, gamma=4, adaptive_gamma=True)
+    # 19 rounds of one token each; the last has a budget of 1 token, so it drafts nothing
+    assert wrong.stats.drafted_at == [18, 3, 2, 1]  # gamma 4, 3, 2, 1, then 1 forever
+
+
+def test_confidence_cutoff_stops_unsure_drafts():
+    table = bigram_table(20, seed=5)
+    unsure = ModelDrafter(BigramStub(torch.zeros(20, 20)), confidence=0.5)  # uniform drafter: p = 0.05
+    out = generate(BigramStub(table), [3], unsure, max_new_tokens=20, gamma=4)
+    assert len(out.stats.drafted_at) == 1
+    assert out.tokens == bigram_greedy(table, 3, 20)
+
+
+def test_prompt_that_does_not_fit_the_context_is_refused_before_work():
+    target = BigramStub(bigram_table(10, seed=0), context=16)
+    with pytest.raises(SpecdecError, match="needs 20 positions but the target's context is 16"):
+        generate(target, list(range(10)), max_new_tokens=10)
+    assert target.calls == 0
+    with pytest.raises(SpecdecError, match="empty"):
+        generate(target, [], max_new_tokens=1)

@@ -1,0 +1,186 @@
+"""The runtime decoder against transformers on the same weights (the oracle that keeps it honest)."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.model import LayerSkip
+from tests.conftest import runtime_from_hf, tiny_hf_config, tiny_hf_model
+
+ATOL = 2e-5  # fp32: logits of the tiny models are O(1..10)
+
+FAMILIES = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
+    "llama-linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-mha": ("llama", {"num_key_value_heads": 4}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+}
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_logits_match_transformers(family):
+    kind, over = FAMILIES[family]
+    hf = tiny_hf_model(kind, seed=1, **over)
+    model = runtime_from_hf(hf)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.setup_cache(batch=2, size=32)
+    ours = model(ids, 0).logits
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "llama3-rope"])
+def test_incremental_decoding_matches_full_forward(family):
+    """Prefill part of a sequence, then feed the rest in chunks of 1-3 tokens: same logits."""
+    kind, over = FAMILIES[family]
+    hf = tiny_hf_model(kind, seed=2, **over)
+    model = runtime_from_hf(hf)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    full = hf_logits(hf, ids)
+    model.setup_cache(1, 30)
+    pieces = [model(ids[:, :10], 0).logits]
+    pos = 10
+    for step in (1, 3, 2, 1, 1, 3, 2, 1, 3, 1, 2):
+        pieces.append(model(ids[:, pos : pos + step], pos).logits)
+        pos += step
+    assert pos == 30
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=ATOL, rtol=1e-5)
+
+
+def test_logits_to_keep_and_hidden():
+    hf = tiny_hf_model("llama", seed=3)
+    model = runtime_from_hf(hf)
+    ids = torch.randint(0, 256, (1, 12))
+    model.setup_cache(1, 12)
+    out = model(ids, 0, logits_to_keep=3, return_hidden=True)
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, ref.logits[:, -3:], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(out.hidden, ref.hidden_states[-1][:, -3:], atol=ATOL, rtol=1e-5)  # after the final norm
+
+
+def test_exit_layer_equals_transformers_hidden_state_through_norm_and_head():
+    hf = tiny_hf_model("llama", seed=4, num_hidden_layers=4)
+    model = runtime_from_hf(hf)
+    ids = torch.randint(0, 256, (1, 16))
+    model.setup_cache(1, 16)
+    with torch.no_grad():
+        h2 = hf(ids, output_hidden_states=True).hidden_states[2]  # after 2 layers, before the norm
+        expected = hf.lm_head(hf.model.norm(h2))
+    torch.testing.assert_close(model(ids, 0, exit_layer=2).logits, expected, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("skip", [LayerSkip(attn={1}), LayerSkip(mlp={0, 2}), LayerSkip(attn={0, 3}, mlp={1, 3})])
+def test_skipped_sublayers_equal_a_model_without_them(skip):
+    """Oracle: transformers with the skipped sublayers' output projections zeroed (their output is 0)."""
+    hf = tiny_hf_model("qwen2", seed=5, num_hidden_layers=4)
+    naive = copy.deepcopy(hf)
+    with torch.no_grad():
+        for i in skip.attn:
+            naive.model.layers[i].self_attn.o_proj.weight.zero_()
+        for i in skip.mlp:
+            naive.model.layers[i].mlp.down_proj.weight.zero_()
+    model = runtime_from_hf(hf)
+    ids = torch.randint(0, 256, (1, 20))
+    model.setup_cache(1, 20)
+    torch.testing.assert_close(model(ids, 0, skip=skip).logits, hf_logits(naive, ids), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(model(ids, 0).logits, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)  # skip is per call
+
+
+def test_tree_attention_equals_each_branch_decoded_alone():
+    """A token tree verified in one forward gives every node the logits of its root path."""
+    hf = tiny_hf_model("llama", seed=6)
+    model = runtime_from_hf(hf)
+    prefix = torch.randint(0, 256, (1, 9))
+    #        node: 0   1   2   3   4   5      parents: -1, 0, 0, 1, 1, 2
+    tree = torch.tensor([[11, 22, 33, 44, 55, 66]])
+    parents = [-1, 0, 0, 1, 1, 2]
+    depth, mask = [], torch.zeros(6, 6, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+    start = prefix.shape[1]
+    model.setup_cache(1, 32)
+    model(prefix, 0)
+    positions = start + torch.tensor(depth)
+    tree_logits = model(tree, start, positions=positions, tree_mask=mask).logits[0]
+    for i in range(6):
+        path = [j for j in range(6) if mask[i, j]]  # root path, ancestors first (indices ascend)
+        seq = torch.cat([prefix, tree[:, path]], dim=1)
+        torch.testing.assert_close(tree_logits[i], hf_logits(hf, seq)[0, -1], atol=ATOL, rtol=1e-5)
+
+
+def test_cache_move_keeps_an_accepted_tree_path():
+    """After verifying a tree, moving the accepted path's slots makes the cache a plain prefill."""
+    hf = tiny_hf_model("qwen2", seed=7)
+    model = runtime_from_hf(hf)
+    prefix = torch.randint(0, 256, (1, 7))
+    tree = torch.tensor([[5, 6, 7, 8]])  # node 0 root; 1, 2 children of 0; 3 child of 2
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    model.setup_cache(1, 16)
+    model(prefix, 0)
+    model(tree, 7, positions=torch.tensor([7, 8, 8, 9]), tree_mask=mask)
+    model.cache.move(torch.tensor([7 + 0, 7 + 2, 7 + 3]), 7)  # keep path 0 -> 2 -> 3
+    after = model(torch.tensor([[9]]), 10).logits[0, -1]
+    expected = hf_logits(hf, torch.cat([prefix, torch.tensor([[5, 7, 8, 9]])], dim=1))[0, -1]
+    torch.testing.assert_close(after, expected, atol=ATOL, rtol=1e-5)
+
+
+def test_bundled_model_matches_transformers(bundled, bundled_hf):
+    ids = bundled.tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
+    model = bundled.model
+    model.setup_cache(1, 64)
+    ours = model(ids, 0).logits
+    ref = hf_logits(bundled_hf, ids)
+    assert ours.shape == ref.shape == (1, ids.shape[1], 49152)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "kind, over, message",
+    [
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+            "rope type 'yarn'",
+        ),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
+def test_unsupported_config_is_refused_clearly(kind, over, message):
+    with pytest.raises(SpecdecError, match=message):
+        DecoderConfig.from_hf(tiny_hf_config(kind, **over))
+
+
+def test_unsupported_model_type_names_the_supported_ones():
+    from transformers import GPT2Config
+
+    with pytest.raises(SpecdecError, match="model_type 'gpt2' is not supported.*llama, mistral, qwen2"):
+        DecoderConfig.from_hf(GPT2Config())

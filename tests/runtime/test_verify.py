@@ -1,0 +1,117 @@
+"""Sampling and verification math against oracles: transformers' warpers, exact distributions."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.sampling import Sampler, warp
+from specdec_runtime.verify import verify_greedy, verify_sample
+
+
+def counts(samples: list[int], V: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(samples), minlength=V).double()
+
+
+def assert_follows(samples: list[int], probs: torch.Tensor) -> None:
+    """Chi-square goodness of fit of samples to probs (cells with p = 0 must be empty)."""
+    c, p = counts(samples, probs.numel()), probs.double()
+    assert c[p == 0].sum() == 0, "sampled a token of probability 0"
+    keep = p > 0
+    expected = p[keep] / p[keep].sum() * c.sum()
+    assert chisquare(c[keep].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def assert_not_follows(samples: list[int], probs: torch.Tensor) -> None:
+    """The same test rejects a wrong distribution (shows the test has power)."""
+    c, p = counts(samples, probs.numel()), probs.double().clamp(min=1e-9)
+    assert chisquare(c.numpy(), (p / p.sum() * c.sum()).numpy()).pvalue < 1e-6
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.6, 10, 0.9)]
+)
+def test_warp_matches_transformers_logits_processors(temperature, top_k, top_p):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    procs = [TemperatureLogitsWarper(temperature)]
+    if top_k:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        procs.append(TopPLogitsWarper(top_p))
+    expected = LogitsProcessorList(procs)(None, logits.clone()).softmax(-1)
+    torch.testing.assert_close(warp(logits, temperature, top_k, top_p), expected)
+
+
+def test_sampler_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    sampler = Sampler(1.0, seed=0)
+    draws = [int(sampler.sample(probs)) for _ in range(8000)]
+    assert_follows(draws, probs)
+    assert_not_follows(draws, torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2]))
+
+
+def test_sampler_rejects_bad_settings():
+    for kwargs, msg in [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")]:
+        with pytest.raises(SpecdecError, match=msg):
+            Sampler(**kwargs)
+
+
+def one_hot_logits(tokens: list[int], V: int = 10) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).float() * 5
+
+
+@pytest.mark.parametrize(
+    "draft, target_choice, n, bonus",
+    [
+        ([1, 2, 3], [1, 2, 3, 4], 3, 4),  # all accepted, bonus from the last position
+        ([1, 2, 3], [7, 2, 3, 4], 0, 7),  # first wrong: the target's own token instead
+        ([1, 2, 3], [1, 2, 9, 4], 2, 9),  # partly right
+        ([5], [5, 6], 1, 6),
+    ],
+)
+def test_verify_greedy(draft, target_choice, n, bonus):
+    got_n, got_token = verify_greedy(torch.tensor(draft), one_hot_logits(target_choice))
+    assert (int(got_n), int(got_token)) == (n, bonus)
+
+
+def test_verify_greedy_accepts_only_a_prefix():
+    """A later match after a mismatch must not count (the output would not be the target's)."""
+    n, token = verify_greedy(torch.tensor([1, 9, 3]), one_hot_logits([1, 2, 3, 4]))
+    assert (int(n), int(token)) == (1, 2)
+
+
+def speculative_first_token(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int) -> tuple[list[int], float]:
+    """First token emitted by one speculative round with a one-token draft from q (None: always
+    token 0, a deterministic drafter). Returns the tokens and the acceptance rate."""
+    sampler = Sampler(1.0, seed=seed)
+    out, accepted = [], 0
+    for _ in range(trials):
+        draft = sampler.sample(q)[None] if q is not None else torch.tensor([0])
+        n, token = verify_sample(draft, None if q is None else q[None], torch.stack([p, p]), sampler)
+        out.append(int(draft[0]) if int(n) == 1 else int(token))
+        accepted += int(n)
+    return out, accepted / trials
+
+
+@pytest.mark.parametrize("case", ["skewed", "disjoint-support", "deterministic-drafter"])
+def test_rejection_sampling_output_follows_the_target(case):
+    p = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1, 0.0])
+    q = {
+        "skewed": torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1]),
+        "disjoint-support": torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.5]),  # overlaps only on token 4
+        "deterministic-drafter": None,
+    }[case]
+    tokens, rate = speculative_first_token(p, q, trials=6000, seed=1)
+    assert_follows(tokens, p)
+    if q is not None:
+        assert_not_follows(tokens, q)
+        # Leviathan et al.: the acceptance rate is sum_x min(p(x), q(x)).
+        assert abs(rate - torch.minimum(p, q).sum().item()) < 0.03
+
+
+def test_rejection_sampling_when_draft_equals_target_accepts_everything():
+    p = torch.tensor([0.1, 0.6, 0.3])
+    _, rate = speculative_first_token(p, p.clone(), trials=500, seed=2)
+    assert rate == 1.0
