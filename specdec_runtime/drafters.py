@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 class Draft(NamedTuple):
     tokens: Tensor  # [g] proposed ids, 0 <= g <= gamma
     probs: Tensor | None  # [g, V] the distributions they were sampled from; None if deterministic
+    # Early-exit drafters have already run the target's first `resume_layer` layers on every token
+    # the target will verify (ids[L-1] and the g drafts): their residual stream [1, g + 1, H] lets
+    # verification resume at that layer instead of recomputing it (LayerSkip's cache reuse).
+    residual: Tensor | None = None
+    resume_layer: int = 0
 
 
 class Drafter(Protocol):
@@ -49,8 +54,10 @@ class ModelDrafter:
 
     With shares_target_cache (truncate:K, layer-skip) the drafter is the target run with
     exit_layer / skip: it reads the target's verified cache entries and writes its guesses into
-    slots the next verification overwrites, so it never re-reads the context. A stand-alone model
-    keeps its own cache and only feeds the tokens it has not seen (the last one or two).
+    slots the next verification overwrites, so it never re-reads the context. An early-exit
+    drafter (exit_layer, no skip) also hands its layer-K residual stream to verification, which
+    then only runs layers K.. (the first K were the target's own computation already). A
+    stand-alone model keeps its own cache and only feeds the tokens it has not seen (one or two).
     """
 
     def __init__(
@@ -76,9 +83,13 @@ class ModelDrafter:
         self.model(prompt[None], 0, logits_to_keep=1)
         self.seen = prompt.shape[0]
 
-    def _logits(self, x: Tensor, start: int) -> Tensor:
-        """Draft logits [V_target] for the last of x [1, T] fed at `start`."""
-        logits = self.model(x, start, exit_layer=self.exit_layer, skip=self.skip, logits_to_keep=1).logits[0, -1]
+    def _residual(self, x: Tensor, start: int) -> Tensor:
+        """The drafter's residual stream [1, T, H] for x [1, T] fed at `start` (before its head)."""
+        return self.model.run_layers(self.model.embed_tokens(x), start, 0, self.exit_layer, skip=self.skip)
+
+    def _logits(self, residual: Tensor) -> Tensor:
+        """Draft logits [V_target] at the last position of a residual stream [1, T, H]."""
+        logits = self.model.head(residual, logits_to_keep=1).logits[0, -1]
         V = self.vocab_size
         if logits.shape[-1] > V:  # ids the target does not have can never be proposed
             logits = logits[:V]
@@ -91,9 +102,13 @@ class ModelDrafter:
         L = ids.shape[0]
         seen = L - 1 if self.shares_target_cache else min(self.seen, L - 1)
         x, pos = ids[seen:L][None], seen  # the tokens the drafter has not processed yet
-        tokens, probs = [], []
+        reuse = self.shares_target_cache and self.exit_layer is not None and self.skip is None
+        tokens, probs, residuals = [], [], []
         for _ in range(gamma):
-            logits = self._logits(x, pos)
+            residual = self._residual(x, pos)
+            if reuse:
+                residuals.append(residual)
+            logits = self._logits(residual)
             pos += x.shape[1]
             if sampler.greedy:
                 token, p = logits.argmax(), None
@@ -109,7 +124,11 @@ class ModelDrafter:
                 if conf.item() < self.confidence:
                     break
         self.seen = pos  # ids[:L] and all drafted tokens but the last are now cached
-        return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
+        drafted = torch.stack(tokens)
+        if not reuse:
+            return Draft(drafted, torch.stack(probs) if probs else None)
+        residuals.append(self._residual(drafted[-1:][None], pos))  # the last draft's first K layers
+        return Draft(drafted, torch.stack(probs) if probs else None, torch.cat(residuals, dim=1), self.exit_layer)
 
 
 def _int_arg(spec: str, kind: str) -> int:

@@ -95,8 +95,11 @@ def generate(
         g = 0 if draft is None else draft.tokens.shape[0]
         t1 = time.perf_counter()
 
-        x = ids[L - 1 : L] if g == 0 else torch.cat([ids[L - 1 : L], draft.tokens])
-        logits = target(x[None], L - 1).logits[0]  # [g + 1, V]
+        if g and draft.residual is not None:  # resume the target where an early-exit drafter stopped
+            logits = target.head(target.run_layers(draft.residual, L - 1, draft.resume_layer)).logits[0]
+        else:
+            x = ids[L - 1 : L] if g == 0 else torch.cat([ids[L - 1 : L], draft.tokens])
+            logits = target(x[None], L - 1).logits[0]  # [g + 1, V]
         if g == 0:
             n, token = 0, sampler.next_token(logits[0])
             ids[L] = token

@@ -47,31 +47,44 @@ class DecoderOutput(NamedTuple):
 
 
 class KVCache(nn.Module):
-    """Keys and values of every layer, [layers, B, Hkv, S, D] each, indexed by slot."""
+    """Keys and values of every layer in one buffer [layers, B, 2 * Hkv, S, D], indexed by slot:
+    heads 0..Hkv-1 are keys, Hkv.. values, so a layer writes both with one copy."""
 
     def __init__(self, cfg: DecoderConfig, batch: int, size: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        shape = (cfg.num_layers, batch, 2 * cfg.num_kv_heads, size, cfg.head_dim)
+        self.register_buffer("kv", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.n_kv = cfg.num_kv_heads
 
     @property
     def size(self) -> int:
-        return self.k.shape[3]
+        return self.kv.shape[3]
+
+    @property
+    def k(self) -> Tensor:
+        return self.kv[:, :, : self.n_kv]  # [layers, B, Hkv, S, D]
+
+    @property
+    def v(self) -> Tensor:
+        return self.kv[:, :, self.n_kv :]
 
     @torch.inference_mode()
     def move(self, src: Tensor, dst: int) -> None:
         """Copy slots `src` [n] to dst..dst+n-1 in every layer (keeps an accepted tree path)."""
-        n = src.numel()
-        self.k[:, :, :, dst : dst + n] = self.k.index_select(3, src)
-        self.v[:, :, :, dst : dst + n] = self.v.index_select(3, src)
+        self.kv[:, :, :, dst : dst + src.numel()] = self.kv.index_select(3, src)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' RMSNorm: normalize in fp32, cast back, then scale."""
+def rms_norm(x: Tensor, weight2: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [..., H] with its weight stored twice, weight2 = [w, w] [2H].
+
+    In fp32 it runs as one fused kernel: LayerNorm of [x, -x] has mean 0 and variance mean(x^2),
+    so it equals RMSNorm (F.rms_norm is six kernels on CPU; at batch 1 each costs more than the
+    math). Half precision follows transformers: normalize in fp32, cast back, then scale.
+    """
+    H = x.shape[-1]
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * H,), weight2, None, eps)[..., :H]
+    return weight2[:H] * F.rms_norm(x.float(), (H,), eps=eps).to(x.dtype)
 
 
 def interleave_rope_dims(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
@@ -112,30 +125,27 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.group, self.eps = cfg.num_heads // cfg.num_kv_heads, cfg.rms_norm_eps
-        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.attn_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
         self.qkv = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.qkv_bias)
         self.o = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
-        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.mlp_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
-    def attention(
-        self, x: Tensor, B: int, cis: Tensor, k_cache: Tensor, v_cache: Tensor, start: int, mask: Tensor | None
-    ) -> Tensor:
-        """x + attention(norm(x)) for x [B*T, H]; writes this layer's K/V at slots start.. ."""
+    def attention(self, x: Tensor, B: int, cis: Tensor, kv_cache: Tensor, start: int, mask: Tensor | None) -> Tensor:
+        """x + attention(norm(x)) for x [B*T, H]; writes this layer's K/V [B, 2Hkv, S, D] at slots start.. ."""
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         T = x.shape[0] // B
         h = rms_norm(x, self.attn_norm, self.eps)
         qkv = h @ self.qkv.weight if self.qkv.bias is None else torch.addmm(self.qkv.bias, h, self.qkv.weight)
         qkv = qkv.view(B, T, H + 2 * Hkv, D)
         apply_rope_(qkv[:, :, : H + Hkv], cis)  # q and k heads at once
-        q, k, v = qkv.split((H, Hkv, Hkv), dim=2)
         end = start + T
-        k_cache[:, :, start:end] = k.transpose(1, 2)  # [B, Hkv, T, D]
-        v_cache[:, :, start:end] = v.transpose(1, 2)
+        kv_cache[:, :, start:end] = qkv[:, :, H:].transpose(1, 2)  # keys and values: [B, 2Hkv, T, D]
         # GQA without repeating keys: each kv head's query group is folded into the sequence axis.
-        q = q.transpose(1, 2).reshape(B, Hkv, self.group * T, D)
-        out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask)
+        q = qkv[:, :, :H].transpose(1, 2).reshape(B, Hkv, self.group * T, D)
+        k, v = kv_cache[:, :, :end].split(Hkv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
         y = torch.addmm(x, out, self.o.weight)  # residual folded into the matmul
         return y if self.o.bias is None else y + self.o.bias
@@ -162,10 +172,10 @@ class Decoder(nn.Module):
         # Tied embeddings are stored once, as the lm_head's [H, V]; lookups read its columns.
         self.embed = None if cfg.tie_word_embeddings else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.cache: KVCache | None = None
-        self.kv_layers: list[tuple[Tensor, Tensor]] = []  # per-layer views of the cache
+        self.kv_layers: list[Tensor] = []  # per-layer views of the cache
         self.cis: Tensor | None = None  # [S, 1, D/2] complex rope table, built with the cache
 
     @property
@@ -179,11 +189,11 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def setup_cache(self, batch: int, size: int) -> None:
         """Allocate the KV cache and rope table for `size` slots (kept if already big enough)."""
-        if self.cache is not None and self.cache.size >= size and self.cache.k.shape[1] == batch:
+        if self.cache is not None and self.cache.size >= size and self.cache.kv.shape[1] == batch:
             return
         self.cache, self.kv_layers = None, []  # free the old one before allocating
         self.cache = KVCache(self.config, batch, size, self.device, self.dtype)
-        self.kv_layers = list(zip(self.cache.k.unbind(0), self.cache.v.unbind(0)))
+        self.kv_layers = list(self.cache.kv.unbind(0))
         pos = torch.arange(size, device=self.device, dtype=torch.float)
         freqs = pos[:, None] * rope_inv_freq(self.config).to(self.device)[None, :]  # [S, D/2]
         # cos/sin rounded to the model dtype first, as transformers does.
@@ -215,28 +225,51 @@ class Decoder(nn.Module):
         exit_layer: stop after this many layers and apply the final norm + lm_head (early exit).
         skip: sublayers to bypass. logits_to_keep: only project the last n positions (0 = all).
         """
-        B, T = ids.shape
-        cache = self.cache
-        if cache is None or start + T > cache.size:
+        x = self.run_layers(
+            self.embed_tokens(ids), start, 0, exit_layer, positions=positions, tree_mask=tree_mask, skip=skip
+        )
+        return self.head(x, logits_to_keep, return_hidden)
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        x: Tensor,
+        start: int,
+        first: int = 0,
+        last: int | None = None,
+        *,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        skip: LayerSkip | None = None,
+    ) -> Tensor:
+        """The residual stream [B, T, H] after layers first..last-1, from x [B, T, H] at slots start..
+
+        forward() is embed -> run_layers(0, N) -> head. Starting at first > 0 resumes from a
+        residual stream computed earlier, e.g. an early-exit drafter's (see generate.py).
+        """
+        B, T, _ = x.shape
+        if self.cache is None or start + T > self.cache.size:
             raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
         cis = self.cis[start : start + T] if positions is None else self.cis[positions]
         mask = self._mask(start, T, positions, tree_mask)
-        n_layers = self.config.num_layers if exit_layer is None else exit_layer
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()
-        x = self.embed_tokens(ids).view(B * T, -1)  # [B*T, H]
-        for i in range(n_layers):
+        x = x.reshape(B * T, -1)  # the layers work on [B*T, H]
+        for i in range(first, self.config.num_layers if last is None else last):
             block = self.layers[i]
             if i not in skip_attn:
-                x = block.attention(x, B, cis, *self.kv_layers[i], start, mask)
+                x = block.attention(x, B, cis, self.kv_layers[i], start, mask)
             if i not in skip_mlp:
                 x = block.mlp(x)
-        x = x.view(B, T, -1)
+        return x.view(B, T, -1)
+
+    @torch.inference_mode()
+    def head(self, x: Tensor, logits_to_keep: int = 0, return_hidden: bool = False) -> DecoderOutput:
+        """Final norm + lm_head on the residual stream x [B, T, H] (its last logits_to_keep positions)."""
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         h = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        logits = self.lm_head(h)  # [B, T', V]
-        return DecoderOutput(logits, h if return_hidden else None)
+        return DecoderOutput(self.lm_head(h), h if return_hidden else None)  # logits [B, T', V]
 
     def _mask(self, start: int, T: int, positions: Tensor | None, tree_mask: Tensor | None) -> Tensor | None:
         """Boolean [group * T, start + T] mask (rows repeat per folded query head), or None if not needed."""
@@ -273,7 +306,8 @@ class Decoder(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
-        own = {"norm": prep(sd["model.norm.weight"])}
+        twice = lambda w: prep(torch.cat([w, w]))  # noqa: E731  (norm weights, see rms_norm)
+        own = {"norm": twice(sd["model.norm.weight"])}
         if model.embed is None:
             own["lm_head.weight"] = prep(sd["model.embed_tokens.weight"].t())
         else:
@@ -283,8 +317,8 @@ class Decoder(nn.Module):
             p, a, m, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
             q = interleave_rope_dims(sd[a + "q_proj.weight"], cfg.num_heads, cfg.head_dim)
             k = interleave_rope_dims(sd[a + "k_proj.weight"], cfg.num_kv_heads, cfg.head_dim)
-            own[o + "attn_norm"] = prep(sd[p + "input_layernorm.weight"])
-            own[o + "mlp_norm"] = prep(sd[p + "post_attention_layernorm.weight"])
+            own[o + "attn_norm"] = twice(sd[p + "input_layernorm.weight"])
+            own[o + "mlp_norm"] = twice(sd[p + "post_attention_layernorm.weight"])
             own[o + "qkv.weight"] = prep(torch.cat([q, k, sd[a + "v_proj.weight"]]).t())
             own[o + "o.weight"] = prep(sd[a + "o_proj.weight"].t())
             own[o + "gate_up.weight"] = prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t())

@@ -84,10 +84,19 @@ class BigramStub(nn.Module):
     def setup_cache(self, batch: int, size: int) -> None:
         pass
 
-    def forward(self, ids, start, *, logits_to_keep=0, **_):
+    def embed_tokens(self, ids):
+        return ids[..., None].float()  # the "residual stream" is the token id itself
+
+    def run_layers(self, x, start, first=0, last=None, **_):
+        return x
+
+    def head(self, x, logits_to_keep=0, return_hidden=False):
         self.calls += 1
-        logits = self.table[ids]  # [B, T, V]
+        logits = self.table[x[..., 0].long()]  # [B, T, V]
         return DecoderOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, None)
+
+    def forward(self, ids, start, *, logits_to_keep=0, **_):
+        return self.head(self.embed_tokens(ids), logits_to_keep)
 
 
 def bigram_table(V: int, seed: int, scale: float = 2.0) -> torch.Tensor:

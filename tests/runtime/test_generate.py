@@ -8,6 +8,7 @@ import torch
 from specdec_runtime.drafters import Draft, ModelDrafter, NgramDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
+from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler, warp
 from tests.conftest import BigramStub, bigram_table, runtime_from_hf, tiny_decoder, tiny_hf_model
 from tests.runtime.test_verify import assert_follows, assert_not_follows
@@ -191,3 +192,24 @@ def test_prompt_that_does_not_fit_the_context_is_refused_before_work():
     assert target.calls == 0
     with pytest.raises(SpecdecError, match="empty"):
         generate(target, [], max_new_tokens=1)
+
+
+def test_early_exit_drafts_let_verification_resume_at_the_exit_layer():
+    """truncate:K hands over its layer-K residual stream; resuming there gives the full forward's logits."""
+    hf = tiny_hf_model("qwen2", seed=8, num_hidden_layers=4)
+    target, reference = runtime_from_hf(hf), runtime_from_hf(hf)
+    ids = torch.tensor([4, 8, 15, 16, 23, 42])
+    target.setup_cache(1, 32)
+    target(ids[None, :-1], 0)  # the verified prefix; ids[-1] is the newest token
+    draft = ModelDrafter(target, exit_layer=2, shares_target_cache=True).draft(ids, 3, Sampler())
+    assert draft.resume_layer == 2 and draft.residual.shape == (1, 4, 64)
+    resumed = target.head(target.run_layers(draft.residual, 5, 2)).logits
+    reference.setup_cache(1, 32)
+    full = reference(torch.cat([ids, draft.tokens])[None], 0).logits[:, 5:]
+    torch.testing.assert_close(resumed, full, atol=2e-5, rtol=1e-5)
+    assert (
+        ModelDrafter(target, exit_layer=2, skip=LayerSkip(attn={0}), shares_target_cache=True)
+        .draft(ids, 3, Sampler())
+        .residual
+        is None
+    )

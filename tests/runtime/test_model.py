@@ -7,7 +7,7 @@ import torch
 
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import LayerSkip
+from specdec_runtime.model import Decoder, LayerSkip
 from tests.conftest import runtime_from_hf, tiny_hf_config, tiny_hf_model
 
 ATOL = 2e-5  # fp32: logits of the tiny models are O(1..10)
@@ -184,3 +184,16 @@ def test_unsupported_model_type_names_the_supported_ones():
 
     with pytest.raises(SpecdecError, match="model_type 'gpt2' is not supported.*llama, mistral, qwen2"):
         DecoderConfig.from_hf(GPT2Config())
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.bfloat16, 0.03), (torch.float16, 0.005)])
+def test_half_precision_tracks_transformers_in_the_same_dtype(dtype, rel):
+    """Same weights in bf16/fp16 on both sides: differences stay at rounding level, argmax agrees."""
+    hf = tiny_hf_model("qwen2", seed=1).to(dtype)
+    model = Decoder.from_hf_state_dict(DecoderConfig.from_hf(hf.config), hf.state_dict(), dtype=dtype)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    model.setup_cache(1, 20)
+    ours, ref = model(ids, 0).logits.float(), hf_logits(hf, ids).float()
+    assert ours.dtype == torch.float32 and model.dtype == dtype
+    assert (ours - ref).abs().max() <= rel * ref.abs().max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
