@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--ks", default="8,16,20,24,26,28")
     ap.add_argument("--gammas", default="1,2,3")
     ap.add_argument("--scan-prompts", type=int, default=3)
+    ap.add_argument("--scan-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--output-dir", type=Path, default=Path("runs/bench_runtime"))
     args = ap.parse_args()
@@ -128,7 +129,7 @@ def main() -> None:
     if k is None:
         print(f"scanning truncate:K on {args.scan_prompts} prompts ...")
         ks, gammas = [int(x) for x in args.ks.split(",")], [int(x) for x in args.gammas.split(",")]
-        scan_rows, scan_ar = scan(target, encoded[: args.scan_prompts], ks, gammas, N)
+        scan_rows, scan_ar = scan(target, encoded[: args.scan_prompts], ks, gammas, args.scan_tokens)
         best = max(scan_rows, key=lambda r: r["tok_s"])
         k, gamma = best["k"], args.gamma or best["gamma"]
         print(f"best: truncate:{k} gamma {gamma} ({best['tok_s']:.1f} tok/s; our AR {scan_ar:.1f} tok/s)")

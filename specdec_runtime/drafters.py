@@ -79,6 +79,12 @@ class ModelDrafter:
     def start(self, prompt: Tensor, capacity: int) -> None:
         if self.shares_target_cache:
             return
+        context = self.model.config.max_position_embeddings
+        if capacity > context:
+            raise SpecdecError(
+                f"drafter '{self.name}' has a context of {context} tokens, shorter than prompt + "
+                f"max_new_tokens = {capacity}: lower max_new_tokens or use a drafter with a longer context"
+            )
         self.model.setup_cache(1, capacity)
         self.model(prompt[None], 0, logits_to_keep=1)
         self.seen = prompt.shape[0]

@@ -213,3 +213,12 @@ def test_early_exit_drafts_let_verification_resume_at_the_exit_layer():
         .residual
         is None
     )
+
+
+def test_drafter_with_a_shorter_context_is_refused():
+    target = BigramStub(bigram_table(10, seed=0), context=64)
+    short = ModelDrafter(BigramStub(bigram_table(10, seed=1), context=16), name="short")
+    with pytest.raises(
+        SpecdecError, match="drafter 'short' has a context of 16 tokens, shorter than prompt \\+ max_new_tokens = 22"
+    ):
+        generate(target, [1, 2], short, max_new_tokens=20)
