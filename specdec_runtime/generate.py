@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specdec_runtime.drafters import Drafter
+from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
@@ -41,6 +41,15 @@ def check_fits(prompt_len: int, max_new_tokens: int, context: int, name: str = "
             f"{prompt_len + max_new_tokens} positions but the target's context is {context}: "
             "shorten the prompt or lower max_new_tokens"
         )
+
+
+def verify_logits(target: Decoder, ids: Tensor, L: int, draft: Draft | None) -> Tensor:
+    """The target's logits [g + 1, V] for the newest token ids[L-1] and the g draft tokens."""
+    if draft is None or not draft.tokens.numel():
+        return target(ids[None, L - 1 : L], L - 1).logits[0]
+    if draft.residual is not None:  # resume where an early-exit drafter stopped
+        return target.head(target.run_layers(draft.residual, L - 1, draft.resume_layer)).logits[0]
+    return target(torch.cat([ids[L - 1 : L], draft.tokens])[None], L - 1).logits[0]
 
 
 @torch.inference_mode()
@@ -95,25 +104,19 @@ def generate(
         g = 0 if draft is None else draft.tokens.shape[0]
         t1 = time.perf_counter()
 
-        if g and draft.residual is not None:  # resume the target where an early-exit drafter stopped
-            logits = target.head(target.run_layers(draft.residual, L - 1, draft.resume_layer)).logits[0]
-        else:
-            x = ids[L - 1 : L] if g == 0 else torch.cat([ids[L - 1 : L], draft.tokens])
-            logits = target(x[None], L - 1).logits[0]  # [g + 1, V]
-        if g == 0:
-            n, token = 0, sampler.next_token(logits[0])
-            ids[L] = token
-            new = [int(token)]  # host sync
+        logits = verify_logits(target, ids, L, draft)  # [g + 1, V]
+        if g == 0:  # a plain decode step
+            token = sampler.next_token(logits[0])
+            n, new = 0, [int(token)]  # host sync
         else:
             if sampler.greedy:
                 n_t, token = verify_greedy(draft.tokens, logits)
             else:
                 n_t, token = verify_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler)
             host = torch.cat([n_t.view(1), draft.tokens, token.view(1)]).tolist()  # the round's one host sync
-            n = host[0]
-            new = host[1 : 1 + n] + host[-1:]
+            n, new = host[0], host[1 : 1 + host[0]] + host[-1:]
             ids[L : L + g] = draft.tokens
-            ids[L + n] = token
+        ids[L + n] = token
         stats.record_round(g, n)
         for i, t in enumerate(new):
             if t in stop_ids:
