@@ -99,6 +99,25 @@ class BigramStub(nn.Module):
         return self.head(self.embed_tokens(ids), logits_to_keep)
 
 
+def assert_follows(samples: list[int], probs: torch.Tensor) -> None:
+    """Chi-square goodness of fit of samples (token ids) to probs [V]; p = 0 cells must stay empty."""
+    from scipy.stats import chisquare
+
+    c, p = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double(), probs.double()
+    assert c[p == 0].sum() == 0, "sampled a token of probability 0"
+    keep = p > 0
+    expected = p[keep] / p[keep].sum() * c.sum()
+    assert chisquare(c[keep].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def assert_not_follows(samples: list[int], probs: torch.Tensor) -> None:
+    """The same test rejects a wrong distribution (shows the test has power)."""
+    from scipy.stats import chisquare
+
+    c, p = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double(), probs.double().clamp(min=1e-9)
+    assert chisquare(c.numpy(), (p / p.sum() * c.sum()).numpy()).pvalue < 1e-6
+
+
 def bigram_table(V: int, seed: int, scale: float = 2.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(V, V, generator=g) * scale

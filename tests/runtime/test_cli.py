@@ -51,6 +51,32 @@ def test_generate_writes_outputs_equal_to_autoregressive(tiny_dir, tmp_path, cap
     assert outs["none"][0]["stats"]["tau"] == 1.0
 
 
+def test_sampling_reports_speedup_but_no_losslessness(tiny_dir, tmp_path, capsys):
+    out_file = tmp_path / "s.jsonl"
+    argv = [
+        "generate",
+        "--target",
+        str(tiny_dir),
+        "--prompt",
+        "abc",
+        "--max-new-tokens",
+        "12",
+        "--drafter",
+        "truncate:2",
+    ]
+    table = run(
+        [*argv, "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--baseline", "--output", str(out_file)],
+        capsys,
+    )
+    assert "speedup" in table and "lossless" not in table and "T=0.8" in table
+    first = json.loads(out_file.read_text())
+    run(
+        [*argv, "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--baseline", "--output", str(out_file)],
+        capsys,
+    )
+    assert json.loads(out_file.read_text())["output_ids"] == first["output_ids"]  # seeded: reproducible
+
+
 def test_single_prompt_prints_its_text(tiny_dir, capsys):
     out = run(
         ["generate", "--target", str(tiny_dir), "--prompt", "abc", "--max-new-tokens", "5", "--no-warmup"], capsys
@@ -65,6 +91,8 @@ def test_single_prompt_prints_its_text(tiny_dir, capsys):
         (["--max-new-tokens", "100000"], "the target's context is 256"),
         (["--drafter", "truncate:9"], "K must be in 1..2"),
         (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--device", "cuda"], "no CUDA GPU is available"),
+        (["--dtype", "int8"], "unknown dtype 'int8'"),
     ],
 )
 def test_user_errors_exit_with_a_message_not_a_traceback(tiny_dir, capsys, argv, message):

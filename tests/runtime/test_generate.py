@@ -10,8 +10,15 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler, warp
-from tests.conftest import BigramStub, bigram_table, runtime_from_hf, tiny_decoder, tiny_hf_model
-from tests.runtime.test_verify import assert_follows, assert_not_follows
+from tests.conftest import (
+    BigramStub,
+    assert_follows,
+    assert_not_follows,
+    bigram_table,
+    runtime_from_hf,
+    tiny_decoder,
+    tiny_hf_model,
+)
 
 
 class OracleDrafter:

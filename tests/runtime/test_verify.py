@@ -2,30 +2,11 @@
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.sampling import Sampler, warp
 from specdec_runtime.verify import verify_greedy, verify_sample
-
-
-def counts(samples: list[int], V: int) -> torch.Tensor:
-    return torch.bincount(torch.tensor(samples), minlength=V).double()
-
-
-def assert_follows(samples: list[int], probs: torch.Tensor) -> None:
-    """Chi-square goodness of fit of samples to probs (cells with p = 0 must be empty)."""
-    c, p = counts(samples, probs.numel()), probs.double()
-    assert c[p == 0].sum() == 0, "sampled a token of probability 0"
-    keep = p > 0
-    expected = p[keep] / p[keep].sum() * c.sum()
-    assert chisquare(c[keep].numpy(), expected.numpy()).pvalue > 1e-3
-
-
-def assert_not_follows(samples: list[int], probs: torch.Tensor) -> None:
-    """The same test rejects a wrong distribution (shows the test has power)."""
-    c, p = counts(samples, probs.numel()), probs.double().clamp(min=1e-9)
-    assert chisquare(c.numpy(), (p / p.sum() * c.sum()).numpy()).pvalue < 1e-6
+from tests.conftest import assert_follows, assert_not_follows
 
 
 @pytest.mark.parametrize(
