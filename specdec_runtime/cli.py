@@ -76,37 +76,52 @@ def run_generate(args: argparse.Namespace) -> None:
         check_fits(len(ids), args.max_new_tokens, target.context, f"prompt '{p.id}'")
     drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype)
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
-    report = measure(
-        target.model,
-        drafter,
-        encoded,
-        sampler=lambda: Sampler(args.temperature, args.top_k, args.top_p, seed=args.seed, device=target.model.device),
-        baseline=args.baseline,
-        warmup=not args.no_warmup,
-        progress=bar,
-        max_new_tokens=args.max_new_tokens,
-        gamma=args.gamma,
-        adaptive_gamma=args.adaptive_gamma,
-        max_gamma=args.max_gamma,
-        stop_ids=target.stop_ids,
-    )
+    out_file = None
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("w", encoding="utf-8") as f:
-            for i, (p, g) in enumerate(zip(prompts, report.spec)):
-                record = {
-                    "id": p.id,
-                    "category": p.category,
-                    "prompt": p.text,
-                    "output_ids": g.tokens,
-                    "text": target.tokenizer.decode(g.tokens, skip_special_tokens=True),
-                    "stop_reason": g.stop_reason,
-                    "stats": g.stats.to_dict(),
-                }
-                if report.baseline:
-                    record["baseline_stats"] = report.baseline[i].stats.to_dict()
-                    record["identical_to_baseline"] = g.tokens == report.baseline[i].tokens
-                f.write(json.dumps(record) + "\n")
+        out_file = args.output.open("w", encoding="utf-8")
+
+    def write(i: int, g: "Generation", base: "Generation | None") -> None:  # noqa: F821
+        """One JSON line per prompt, written as soon as it is done (an interrupted run keeps them)."""
+        if out_file is None:
+            return
+        p = prompts[i]
+        record = {
+            "id": p.id,
+            "category": p.category,
+            "prompt": p.text,
+            "output_ids": g.tokens,
+            "text": target.tokenizer.decode(g.tokens, skip_special_tokens=True),
+            "stop_reason": g.stop_reason,
+            "stats": g.stats.to_dict(),
+        }
+        if base is not None:
+            record["baseline_stats"] = base.stats.to_dict()
+            record["identical_to_baseline"] = g.tokens == base.tokens
+        out_file.write(json.dumps(record) + "\n")
+        out_file.flush()
+
+    try:
+        report = measure(
+            target.model,
+            drafter,
+            encoded,
+            sampler=lambda: Sampler(
+                args.temperature, args.top_k, args.top_p, seed=args.seed, device=target.model.device
+            ),
+            baseline=args.baseline,
+            warmup=not args.no_warmup,
+            progress=bar,
+            on_result=write,
+            max_new_tokens=args.max_new_tokens,
+            gamma=args.gamma,
+            adaptive_gamma=args.adaptive_gamma,
+            max_gamma=args.max_gamma,
+            stop_ids=target.stop_ids,
+        )
+    finally:
+        if out_file is not None:
+            out_file.close()
     if len(prompts) == 1:
         print(target.tokenizer.decode(report.spec[0].tokens, skip_special_tokens=True))
     print_summary(

@@ -53,16 +53,22 @@ def measure(
     baseline: bool = False,
     warmup: bool = True,
     progress: Callable | None = None,
+    on_result: Callable[[int, Generation, Generation | None], None] | None = None,
     **generate_kwargs,
 ) -> Report:
-    """Decode every prompt with the drafter (and autoregressively first, when baseline)."""
+    """Decode every prompt with the drafter (and autoregressively first, when baseline).
+
+    on_result(i, spec, baseline_or_None) is called as each prompt finishes (to stream outputs).
+    """
     if warmup:  # first calls pay for allocations and lazy init; keep them out of the numbers
         short = {**generate_kwargs, "max_new_tokens": min(8, generate_kwargs.get("max_new_tokens", 8))}
         for d in ([None] if baseline else []) + [drafter]:
             generate(target, prompts[0], d, sampler(), **short)
     report = Report(greedy=sampler().greedy)
-    for ids in progress(prompts) if progress else prompts:
+    for i, ids in enumerate(progress(prompts) if progress else prompts):
         if baseline:
             report.baseline.append(generate(target, ids, None, sampler(), **generate_kwargs))
         report.spec.append(generate(target, ids, drafter, sampler(), **generate_kwargs))
+        if on_result:
+            on_result(i, report.spec[-1], report.baseline[-1] if baseline else None)
     return report

@@ -1,6 +1,6 @@
 """A compact Llama-family decoder with a preallocated, position-indexed KV cache.
 
-    model = Decoder(DecoderConfig.from_hf(hf_config)).load_hf_state_dict(state_dict)
+    model = Decoder.from_hf_state_dict(DecoderConfig.from_hf(hf_config), state_dict)
     model.setup_cache(batch=1, size=2048)
     out = model(ids, start=0, logits_to_keep=1)           # prefill: logits of the last prompt token
     out = model(ids[:, -1:], start=n)                     # one decode step at position n
@@ -13,10 +13,10 @@ to slots 0..start+T-1. Rolling back is free: slots past the accepted length are 
 the next forward. Logits match transformers' on the same weights (tests/runtime/test_model.py).
 
 Batch-1 decoding on a CPU is bound by weight reads plus per-op dispatch, so the layout is chosen
-for few, large ops: weights stored [in, out] (faster GEMV/small GEMM than F.linear's [out, in]),
-q/k/v and gate/up fused, residual adds folded into addmm, RoPE as one complex multiply (q/k head
-dims interleaved at load time, which leaves q.k unchanged), GQA by folding query groups into the
-sequence axis instead of repeating keys, and no nn.Module calls inside the layer loop.
+for few, large ops: q/k/v and gate/up fused, weights stored [in, out] so the residual add folds
+into addmm(x, h, W), RoPE as one complex multiply (q/k head dims interleaved at load time, which
+leaves q.k unchanged), RMSNorm as one fused kernel, one K/V write per layer, GQA by folding query
+groups into the sequence axis instead of repeating keys, no nn.Module calls in the layer loop.
 """
 
 from dataclasses import dataclass, field
