@@ -83,8 +83,6 @@ def run_generate(args: argparse.Namespace) -> None:
 
     def write(i: int, g: "Generation", base: "Generation | None") -> None:  # noqa: F821
         """One JSON line per prompt, written as soon as it is done (an interrupted run keeps them)."""
-        if out_file is None:
-            return
         p = prompts[i]
         record = {
             "id": p.id,
@@ -112,7 +110,7 @@ def run_generate(args: argparse.Namespace) -> None:
             baseline=args.baseline,
             warmup=not args.no_warmup,
             progress=bar,
-            on_result=write,
+            on_result=write if out_file is not None else None,
             max_new_tokens=args.max_new_tokens,
             gamma=args.gamma,
             adaptive_gamma=args.adaptive_gamma,

@@ -130,11 +130,11 @@ class ModelDrafter:
                 if conf.item() < self.confidence:
                     break
         self.seen = pos  # ids[:L] and all drafted tokens but the last are now cached
-        drafted = torch.stack(tokens)
+        drafted, q = torch.stack(tokens), torch.stack(probs) if probs else None
         if not reuse:
-            return Draft(drafted, torch.stack(probs) if probs else None)
+            return Draft(drafted, q)
         residuals.append(self._residual(drafted[-1:][None], pos))  # the last draft's first K layers
-        return Draft(drafted, torch.stack(probs) if probs else None, torch.cat(residuals, dim=1), self.exit_layer)
+        return Draft(drafted, q, torch.cat(residuals, dim=1), self.exit_layer)
 
 
 def _int_arg(spec: str, kind: str) -> int:
