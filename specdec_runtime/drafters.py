@@ -97,6 +97,9 @@ class ModelDrafter:
         """Draft logits [V_target] at the last position of a residual stream [1, T, H]."""
         logits = self.model.head(residual, logits_to_keep=1).logits[0, -1]
         V = self.vocab_size
+        if self.model.vocab_ids is not None:  # a draft vocabulary: ids outside it get probability 0
+            full = logits.new_full((V,), float("-inf"))
+            return full.index_copy_(0, self.model.vocab_ids, logits)
         if logits.shape[-1] > V:  # ids the target does not have can never be proposed
             logits = logits[:V]
         elif logits.shape[-1] < V:  # ids the drafter does not have get probability 0

@@ -40,6 +40,9 @@ BUNDLED = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A drafter trained with a draft vocabulary ships the ids its lm_head rows stand for (key "ids");
+# its model.safetensors keeps a full-size lm_head (zero rows elsewhere) so transformers loads it.
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
 
 
@@ -151,11 +154,19 @@ def load_hf_config(path: Path) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
+def load_draft_vocab(path: Path) -> torch.Tensor | None:
+    """The draft-vocabulary ids [N] of a drafter folder, or None when its head covers the vocabulary."""
+    from safetensors.torch import load_file
+
+    file = path / DRAFT_VOCAB_FILE
+    return load_file(file)["ids"] if file.is_file() else None
+
+
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All weights of a HF folder (safetensors, sharded or not; else pytorch_model*.bin)."""
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
     if not files:
         files = sorted(path.glob("pytorch_model*.bin"))
         if not files:
@@ -255,7 +266,9 @@ def load_model(
     hf_config = load_hf_config(path)
     config = DecoderConfig.from_hf(hf_config)  # refuses unsupported models before reading weights
     dev = resolve_device(device)
-    model = Decoder.from_hf_state_dict(config, load_state_dict(path), dev, resolve_dtype(dtype, dev))
+    model = Decoder.from_hf_state_dict(
+        config, load_state_dict(path), dev, resolve_dtype(dtype, dev), vocab_ids=load_draft_vocab(path)
+    )
     tokenizer = AutoTokenizer.from_pretrained(path)
     try:
         generation_eos = GenerationConfig.from_pretrained(path).eos_token_id

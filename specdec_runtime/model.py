@@ -166,14 +166,17 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Llama / Mistral / Qwen2 decoder for inference, with its own KV cache."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, head_size: int | None = None):
         super().__init__()
         self.config = cfg
-        # Tied embeddings are stored once, as the lm_head's [H, V]; lookups read its columns.
-        self.embed = None if cfg.tie_word_embeddings else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Tied embeddings are stored once, as the lm_head's [H, V]; lookups read its columns. A
+        # drafter with a draft vocabulary (head_size < V rows) keeps its full embedding table apart.
+        tied = cfg.tie_word_embeddings and head_size is None
+        self.embed = None if tied else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, head_size or cfg.vocab_size)
+        self.vocab_ids: Tensor | None = None  # [head_size] vocabulary ids of the head's outputs
         self.cache: KVCache | None = None
         self.kv_layers: list[Tensor] = []  # per-layer views of the cache
         self.cis: Tensor | None = None  # [S, 1, D/2] complex rope table, built with the cache
@@ -300,19 +303,26 @@ class Decoder(nn.Module):
         sd: dict[str, Tensor],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        vocab_ids: Tensor | None = None,
     ) -> "Decoder":
         """Build from a transformers Llama/Mistral/Qwen2 state dict: q/k/v and gate/up fused, weights
-        stored [in, out], q/k rows interleaved for rope. Parameters are created once, on `device`."""
+        stored [in, out], q/k rows interleaved for rope. Parameters are created once, on `device`.
+
+        vocab_ids [N]: keep only these rows of the lm_head (a drafter's draft vocabulary); its
+        logits then cover those ids, in that order, and `model.vocab_ids` maps them back.
+        """
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, None if vocab_ids is None else len(vocab_ids))
         prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         twice = lambda w: prep(torch.cat([w, w]))  # noqa: E731  (norm weights, see rms_norm)
         own = {"norm": twice(sd["model.norm.weight"])}
-        if model.embed is None:
-            own["lm_head.weight"] = prep(sd["model.embed_tokens.weight"].t())
-        else:
-            own["embed.weight"] = prep(sd["model.embed_tokens.weight"])
-            own["lm_head.weight"] = prep(sd["lm_head.weight"].t())
+        embed = sd["model.embed_tokens.weight"]
+        head = embed if cfg.tie_word_embeddings else sd["lm_head.weight"]  # [V, H]
+        if vocab_ids is not None:
+            head = head[vocab_ids.long().cpu()]
+        if model.embed is not None:
+            own["embed.weight"] = prep(embed)
+        own["lm_head.weight"] = prep(head.t())
         for i in range(cfg.num_layers):
             p, a, m, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
             q = interleave_rope_dims(sd[a + "q_proj.weight"], cfg.num_heads, cfg.head_dim)
@@ -333,4 +343,6 @@ class Decoder(nn.Module):
                 own[o + "gate_up.bias"] = prep(torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]]))
                 own[o + "down.bias"] = prep(sd[m + "down_proj.bias"])
         model.load_state_dict(own, strict=True, assign=True)
+        if vocab_ids is not None:
+            model.vocab_ids = vocab_ids.to(device=device, dtype=torch.long)
         return model.eval()

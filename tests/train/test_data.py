@@ -1,0 +1,103 @@
+"""Conversations, chat-template masks, batching and the shipped prompt set."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.loading import resolve_model
+from train.data import Batches, Conversation, Example, collate, encode_conversation, load_conversations, prompt_ids
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+
+
+def test_builtin_prompt_set_is_large_varied_and_split():
+    train, val = load_conversations("builtin:train"), load_conversations("builtin:val")
+    assert len(train) + len(val) >= 300
+    cats = {"coding", "math", "reasoning", "writing", "summarization", "extraction", "translation", "qa"}
+    assert set(Counter(c.category for c in train)) == cats == set(Counter(c.category for c in val))
+    assert not {c.messages[0]["content"] for c in train} & {c.messages[0]["content"] for c in val}
+    assert len({c.id for c in train + val}) == len(train) + len(val)
+
+
+def test_record_forms(tmp_path):
+    rows = [
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]},
+        {"question_id": 7, "category": "math", "turns": ["first", "second"]},
+        {"prompt": "bare"},
+    ]
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    convs = load_conversations(str(f))
+    assert convs[0].messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert convs[0].has_response and not convs[1].has_response
+    assert convs[0].prompt == [{"role": "user", "content": "hi"}]
+    assert convs[2].messages == [{"role": "user", "content": "first"}] and convs[2].id == "7"
+    assert convs[3].messages == [{"role": "user", "content": "bare"}]
+
+
+def test_parquet_files_load_through_datasets(tmp_path):
+    import datasets
+
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hey"}]}]).to_parquet(str(path))
+    assert load_conversations(str(path))[0].messages == [{"role": "user", "content": "hey"}]
+
+
+def test_data_errors_say_what_to_do(tmp_path):
+    with pytest.raises(SpecdecError, match="does not exist"):
+        load_conversations(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(SpecdecError, match="builtin:train"):
+        load_conversations("builtin:nope")
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(SpecdecError, match="set data.column"):
+        load_conversations(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "x.csv").write_text("a\n")
+    with pytest.raises(SpecdecError, match="unsupported extension"):
+        load_conversations(str(tmp_path / "x.csv"))
+
+
+def test_only_assistant_turns_carry_loss(smol_tokenizer):
+    tok = smol_tokenizer
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green."}]  # fmt: skip
+    ex = encode_conversation(tok, Conversation("c", msgs))
+    # Oracle: the template's own rendering of the whole conversation, tokenized at once.
+    assert ex.ids == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+    masked = tok.decode([t for t, m in zip(ex.ids, ex.loss_mask) if m])
+    assert masked == "Blue.<|im_end|>\nGreen.<|im_end|>\n"
+    # The prompt part equals what the runtime feeds at generation time.
+    n = ex.loss_mask.index(True)
+    assert ex.ids[:n] == prompt_ids(tok, Conversation("c", msgs[:1]))
+
+
+def test_collate_shifts_the_loss_mask():
+    batch = collate([Example([5, 6, 7], [False, True, True]), Example([8, 9], [False, True])], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["target_mask"].tolist() == [[True, True], [True, False]]  # position t predicts t + 1
+
+
+def test_batches_are_deterministic_and_ranks_partition_the_global_batch():
+    examples = [Example([i, i], [False, True]) for i in range(24)]
+    one = Batches(examples, micro_batch=2, grad_accum=2, world=1, rank=0, seed=3)
+    two = [Batches(examples, micro_batch=1, grad_accum=2, world=2, rank=r, seed=3) for r in range(2)]
+    for step in (0, 5, 6, 13):  # 6 steps per epoch: crosses epochs
+        ids = lambda mbs: [e.ids[0] for mb in mbs for e in mb]
+        assert ids(one.step(step)) == ids(two[0].step(step)) + ids(two[1].step(step))
+        assert ids(one.step(step)) == ids(Batches(examples, micro_batch=2, grad_accum=2, world=1, rank=0,
+                                                  seed=3).step(step))  # fmt: skip
+    epoch = sorted(e.ids[0] for s in range(6) for mb in one.step(s) for e in mb)
+    assert epoch == list(range(24))  # every example once per epoch
+    assert [e.ids[0] for mb in one.step(0) for e in mb] != [e.ids[0] for mb in one.step(6) for e in mb]
+    with pytest.raises(SpecdecError, match="fewer than one global batch"):
+        Batches(examples[:3], micro_batch=2, grad_accum=2, world=1, rank=0, seed=0)
+    assert torch.tensor([len(mb) for mb in one.step(0)]).tolist() == [2, 2]

@@ -1,0 +1,60 @@
+"""Batched, cached, resumable response generation."""
+
+import pytest
+import torch
+
+from tests.conftest import runtime_from_hf, tiny_hf_model
+from specdec_runtime.generate import generate
+from specdec_runtime.sampling import Sampler
+from train import responses as R
+
+PROMPTS = [[1, 5, 9], [1, 7, 7, 7, 30, 12], [1, 4], [1, 20, 21, 22], [1, 3, 3]]
+
+
+def oracle(model, prompt, n):
+    """Greedy continuation by the runtime, one prompt at a time (no padding)."""
+    out = generate(runtime_from_hf(model), torch.tensor(prompt), None, Sampler(), max_new_tokens=n, stop_ids={2})
+    return out.tokens
+
+
+def test_batched_greedy_responses_equal_one_by_one_decoding():
+    model = tiny_hf_model(seed=2)
+    got = R.generate_responses(model, PROMPTS, pad_id=0, stop_ids=frozenset({2}), max_new_tokens=12, batch_size=3)
+    assert got == [oracle(model, p, 12) for p in PROMPTS]
+
+
+def test_cut_at_stop_keeps_the_stop_token():
+    assert R.cut_at_stop([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
+    assert R.cut_at_stop([5, 6], {2}) == [5, 6]
+
+
+def test_cache_resumes_an_interrupted_run_and_is_reused(tmp_path, monkeypatch):
+    model = tiny_hf_model(seed=2)
+    kw = dict(pad_id=0, stop_ids=frozenset({2}), max_new_tokens=8, batch_size=2, cache_dir=tmp_path)
+    want = R.generate_responses(model, PROMPTS, **{**kw, "cache_dir": None})
+    real, calls = R._generate_batch, []
+
+    def dies_after_two(*a, **k):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(R, "_generate_batch", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        R.generate_responses(model, PROMPTS, **kw)
+    assert not (tmp_path / R.DONE).exists()
+    calls.clear()
+    monkeypatch.setattr(R, "_generate_batch", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    assert R.generate_responses(model, PROMPTS, **kw) == want
+    assert sum(len(b) for b in calls) == 1  # only the prompt not finished before the interruption
+    assert (tmp_path / R.DONE).is_file() and not list(tmp_path.glob("part-*"))
+    assert R.generate_responses(None, PROMPTS, **kw) == want  # served from the cache, no model needed
+
+
+def test_cache_key_depends_on_prompts_and_settings(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    k = R.cache_key(tmp_path, PROMPTS, {"t": 0})
+    assert k == R.cache_key(tmp_path, PROMPTS, {"t": 0})
+    assert k != R.cache_key(tmp_path, PROMPTS[:-1], {"t": 0})
+    assert k != R.cache_key(tmp_path, PROMPTS, {"t": 1})

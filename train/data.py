@@ -1,0 +1,229 @@
+"""Conversations in, token ids with a loss mask out.
+
+    convs = load_conversations("builtin:train")                 # the project's prompt set
+    convs = load_conversations("data/chats.jsonl")              # local jsonl / json / parquet
+    convs = load_conversations("hub:HuggingFaceH4/ultrachat_200k", split="train_sft", column="messages")
+    ids = prompt_ids(tokenizer, convs[0])                       # chat template + generation prompt
+    ex = encode_conversation(tokenizer, convs[0])               # dataset responses, assistant turns masked in
+    ex = Example(ids + response, [False] * len(ids) + [True] * len(response))
+    for micro_batch in Batches(examples, micro_batch=4, grad_accum=2, world=1, rank=0, seed=0).step(7): ...
+
+A conversation is a list of {"role", "content"} messages. Accepted records: {"messages": [...]}
+(UltraChat / OpenAI), {"conversations": [{"from": "human"|"gpt", "value"}]} (ShareGPT), the
+Spec-Bench / MT-Bench prompt form {"turns": [...]} and {"prompt": "..."}. Only response tokens
+(assistant turns) carry loss.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.prompts import builtin_prompts
+
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+COLUMNS = ("messages", "conversations", "conversation", "turns", "prompt")
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict[str, str]]
+    category: str | None = None
+
+    @property
+    def prompt(self) -> list[dict[str, str]]:
+        """The messages before the first assistant reply (what a response is generated for)."""
+        for i, m in enumerate(self.messages):
+            if m["role"] == "assistant":
+                return self.messages[:i]
+        return self.messages
+
+    @property
+    def has_response(self) -> bool:
+        return any(m["role"] == "assistant" for m in self.messages)
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    loss_mask: list[bool]  # True where the token is part of a response (predicting it carries loss)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_targets(self) -> int:
+        return sum(self.loss_mask[1:])
+
+
+def to_messages(record: dict[str, Any], column: str | None, where: str) -> list[dict[str, str]]:
+    """Normalize one record's conversation into [{"role", "content"}, ...]."""
+    column = column or next((c for c in COLUMNS if c in record), None)
+    if column is None or column not in record:
+        raise SpecdecError(f"{where}: no conversation column; expected one of {', '.join(COLUMNS)} (set data.column)")
+    value = record[column]
+    if isinstance(value, str):  # a bare prompt
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise SpecdecError(f"{where}: column '{column}' must be a non-empty list or a string")
+    if all(isinstance(t, str) for t in value):  # MT-Bench turns: user messages only; the first is the prompt
+        return [{"role": "user", "content": value[0]}]
+    messages = []
+    for m in value:
+        role = str(m.get("role", m.get("from", ""))).lower()
+        content = m.get("content", m.get("value"))
+        if role not in ROLES or not isinstance(content, str):
+            raise SpecdecError(f"{where}: message {m!r} needs a role/from in {sorted(ROLES)} and a text content/value")
+        messages.append({"role": ROLES[role], "content": content})
+    return messages
+
+
+def _records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
+    """Raw records of a source and a label for error messages."""
+    if source.startswith("builtin:"):
+        path = builtin_prompts(f"prompts-{source.split(':', 1)[1]}")
+        if not path.is_file():
+            raise SpecdecError(f"unknown built-in prompt set '{source}': use builtin:train or builtin:val")
+        source = str(path)
+    if source.startswith("hub:"):
+        import datasets
+
+        name, _, subset = source[4:].partition("@")
+        try:
+            ds = datasets.load_dataset(name, subset or None, split=split)
+        except Exception as e:  # offline, unknown id, bad split: say which
+            raise SpecdecError(f"could not load dataset '{name}' split '{split}' from the Hub: {e}") from e
+        return list(ds), name
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise SpecdecError(
+            f"data file '{source}' does not exist (use a .jsonl/.json/.parquet file, builtin:NAME or hub:ID)"
+        )
+    if path.suffix == ".jsonl":  # read directly: quicker and quieter than datasets for small files
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            return [json.loads(line) for line in lines if line.strip()], str(path)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{path}: not valid JSON lines ({e})") from e
+    kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
+    if kind is None:
+        raise SpecdecError(f"data file '{source}': unsupported extension; use .jsonl, .json or .parquet")
+    import datasets
+
+    return list(datasets.load_dataset(kind, data_files=str(path), split="train")), str(path)
+
+
+def load_conversations(
+    source: str, *, split: str = "train", column: str | None = None, max_samples: int | None = None
+) -> list[Conversation]:
+    """Conversations from builtin:NAME, a local jsonl/json/parquet file, or hub:ID[@SUBSET] (HF datasets)."""
+    records, label = _records(source, split)
+    if max_samples:
+        records = records[:max_samples]
+    convs = []
+    for i, r in enumerate(records):
+        messages = to_messages(r, column, f"{label} record {i}")
+        cid = str(r.get("question_id", r.get("id", i)))
+        convs.append(Conversation(cid, messages, r.get("category")))
+    if not convs:
+        raise SpecdecError(f"{label} has no records")
+    return convs
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):  # plain LMs: turns joined by blank lines
+        text = "\n\n".join(m["content"] for m in messages)
+        return text + ("\n\n" if generation_prompt and messages else "")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def prompt_ids(tokenizer: Any, conv: Conversation) -> list[int]:
+    """Token ids of the conversation's prompt with the assistant generation prompt appended."""
+    return tokenizer.encode(render(tokenizer, conv.prompt, True), add_special_tokens=False)
+
+
+def encode_conversation(tokenizer: Any, conv: Conversation, max_len: int | None = None) -> Example:
+    """Token ids of a whole conversation; the mask marks the assistant turns (their end-of-turn too).
+
+    The template is rendered for growing prefixes and each new piece is tokenized on its own, so
+    every token belongs to exactly one message (templates must render prefixes as prefixes).
+    """
+    ids: list[int] = []
+    mask: list[bool] = []
+    done = ""
+    for i, m in enumerate(conv.messages):
+        pieces = []
+        if m["role"] == "assistant":
+            pieces.append((render(tokenizer, conv.messages[:i], True), False))  # the generation prompt
+        pieces.append((render(tokenizer, conv.messages[: i + 1], False), m["role"] == "assistant"))
+        for text, loss in pieces:
+            if not text.startswith(done):
+                raise SpecdecError(
+                    f"conversation {conv.id}: the chat template does not render prefixes as prefixes; "
+                    "use data.responses=target (self-distillation) for this model"
+                )
+            new = tokenizer.encode(text[len(done) :], add_special_tokens=False)
+            ids += new
+            mask += [loss] * len(new)
+            done = text
+    return Example(ids[:max_len] if max_len else ids, mask[:max_len] if max_len else mask, {"id": conv.id})
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask [B, T] and target_mask [B, T - 1] (predict t+1 at t)."""
+    T = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(examples), T, dtype=torch.long)
+    loss = torch.zeros(len(examples), T, dtype=torch.bool)
+    for b, e in enumerate(examples):
+        ids[b, : len(e.ids)] = torch.tensor(e.ids)
+        attn[b, : len(e.ids)] = 1
+        loss[b, : len(e.ids)] = torch.tensor(e.loss_mask)
+    return {"input_ids": ids, "attention_mask": attn, "target_mask": loss[:, 1:]}
+
+
+class Batches:
+    """Deterministic global batches: step s always gets the same examples, so a resumed run sees
+    exactly the data an uninterrupted one would. Each optimizer step takes
+    micro_batch * grad_accum * world examples of a per-epoch seeded permutation; rank r gets its share."""
+
+    def __init__(self, examples: list[Example], *, micro_batch: int, grad_accum: int, world: int, rank: int, seed: int):
+        self.examples, self.micro_batch, self.grad_accum = examples, micro_batch, grad_accum
+        self.world, self.rank, self.seed = world, rank, seed
+        self.global_batch = micro_batch * grad_accum * world
+        if len(examples) < self.global_batch:
+            raise SpecdecError(
+                f"{len(examples)} training examples are fewer than one global batch "
+                f"(micro_batch {micro_batch} x grad_accum {grad_accum} x {world} processes = {self.global_batch}): "
+                "add data or lower trainer.micro_batch / trainer.grad_accum"
+            )
+        self.steps_per_epoch = len(examples) // self.global_batch
+
+    def epoch(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+    def step(self, step: int) -> list[list[Example]]:
+        """This rank's grad_accum micro-batches for optimizer step `step` (0-based)."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        order = torch.randperm(len(self.examples), generator=g).tolist()
+        begin = offset * self.global_batch + self.rank * self.micro_batch * self.grad_accum
+        mine = [self.examples[i] for i in order[begin : begin + self.micro_batch * self.grad_accum]]
+        return [mine[i : i + self.micro_batch] for i in range(0, len(mine), self.micro_batch)]
+
+
+def steps_for_epochs(n_examples: int, global_batch: int, epochs: float) -> int:
+    return max(1, math.floor(n_examples // global_batch * epochs))

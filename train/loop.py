@@ -1,0 +1,120 @@
+"""The pieces of a training loop every recipe shares (accelerate does devices and processes).
+
+    accelerator = make_accelerator(mixed_precision="no", grad_accum=2, seed=0, log_with=None, project_dir=out)
+    optimizer, scheduler = make_optimizer(params, lr=3e-4, weight_decay=0.0, warmup_steps=10, max_steps=100)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    stats = optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, loss_fn, max_grad_norm=1.0)
+
+loss_fn(micro_batch) returns (loss summed over its tokens, token count, {metric: sum over tokens}).
+optimizer_step scales every micro-batch so the gradient is that of the mean over all tokens of the
+optimizer step, across gradient-accumulation steps and processes (accelerate divides by the
+accumulation steps and DDP averages over processes; both are undone here).
+"""
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
+
+
+def make_accelerator(
+    *, mixed_precision: str, grad_accum: int, seed: int, log_with: str | None, project_dir: str, cpu: bool = False
+) -> Any:
+    """An Accelerator for one run; the scheduler is stepped by hand, once per optimizer step."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file "saved ..." lines
+    if mixed_precision not in ("no", "bf16", "fp16"):
+        raise ValueError(f"trainer.mixed_precision='{mixed_precision}': use no, bf16 or fp16")
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=grad_accum,
+        step_scheduler_with_optimizer=False,
+        log_with=log_with,
+        project_dir=project_dir,
+        cpu=cpu,
+    )
+    set_seed(seed, device_specific=False)
+    return accelerator
+
+
+def make_optimizer(
+    params: Iterable[Any],
+    *,
+    lr: float,
+    weight_decay: float,
+    warmup_steps: int,
+    max_steps: int,
+    schedule: str = "cosine",
+    betas: tuple[float, float] = (0.9, 0.95),
+    min_lr_ratio: float = 0.1,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with linear warm-up, then cosine (down to min_lr_ratio * lr), linear or constant."""
+    if schedule not in ("cosine", "linear", "constant"):
+        raise ValueError(f"optim.schedule='{schedule}': use cosine, linear or constant")
+    if lr <= 0:
+        raise ValueError(f"optim.lr={lr} must be positive")
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        t = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t
+        return min_lr_ratio + (1 - min_lr_ratio) * shape
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def optimizer_step(
+    accelerator: Any,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    micro_batches: list[Any],
+    loss_fn: LossFn,
+    max_grad_norm: float | None,
+    n_tokens: Callable[[Any], int],
+) -> dict[str, float]:
+    """One optimizer step over this process's micro-batches; returns token-weighted global means."""
+    local = sum(n_tokens(mb) for mb in micro_batches)
+    total = accelerator.reduce(torch.tensor(float(local), device=accelerator.device), "sum").item()
+    if total == 0:
+        raise RuntimeError("this step's batches have no loss tokens: check the data's loss masks")
+    # accelerate divides by grad_accum and DDP averages over processes: undo both.
+    scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / total
+    sums: dict[str, Tensor] = {}
+    grad_norm = None
+    for mb in micro_batches:
+        with accelerator.accumulate(model):
+            loss, _, metrics = loss_fn(mb)
+            accelerator.backward(loss * scale)
+            for k, v in {"loss": loss, **metrics}.items():
+                sums[k] = sums.get(k, 0) + v.detach().float()
+            if accelerator.sync_gradients and max_grad_norm:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    keys = sorted(sums)
+    reduced = accelerator.reduce(torch.stack([sums[k] for k in keys]), "sum") / total
+    out = {k: v.item() for k, v in zip(keys, reduced)}  # one host sync for all metrics
+    out["tokens"] = total
+    out["lr"] = scheduler.get_last_lr()[0]
+    if grad_norm is not None:
+        out["grad_norm"] = float(grad_norm)
+    return out
+
+
+def is_distributed_launch() -> bool:
+    """True under accelerate launch / torchrun with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -1,0 +1,84 @@
+"""Validating a trained drafter on specdec_runtime: tau, speedup over autoregressive, losslessness.
+
+    decoder = runtime_decoder(hf_drafter, vocab_ids, device=target_decoder.device, dtype=target_decoder.dtype)
+    metrics = validate(target_decoder, ModelDrafter(decoder, vocab_size=V), prompts, categories,
+                       stop_ids=stop_ids, gamma=4, max_new_tokens=128)
+    metrics["tau"], metrics["speedup"], metrics["lossless"]
+
+Greedy decoding: each prompt is decoded autoregressively and then speculatively (measure()), so the
+speedup is a side-by-side ratio and losslessness is exact output equality.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.drafters import Drafter
+from specdec_runtime.measure import measure
+from specdec_runtime.model import Decoder
+from specdec_runtime.sampling import Sampler
+from train.draft_model import full_state_dict
+
+
+def runtime_target(model: Any, device: torch.device, dtype: torch.dtype) -> Decoder:
+    """The runtime Decoder of a transformers target already in memory (no second read from disk)."""
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    return Decoder.from_hf_state_dict(DecoderConfig.from_hf(model.config), sd, device, dtype)
+
+
+def runtime_decoder(model: Any, vocab_ids: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> Decoder:
+    """The runtime Decoder of a transformers drafter (exactly what its export loads as)."""
+    cfg = DecoderConfig.from_hf(model.config)
+    if vocab_ids is not None:  # the export's full-size lm_head is untied from the embeddings
+        cfg = DecoderConfig(**{**cfg.__dict__, "tie_word_embeddings": False})
+    return Decoder.from_hf_state_dict(cfg, full_state_dict(model, vocab_ids), device, dtype, vocab_ids=vocab_ids)
+
+
+def validate(
+    target: Decoder,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int]],
+    categories: Sequence[str | None],
+    *,
+    stop_ids: frozenset[int],
+    gamma: int,
+    max_new_tokens: int,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Greedy speculative vs autoregressive decoding of every prompt; the numbers a model card reports."""
+    bar = (lambda it: tqdm(it, desc="validate", unit="prompt")) if progress else None
+    report = measure(
+        target,
+        drafter,
+        [torch.as_tensor(p, device=target.device) for p in prompts],
+        sampler=Sampler,
+        baseline=True,
+        progress=bar,
+        max_new_tokens=max_new_tokens,
+        gamma=gamma,
+        stop_ids=stop_ids,
+    )
+    spec, ar = report.total(), report.total("baseline")
+    out: dict[str, Any] = {
+        "tau": spec.tau,
+        "speedup": report.speedup(),
+        "lossless": report.lossless_rate(),
+        "tokens_per_s": spec.tokens_per_s,
+        "ar_tokens_per_s": ar.tokens_per_s,
+        "acceptance_rate": spec.acceptance_rate,
+        "acceptance_per_position": spec.acceptance_per_position,
+        "new_tokens": spec.new_tokens,
+        "prompts": len(prompts),
+        "gamma": gamma,
+        "max_new_tokens": max_new_tokens,
+    }
+    per_category = {}
+    for cat in sorted({c for c in categories if c}):
+        idx = [i for i, c in enumerate(categories) if c == cat]
+        per_category[cat] = {"tau": report.total("spec", idx).tau, "speedup": report.speedup(idx)}
+    if per_category:
+        out["per_category"] = per_category
+    return out
