@@ -200,7 +200,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         examples = [encode_conversation(tokenizer, train_convs[i], max_len) for i in keep]
         examples = [e for e in examples if e.n_targets]
     elif r.source == "target":
-        settings = {k: r[k] for k in ("max_new_tokens", "temperature", "top_p")} | {"seed": cfg.seed}
+        settings = {k: r[k] for k in ("max_new_tokens", "temperature", "top_p")} | {
+            "seed": cfg.seed,
+            "dtype": str(dtype),
+        }
         root = Path(r.cache_dir).expanduser() if r.cache_dir else _default_cache()
         cache = root / cache_key(target_path, prompts, settings)
         say(f"self-distillation responses: {cache}")

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Set everything up, then run speculative decoding on the bundled target and print its statistics:
-# the smoke prompts decoded autoregressively and with the n-gram (prompt lookup) drafter, side by
-# side, with tau, acceptance, speedup and greedy losslessness.
+# Set everything up, then distill a drafter for the bundled target (SmolLM2-135M-Instruct),
+# validate it on specdec_runtime (tau, speedup over autoregressive, greedy losslessness) and
+# export it as a Hugging Face model folder: runs/quickstart/export. Extra arguments are Hydra
+# overrides, e.g. ./scripts/quickstart.sh trainer.max_steps=50. Running it again resumes
+# (cached responses, the last checkpoint) instead of starting over.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-mkdir -p runs/quickstart
-specdec generate --target smollm2-135m-instruct --drafter ngram --baseline \
-  --max-new-tokens 128 --gamma 4 --output runs/quickstart/ngram.jsonl "$@"
-echo "outputs: runs/quickstart/ngram.jsonl"
+python -m recipes.distill experiment=quickstart output_dir=runs/quickstart "$@"

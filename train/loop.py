@@ -13,7 +13,6 @@ accumulation steps and DDP averages over processes; both are undone here).
 
 import logging
 import math
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,9 +23,13 @@ LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
 
 
 def make_accelerator(
-    *, mixed_precision: str, grad_accum: int, seed: int, log_with: str | None, project_dir: str, cpu: bool = False
+    *, mixed_precision: str, grad_accum: int, seed: int, log_with: str | None, project_dir: str, cpu: bool | None = None
 ) -> Any:
-    """An Accelerator for one run; the scheduler is stepped by hand, once per optimizer step."""
+    """An Accelerator for one run; the scheduler is stepped by hand, once per optimizer step.
+
+    cpu=None: CPU when there is no GPU. Then torchrun-style launches (WORLD_SIZE > 1, e.g.
+    conf/accelerate/multi_cpu.yaml) form a gloo process group instead of silently running alone.
+    """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -39,7 +42,7 @@ def make_accelerator(
         step_scheduler_with_optimizer=False,
         log_with=log_with,
         project_dir=project_dir,
-        cpu=cpu,
+        cpu=not torch.cuda.is_available() if cpu is None else cpu,
     )
     set_seed(seed, device_specific=False)
     return accelerator
@@ -113,8 +116,3 @@ def optimizer_step(
     if grad_norm is not None:
         out["grad_norm"] = float(grad_norm)
     return out
-
-
-def is_distributed_launch() -> bool:
-    """True under accelerate launch / torchrun with more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -67,8 +67,12 @@ def test_data_errors_say_what_to_do(tmp_path):
 
 def test_only_assistant_turns_carry_loss(smol_tokenizer):
     tok = smol_tokenizer
-    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
-            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green."}]  # fmt: skip
+    msgs = [
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green."},
+    ]
     ex = encode_conversation(tok, Conversation("c", msgs))
     # Oracle: the template's own rendering of the whole conversation, tokenized at once.
     assert ex.ids == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
@@ -93,8 +97,9 @@ def test_batches_are_deterministic_and_ranks_partition_the_global_batch():
     for step in (0, 5, 6, 13):  # 6 steps per epoch: crosses epochs
         ids = lambda mbs: [e.ids[0] for mb in mbs for e in mb]
         assert ids(one.step(step)) == ids(two[0].step(step)) + ids(two[1].step(step))
-        assert ids(one.step(step)) == ids(Batches(examples, micro_batch=2, grad_accum=2, world=1, rank=0,
-                                                  seed=3).step(step))  # fmt: skip
+        assert ids(one.step(step)) == ids(
+            Batches(examples, micro_batch=2, grad_accum=2, world=1, rank=0, seed=3).step(step)
+        )
     epoch = sorted(e.ids[0] for s in range(6) for mb in one.step(s) for e in mb)
     assert epoch == list(range(24))  # every example once per epoch
     assert [e.ids[0] for mb in one.step(0) for e in mb] != [e.ids[0] for mb in one.step(6) for e in mb]

@@ -21,8 +21,14 @@ def tiny(tmp_path_factory):
     """A tiny target folder and a prompt file its character-level tokenizer covers."""
     root = tmp_path_factory.mktemp("distill")
     target = save_tiny_model(root / "target", num_hidden_layers=2, tie_word_embeddings=True)
-    rows = [{"question_id": f"p{i}", "category": ["a", "b"][i % 2],
-             "turns": [f"{WORDS[i % 12]} {WORDS[(3 * i) % 12]}, say more."]} for i in range(16)]  # fmt: skip
+    rows = [
+        {
+            "question_id": f"p{i}",
+            "category": ["a", "b"][i % 2],
+            "turns": [f"{WORDS[i % 12]} {WORDS[(3 * i) % 12]}, say more."],
+        }
+        for i in range(16)
+    ]
     data = root / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     return target, data, root / "cache"
@@ -31,18 +37,35 @@ def tiny(tmp_path_factory):
 def config(tiny, out: Path, *overrides: str):
     target, data, cache = tiny
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("distill", overrides=[
-            f"output_dir={out}", f"model.name={target}", f"data.train={data}", f"data.val={data}",
-            f"responses.cache_dir={cache}", "responses.max_new_tokens=12", "responses.batch_size=8",
-            "drafter.num_layers=1", "trainer.micro_batch=4", "trainer.grad_accum=2", "trainer.max_steps=6",
-            "trainer.log_every=1", "trainer.checkpoint_every=3", "optim.warmup_steps=1", "optim.lr=1e-2",
-            "validate.num_prompts=2", "validate.max_new_tokens=8", *overrides,
-        ])  # fmt: skip
+        return compose(
+            "distill",
+            overrides=[
+                f"output_dir={out}",
+                f"model.name={target}",
+                f"data.train={data}",
+                f"data.val={data}",
+                f"responses.cache_dir={cache}",
+                "responses.max_new_tokens=12",
+                "responses.batch_size=8",
+                "drafter.num_layers=1",
+                "trainer.micro_batch=4",
+                "trainer.grad_accum=2",
+                "trainer.max_steps=6",
+                "trainer.log_every=1",
+                "trainer.checkpoint_every=3",
+                "optim.warmup_steps=1",
+                "optim.lr=1e-2",
+                "validate.num_prompts=2",
+                "validate.max_new_tokens=8",
+                *overrides,
+            ],
+        )
 
 
 def losses(out: Path) -> list[float]:
-    return [json.loads(line)["train/loss"] for line in (out / "log.jsonl").read_text().splitlines()
-            if "train/loss" in line]  # fmt: skip
+    return [
+        json.loads(line)["train/loss"] for line in (out / "log.jsonl").read_text().splitlines() if "train/loss" in line
+    ]
 
 
 # Pinned on torch 2.13.0 CPU (seeded tiny run; the data and drafter are deterministic).
@@ -77,7 +100,7 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
     real = checkpoint.save_checkpoint
 
     def save_then_die(*args, **kwargs):
-        path = real(*args, **kwargs)
+        real(*args, **kwargs)
         raise KeyboardInterrupt  # the job is killed right after its step-3 checkpoint
 
     monkeypatch.setattr(distill, "save_checkpoint", save_then_die)
@@ -107,3 +130,110 @@ def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, overr
     cfg = config(tiny, tmp_path / "bad", override, "loss.top_k=3" if override == "loss.kind=rkl" else "loss.top_k=0")
     with pytest.raises(SpecdecError, match=message or "top_k"):
         distill.run(cfg)
+
+
+def test_two_processes_match_one_on_the_same_global_batch(tiny, tmp_path):
+    """accelerate launch with 2 CPU processes (gloo): same losses, same weights, one run folder."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    root = CONF.parent
+    target, data, cache = tiny
+    common = [
+        f"model.name={target}",
+        f"data.train={data}",
+        f"data.val={data}",
+        f"responses.cache_dir={cache}",
+        "responses.max_new_tokens=12",
+        "drafter.num_layers=1",
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=1",
+        "validate.enabled=false",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    distill.run(
+        config(
+            tiny, one, "trainer.micro_batch=4", "trainer.grad_accum=2", "validate.enabled=false", "trainer.max_steps=4"
+        )
+    )
+    accelerate = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONF / "accelerate/multi_cpu.yaml"),
+    ]
+    launch = [
+        *accelerate,
+        "-m",
+        "recipes.distill",
+        f"output_dir={two}",
+        "trainer.micro_batch=2",
+        "trainer.grad_accum=2",
+        *common,
+    ]
+    proc = subprocess.run(launch, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 processes, global batch 8" in proc.stdout
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-6)
+    w1, w2 = (load_file(d / "export/model.safetensors") for d in (one, two))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+    assert sorted(p.name for p in two.iterdir()) == [
+        "checkpoints",
+        "config.yaml",
+        "export",
+        "log.jsonl",
+        "metrics.json",
+    ]
+
+
+def test_on_policy_responses_are_refreshed_and_restored_on_resume(tiny, tmp_path, monkeypatch):
+    """responses.source=drafter: the drafter's own samples, regenerated every 2 steps; a resumed run
+    restores the buffer from its checkpoint and continues with the same losses."""
+    args = (
+        "responses.source=drafter",
+        "responses.refresh_every=2",
+        "responses.temperature=1.0",
+        "validate.enabled=false",
+        "trainer.checkpoint_every=3",
+    )
+    straight = tmp_path / "straight"
+    distill.run(config(tiny, straight, *args))
+    real = checkpoint.save_checkpoint
+
+    def save_then_die(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "save_checkpoint", save_then_die)
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        distill.run(config(tiny, resumed, *args))
+    monkeypatch.setattr(distill, "save_checkpoint", real)
+    distill.run(config(tiny, resumed, *args))
+    assert losses(resumed) == pytest.approx(losses(straight), rel=1e-6, abs=1e-7)
+    assert len(set(losses(straight))) == 6
+
+
+def test_dataset_responses_train_on_the_assistant_turns(tiny, tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w}."}]}
+        for w in WORDS
+    ]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "run"
+    distill.run(
+        config(
+            tiny, out, "responses.source=dataset", f"data.train={data}", "validate.enabled=false", "trainer.max_steps=2"
+        )
+    )
+    assert len(losses(out)) == 2
+    tokens = [json.loads(line)["train/tokens"] for line in (out / "log.jsonl").read_text().splitlines()]
+    # 8 conversations per step; each assistant turn is "w w." + "<eot>": 2 * len(w) + 3 targets
+    assert all(t >= 8 * (2 * 4 + 3) for t in tokens)

@@ -38,8 +38,9 @@ def test_config_drafter_takes_the_target_embeddings():
     target = tiny_hf_model()
     same = drafter_from_config(target, hidden_size=64, num_layers=1, intermediate_size=32, num_heads=2, num_kv_heads=1)
     torch.testing.assert_close(same.get_input_embeddings().weight, target.get_input_embeddings().weight)
-    narrow = drafter_from_config(target, hidden_size=16, num_layers=1, intermediate_size=32, num_heads=2,
-                                 num_kv_heads=1)  # fmt: skip
+    narrow = drafter_from_config(
+        target, hidden_size=16, num_layers=1, intermediate_size=32, num_heads=2, num_kv_heads=1
+    )
     e = narrow.get_input_embeddings().weight
     assert e.shape == (256, 16) and e.std() > 0
     assert narrow.config.vocab_size == target.config.vocab_size

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tests.conftest import runtime_from_hf, tiny_hf_model
 from specdec_runtime.generate import generate
 from specdec_runtime.sampling import Sampler
+from tests.conftest import runtime_from_hf, tiny_hf_model
 from train import responses as R
 
 PROMPTS = [[1, 5, 9], [1, 7, 7, 7, 30, 12], [1, 4], [1, 20, 21, 22], [1, 3, 3]]

@@ -1,0 +1,99 @@
+"""W&B offline runs carry the metrics (read back from the run file); Hub pushes go through HfApi."""
+
+import json
+import struct
+from pathlib import Path
+
+from recipes import distill
+from tests.train.test_distill_recipe import config, tiny  # noqa: F401  (the module fixture)
+from train.export import push_to_hub
+
+
+def wandb_records(path: Path) -> list:
+    """Records of an offline .wandb file: a 7-byte W&B header, then LevelDB-log records in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, out, part = path.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's zero trailer
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        if kind == 0 and length == 0:
+            break
+        part += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = pb.Record()
+            record.ParseFromString(part)
+            out.append(record)
+            part = b""
+    return out
+
+
+def test_wandb_offline_run_has_config_losses_and_validation(tiny, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    distill.run(config(tiny, out, "tracking=wandb", "validate.num_prompts=1"))
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    history = [
+        {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    config_keys = {i.key for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    assert {"loss", "trainer", "drafter", "model"} <= config_keys
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    losses = [h["train/loss"] for h in history if "train/loss" in h]
+    assert losses == [x["train/loss"] for x in logged if "train/loss" in x] and len(losses) == 6
+    assert all("train/lr" in h and "train/acceptance_est" in h for h in history if "train/loss" in h)
+    assert [h["val/tau"] for h in history if "val/tau" in h] == [
+        json.loads((out / "metrics.json").read_text())["validation"]["tau"]
+    ]
+
+
+class FakeApi:
+    calls: list = []
+
+    def __init__(self, token=None):
+        FakeApi.calls.append(("init", token))
+
+    def create_repo(self, repo_id, **kw):
+        FakeApi.calls.append(("create_repo", repo_id, kw))
+
+    def create_branch(self, repo_id, branch, **kw):
+        FakeApi.calls.append(("create_branch", repo_id, branch))
+
+    def upload_folder(self, folder_path, repo_id, revision=None, commit_message=""):
+        FakeApi.calls.append(("upload_folder", sorted(p.name for p in Path(folder_path).iterdir()), repo_id, revision))
+        return type("Info", (), {"commit_url": f"https://hub.invalid/{repo_id}/commit/1"})()
+
+
+def test_push_to_hub_creates_the_repo_and_uploads_the_export(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_env_token")
+    (tmp_path / "config.json").write_text("{}")
+    FakeApi.calls = []
+    url = push_to_hub(tmp_path, "me/drafter", private=True, revision="v1")
+    assert url == "https://hub.invalid/me/drafter/commit/1"
+    assert FakeApi.calls == [
+        ("init", "hf_env_token"),
+        ("create_repo", "me/drafter", {"private": True, "exist_ok": True, "repo_type": "model"}),
+        ("create_branch", "me/drafter", "v1"),
+        ("upload_folder", ["config.json"], "me/drafter", "v1"),
+    ]
+
+
+def test_recipe_pushes_its_export_when_a_repo_is_set(tiny, tmp_path, monkeypatch):  # noqa: F811
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    FakeApi.calls = []
+    result = distill.run(config(tiny, tmp_path / "run", "hub.repo_id=me/tiny-drafter", "validate.enabled=false"))
+    upload = [c for c in FakeApi.calls if c[0] == "upload_folder"]
+    assert upload and upload[0][2] == "me/tiny-drafter"
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= set(upload[0][1])
+    assert result["hub"].endswith("/commit/1")
