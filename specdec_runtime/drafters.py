@@ -75,6 +75,7 @@ class ModelDrafter:
         self.vocab_size = vocab_size or model.config.vocab_size  # the target's vocabulary
         self.shares_target_cache, self.confidence, self.name = shares_target_cache, confidence, name
         self.seen = 0  # own cache: leading positions that hold the current sequence
+        self.vocab_ids = getattr(model, "vocab_ids", None)  # [N] a draft vocabulary's ids, if any
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         if self.shares_target_cache:
@@ -97,9 +98,9 @@ class ModelDrafter:
         """Draft logits [V_target] at the last position of a residual stream [1, T, H]."""
         logits = self.model.head(residual, logits_to_keep=1).logits[0, -1]
         V = self.vocab_size
-        if self.model.vocab_ids is not None:  # a draft vocabulary: ids outside it get probability 0
+        if self.vocab_ids is not None:  # a draft vocabulary: ids outside it get probability 0
             full = logits.new_full((V,), float("-inf"))
-            return full.index_copy_(0, self.model.vocab_ids, logits)
+            return full.index_copy_(0, self.vocab_ids, logits)
         if logits.shape[-1] > V:  # ids the target does not have can never be proposed
             logits = logits[:V]
         elif logits.shape[-1] < V:  # ids the drafter does not have get probability 0
