@@ -16,12 +16,13 @@ from typing import Any
 
 import hydra
 import torch
+from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import load_hf_model, resolve_dtype, resolve_model, stop_token_ids
+from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype, resolve_model, stop_token_ids
 from specdec_runtime.model import Decoder
 from train import losses
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -35,10 +36,11 @@ from train.draft_model import (
     use_draft_vocab,
 )
 from train.export import export_hf_drafter, model_card, push_to_hub, write_model_card
-from train.loop import make_accelerator, make_optimizer, optimizer_step
+from train.loop import MIXED_PRECISION, make_accelerator, make_optimizer, optimizer_step
 from train.responses import cache_key, generate_responses
+from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
-from train.validate import runtime_decoder, runtime_target, validate
+from train.validate import runtime_decoder, validate
 
 SOURCES = ("target", "dataset", "drafter")
 DRAFTERS = ("target_layers", "config", "pretrained")
@@ -55,9 +57,9 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"responses.source='{cfg.responses.source}': use one of {', '.join(SOURCES)}")
     if cfg.drafter.source not in DRAFTERS:
         problems.append(f"drafter.source='{cfg.drafter.source}': use drafter=target_layers|small_llama|pretrained")
-    if cfg.tracking.kind not in ("none", "wandb"):
+    if cfg.tracking.kind not in TRACKING_KINDS:
         problems.append(f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb")
-    if cfg.trainer.mixed_precision not in ("no", "bf16", "fp16"):
+    if cfg.trainer.mixed_precision not in MIXED_PRECISION:
         problems.append(f"trainer.mixed_precision='{cfg.trainer.mixed_precision}': use no, bf16 or fp16")
     for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
         if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
@@ -154,6 +156,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     val_convs = spread(
         load_conversations(cfg.data.val, split=cfg.data.split, column=cfg.data.column), cfg.validate.num_prompts
     )
+    val_prompts = [prompt_ids(tokenizer, c) for c in val_convs]
     if cfg.responses.source == "dataset" and not any(c.has_response for c in train_convs):
         raise SpecdecError(f"{cfg.data.train} has no assistant responses: use responses.source=target")
 
@@ -185,7 +188,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         rank=accelerator.process_index,
         world=accelerator.num_processes,
         barrier=accelerator.wait_for_everyone,
-        gather=_gather,
+        gather=lambda d: gather_object([d]),  # every process gets every share
     )
 
     def progress(todo: int, total: int) -> Any:
@@ -204,7 +207,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "seed": cfg.seed,
             "dtype": str(dtype),
         }
-        root = Path(r.cache_dir).expanduser() if r.cache_dir else _default_cache()
+        root = Path(r.cache_dir).expanduser() if r.cache_dir else cache_root() / "responses"
         cache = root / cache_key(target_path, prompts, settings)
         say(f"self-distillation responses: {cache}")
         responses = generate_responses(target, prompts, seed=cfg.seed, cache_dir=cache, progress=progress, **gen_kw)
@@ -217,16 +220,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         counted = [e.ids for e in examples] if examples else prompts
         vocab_ids = draft_vocab(counted, cfg.drafter.draft_vocab_size, target.config.vocab_size, always=stop_ids)
         use_draft_vocab(drafter, vocab_ids)
-        covered = (
-            torch.isin(torch.tensor([t for e in examples for t, m in zip(e.ids, e.loss_mask) if m] or [0]), vocab_ids)
-            .float()
-            .mean()
-            .item()
-        )
-        say(
-            f"draft vocabulary: {len(vocab_ids)} of {target.config.vocab_size} tokens "
-            f"(covers {covered:.1%} of the response tokens)"
-        )
+        say(f"draft vocabulary: {len(vocab_ids)} of {target.config.vocab_size} tokens")
+        response_tokens = torch.tensor([t for e in examples for t, m in zip(e.ids, e.loss_mask) if m])
+        if len(response_tokens):
+            say(f"  covering {torch.isin(response_tokens, vocab_ids).float().mean().item():.1%} of the response tokens")
     if cfg.drafter.freeze_embeddings:
         drafter.get_input_embeddings().requires_grad_(False)
     vocab_dev = vocab_ids.to(device) if vocab_ids is not None else None
@@ -300,12 +297,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         metrics: dict[str, Any] = {}
         if cfg.validate.enabled and main:
             dtype = resolve_dtype("auto", device)
-            runtime[:] = runtime or [runtime_target(target, device, dtype)]
+            runtime[:] = runtime or [runtime_decoder(target, None, device, dtype)]
             decoder = runtime_decoder(accelerator.unwrap_model(student).model, vocab_ids, device, dtype)
             metrics = validate(
                 runtime[0],
                 ModelDrafter(decoder, vocab_size=target.config.vocab_size, name="distilled"),
-                [prompt_ids(tokenizer, c) for c in val_convs],
+                val_prompts,
                 [c.category for c in val_convs],
                 stop_ids=stop_ids,
                 gamma=cfg.validate.gamma,
@@ -429,18 +426,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker.finish()
     accelerator.wait_for_everyone()
     return result
-
-
-def _gather(d: dict[int, list[int]]) -> list[dict[int, list[int]]]:
-    from accelerate.utils import gather_object
-
-    return gather_object([d]) if torch.distributed.is_available() and torch.distributed.is_initialized() else [d]
-
-
-def _default_cache() -> Path:
-    from specdec_runtime.loading import cache_root
-
-    return cache_root() / "responses"
 
 
 def _pack(examples: list[Example]) -> dict[str, torch.Tensor]:

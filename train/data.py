@@ -15,7 +15,6 @@ Spec-Bench / MT-Bench prompt form {"turns": [...]} and {"prompt": "..."}. Only r
 """
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,7 +222,3 @@ class Batches:
         begin = offset * self.global_batch + self.rank * self.micro_batch * self.grad_accum
         mine = [self.examples[i] for i in order[begin : begin + self.micro_batch * self.grad_accum]]
         return [mine[i : i + self.micro_batch] for i in range(0, len(mine), self.micro_batch)]
-
-
-def steps_for_epochs(n_examples: int, global_batch: int, epochs: float) -> int:
-    return max(1, math.floor(n_examples // global_batch * epochs))

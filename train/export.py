@@ -32,12 +32,10 @@ def export_hf_drafter(
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     sd = {k: v.to("cpu").contiguous() for k, v in full_state_dict(model, vocab_ids).items()}
-    config = model.config.__class__.from_dict(model.config.to_dict())
-    if vocab_ids is not None:
-        config.tie_word_embeddings = False
-    elif config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)  # stored once, as the embeddings
-    config.save_pretrained(tmp)
+    # A draft vocabulary has untied the config already (use_draft_vocab); a tied head is stored once.
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    model.config.save_pretrained(tmp)
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
     if generation_config is not None:

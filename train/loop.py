@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+MIXED_PRECISION = ("no", "bf16", "fp16")
 LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
 
 
@@ -34,7 +35,7 @@ def make_accelerator(
     from accelerate.utils import set_seed
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file "saved ..." lines
-    if mixed_precision not in ("no", "bf16", "fp16"):
+    if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"trainer.mixed_precision='{mixed_precision}': use no, bf16 or fp16")
     accelerator = Accelerator(
         mixed_precision=mixed_precision,

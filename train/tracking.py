@@ -51,12 +51,6 @@ class Tracker:
         if self.kind != "none":
             self.accelerator.log(metrics, step=step)
 
-    def wandb_run(self) -> Any:
-        """The wandb Run (for artifacts), or None."""
-        if self.kind != "wandb" or not self.main:
-            return None
-        return self.accelerator.get_tracker("wandb", unwrap=True)
-
     def finish(self) -> None:
         if self.kind != "none":
             self.accelerator.end_training()

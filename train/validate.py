@@ -23,17 +23,10 @@ from specdec_runtime.sampling import Sampler
 from train.draft_model import full_state_dict
 
 
-def runtime_target(model: Any, device: torch.device, dtype: torch.dtype) -> Decoder:
-    """The runtime Decoder of a transformers target already in memory (no second read from disk)."""
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    return Decoder.from_hf_state_dict(DecoderConfig.from_hf(model.config), sd, device, dtype)
-
-
 def runtime_decoder(model: Any, vocab_ids: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> Decoder:
-    """The runtime Decoder of a transformers drafter (exactly what its export loads as)."""
+    """The runtime Decoder of a transformers model in memory: the target (vocab_ids None) or a
+    drafter, exactly as its export loads (use_draft_vocab has already untied its config)."""
     cfg = DecoderConfig.from_hf(model.config)
-    if vocab_ids is not None:  # the export's full-size lm_head is untied from the embeddings
-        cfg = DecoderConfig(**{**cfg.__dict__, "tie_word_embeddings": False})
     return Decoder.from_hf_state_dict(cfg, full_state_dict(model, vocab_ids), device, dtype, vocab_ids=vocab_ids)
 
 
