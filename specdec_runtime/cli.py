@@ -5,7 +5,8 @@
     specdec generate --target smollm2-135m-instruct --drafter ngram \\
         --prompts prompts.jsonl --max-new-tokens 256 --temperature 0 --gamma 4 --output out.jsonl
 
-Drafter specs: none | ngram[:N] | truncate:K | a draft model (bundled alias, local folder, Hub id).
+Drafter specs: none | ngram[:N] | truncate:K | a draft model (bundled alias, local folder, Hub id)
+| a Medusa export folder (`--tree` picks its tree; `--typical` enables Medusa's lossy typical acceptance).
 Each output line holds the prompt's id, output_ids, text and stats; a summary table is printed.
 """
 
@@ -20,7 +21,17 @@ from specdec_runtime.errors import SpecdecError
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that decodes (generate now, bench later)."""
     p.add_argument("--target", default="smollm2-135m-instruct", help="bundled alias, local HF folder or Hub id")
-    p.add_argument("--drafter", default="none", help="none | ngram[:N] | truncate:K | draft model name")
+    p.add_argument(
+        "--drafter", default="none", help="none | ngram[:N] | truncate:K | draft model name | Medusa export folder"
+    )
+    p.add_argument("--tree", help="Medusa: a JSON file of tree paths, or 'chain' (default: the export's tree)")
+    p.add_argument(
+        "--typical",
+        action="store_true",
+        help="typical acceptance for sampling (Medusa; LOSSY: output no longer follows the target exactly)",
+    )
+    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance: epsilon")
+    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance: delta, scales exp(-entropy)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -70,11 +81,14 @@ def run_generate(args: argparse.Namespace) -> None:
     else:
         prompts = read_prompts(args.prompts or builtin_prompts("smoke"))
     Sampler(args.temperature, args.top_k, args.top_p)  # bad sampling options fail before loading anything
+    if args.typical and not (0 < args.posterior_threshold < 1 and args.posterior_alpha > 0):
+        raise SpecdecError("--typical needs 0 < --posterior-threshold < 1 and --posterior-alpha > 0")
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     encoded = [encode_prompt(target.tokenizer, p.text, chat=not args.no_chat_template) for p in prompts]
     for p, ids in zip(prompts, encoded):  # every prompt must fit before any work starts
         check_fits(len(ids), args.max_new_tokens, target.context, f"prompt '{p.id}'")
-    drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype)
+    drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
+    typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
     out_file = None
     if args.output:
@@ -116,15 +130,17 @@ def run_generate(args: argparse.Namespace) -> None:
             adaptive_gamma=args.adaptive_gamma,
             max_gamma=args.max_gamma,
             stop_ids=target.stop_ids,
+            typical=typical,
         )
     finally:
         if out_file is not None:
             out_file.close()
     if len(prompts) == 1:
         print(target.tokenizer.decode(report.spec[0].tokens, skip_special_tokens=True))
-    print_summary(
-        f"target {args.target} · drafter {args.drafter} · T={args.temperature} · gamma {args.gamma}", prompts, report
-    )
+    title = f"target {args.target} · drafter {args.drafter} · T={args.temperature} · gamma {args.gamma}"
+    if typical:
+        title += f" · typical acceptance ({typical[0]}, {typical[1]}): LOSSY"
+    print_summary(title, prompts, report)
 
 
 def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa: F821

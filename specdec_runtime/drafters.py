@@ -9,7 +9,10 @@
 
 The protocol is two methods. `start` is called once per prompt, after the target's prefill.
 `draft` receives the whole sequence so far, ids [L]: the target has verified ids[:L-1] into its
-KV cache and ids[L-1] is the newest token; it returns up to gamma tokens that should follow.
+KV cache and ids[L-1] is the newest token; it returns up to gamma tokens that should follow (or a
+token tree at most gamma deep). A drafter that reads the target's hidden states (Medusa heads)
+also has `observe(hidden [H])`: after every target forward the loop passes the final-norm hidden
+state at the position that produced the newest token.
 """
 
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -20,6 +23,7 @@ from torch import Tensor
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, LayerSkip
 from specdec_runtime.sampling import Sampler
+from specdec_runtime.tree import Tree
 
 if TYPE_CHECKING:
     from specdec_runtime.loading import LoadedModel
@@ -33,6 +37,9 @@ class Draft(NamedTuple):
     # verification resume at that layer instead of recomputing it (LayerSkip's cache reuse).
     residual: Tensor | None = None
     resume_layer: int = 0
+    # A token tree (Medusa): tokens are its nodes after the root, verified in one forward with
+    # tree attention; the loop keeps the accepted branch's KV entries.
+    tree: Tree | None = None
 
 
 class Drafter(Protocol):
@@ -149,16 +156,26 @@ def _int_arg(spec: str, kind: str) -> int:
 
 
 def build_drafter(
-    spec: str, target: "LoadedModel", *, confidence: float = 0.0, dtype: str | torch.dtype | None = "auto"
+    spec: str,
+    target: "LoadedModel",
+    *,
+    confidence: float = 0.0,
+    dtype: str | torch.dtype | None = "auto",
+    tree: str | None = None,
 ) -> Drafter | None:
     """A drafter from its command-line spec; None for plain autoregressive decoding.
 
     none            autoregressive (no drafter)
     ngram[:N]       prompt lookup with n-grams of up to N tokens (default 3)
     truncate:K      the target's first K layers + its final norm and lm_head (no training)
+    DIR             exported Medusa heads (FasterDecoding or vLLM layout); tree: a JSON file of
+                    paths, 'chain', or None for the tree calibrated at export
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
     """
+    from pathlib import Path
+
     from specdec_runtime.loading import check_same_vocab, load_model
+    from specdec_runtime.medusa import is_medusa_folder, load_medusa
 
     spec = spec.strip()
     if spec.lower() in ("", "none", "ar"):
@@ -170,6 +187,10 @@ def build_drafter(
         if not 1 <= k < n:
             raise SpecdecError(f"drafter '{spec}': K must be in 1..{n - 1} (the target has {n} layers)")
         return ModelDrafter(target.model, exit_layer=k, shares_target_cache=True, confidence=confidence, name=spec)
+    if is_medusa_folder(Path(spec).expanduser()):
+        return load_medusa(Path(spec).expanduser(), target, tree)
+    if tree is not None:
+        raise SpecdecError(f"--tree applies to Medusa heads; '{spec}' is not a Medusa export")
     drafter = load_model(spec, device=target.model.device, dtype=dtype if dtype != "auto" else target.model.dtype)
     check_same_vocab(target, drafter)
     return ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)

@@ -7,7 +7,9 @@
 Each round: the drafter proposes g <= gamma tokens after the sequence, the target runs once on
 the newest token plus the draft (g + 1 positions), verification accepts a prefix and adds one
 token of the target's own, and the target's KV cache is rolled back by position (rejected slots
-are overwritten next round). With no drafter, or an empty draft, a round is a plain decode step.
+are overwritten next round). A tree draft (Medusa) is verified the same way with tree attention;
+its accepted branch's KV entries are moved to the slots after the prefix. With no drafter, or
+an empty draft, a round is a plain decode step.
 There is one host sync per round: the accepted count and the new tokens come back together.
 """
 
@@ -19,9 +21,10 @@ from torch import Tensor
 
 from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Decoder
+from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
+from specdec_runtime.tree import Tree, verify_tree_greedy, verify_tree_sample, verify_tree_typical
 from specdec_runtime.verify import verify_greedy, verify_sample
 
 
@@ -43,13 +46,33 @@ def check_fits(prompt_len: int, max_new_tokens: int, context: int, name: str = "
         )
 
 
-def verify_logits(target: Decoder, ids: Tensor, L: int, draft: Draft | None) -> Tensor:
-    """The target's logits [g + 1, V] for the newest token ids[L-1] and the g draft tokens."""
+def verify_forward(target: Decoder, ids: Tensor, L: int, draft: Draft | None, hidden: bool) -> DecoderOutput:
+    """The target's output (batch row 0) for the newest token ids[L-1] and the draft after it:
+    logits [g + 1, V] (hidden [g + 1, H] when asked), for a chain or a token tree."""
     if draft is None or not draft.tokens.numel():
-        return target(ids[None, L - 1 : L], L - 1).logits[0]
-    if draft.residual is not None:  # resume where an early-exit drafter stopped
-        return target.head(target.run_layers(draft.residual, L - 1, draft.resume_layer)).logits[0]
-    return target(torch.cat([ids[L - 1 : L], draft.tokens])[None], L - 1).logits[0]
+        out = target(ids[None, L - 1 : L], L - 1, return_hidden=hidden)
+    elif draft.tree is not None:
+        t = draft.tree.on(ids.device)
+        nodes = torch.cat([ids[L - 1 : L], draft.tokens])[None]
+        out = target(nodes, L - 1, positions=t["depth"] + (L - 1), tree_mask=t["ancestor"], return_hidden=hidden)
+    elif draft.residual is not None:  # resume where an early-exit drafter stopped
+        out = target.head(target.run_layers(draft.residual, L - 1, draft.resume_layer), return_hidden=hidden)
+    else:
+        out = target(torch.cat([ids[L - 1 : L], draft.tokens])[None], L - 1, return_hidden=hidden)
+    return DecoderOutput(out.logits[0], out.hidden[0] if hidden else None)
+
+
+def verify_tree(
+    draft: Draft, root: Tensor, logits: Tensor, sampler: Sampler, typical: tuple[float, float] | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(path [D + 1], accept_len, next token) for a tree draft (a chain under typical acceptance)."""
+    tree = draft.tree or Tree.chain(draft.tokens.shape[0])
+    nodes = torch.cat([root.view(1), draft.tokens])
+    if sampler.greedy:
+        return verify_tree_greedy(tree, nodes, logits)
+    if typical is not None:
+        return verify_tree_typical(tree, nodes, sampler.probs(logits), sampler, threshold=typical[0], alpha=typical[1])
+    return verify_tree_sample(tree, nodes, sampler.probs(logits), sampler)
 
 
 @torch.inference_mode()
@@ -64,12 +87,14 @@ def generate(
     adaptive_gamma: bool = False,
     max_gamma: int = 16,
     stop_ids: set[int] | frozenset[int] = frozenset(),
+    typical: tuple[float, float] | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens after `prompt`, stopping at any of stop_ids.
 
     gamma: draft length; adaptive_gamma: transformers' heuristic (+2 after a fully accepted draft,
     -1 otherwise, within 1..max_gamma). Greedy output equals the target's greedy output exactly;
-    sampled output follows the target's (warped) distribution exactly.
+    sampled output follows the target's (warped) distribution exactly, except with
+    typical=(posterior_threshold, alpha): Medusa's typical acceptance for sampling, which is LOSSY.
     """
     if max_new_tokens < 1 or gamma < 0 or max_gamma < 1:
         raise SpecdecError(
@@ -84,15 +109,20 @@ def generate(
     stats = GenerationStats(calls=1)
     t_start = time.perf_counter()
 
-    target.setup_cache(1, capacity)
+    # A token tree writes all its nodes' K/V past the sequence before the branch is kept.
+    target.setup_cache(1, capacity + getattr(drafter, "tree_nodes", 0))
     ids = torch.empty(capacity, dtype=torch.long, device=device)  # prompt + new tokens
     ids[:P] = prompt
-    first = sampler.next_token(target(prompt[None], 0, logits_to_keep=1).logits[0, -1])
+    observe = getattr(drafter, "observe", None)  # drafters that read the target's hidden states
+    prefill = target(prompt[None], 0, logits_to_keep=1, return_hidden=observe is not None)
+    first = sampler.next_token(prefill.logits[0, -1])
     ids[P] = first
     out = [int(first)]  # host sync: the first token
     stats.target_forwards = 1
     if drafter is not None:
         drafter.start(prompt, capacity)
+    if observe is not None:
+        observe(prefill.hidden[0, -1])
     stats.prefill_s = time.perf_counter() - t_start
 
     L = P + 1  # tokens in ids; the target's cache holds all but the newest
@@ -104,10 +134,21 @@ def generate(
         g = 0 if draft is None else draft.tokens.shape[0]
         t1 = time.perf_counter()
 
-        logits = verify_logits(target, ids, L, draft)  # [g + 1, V]
+        verified = verify_forward(target, ids, L, draft, hidden=observe is not None)
+        logits, last = verified.logits, 0  # last: the row that produced the newest token
         if g == 0:  # a plain decode step
             token = sampler.next_token(logits[0])
             n, new = 0, [int(token)]  # host sync
+        elif draft.tree is not None or (typical is not None and not sampler.greedy):
+            path, n_t, token = verify_tree(draft, ids[L - 1], logits, sampler, typical)
+            branch = torch.cat([ids[L - 1 : L], draft.tokens])[path]  # [D + 1] accepted branch, root first
+            host = torch.cat([n_t.view(1), branch, token.view(1)]).tolist()  # the round's one host sync
+            n, new = host[0], host[2 : 2 + host[0]] + host[-1:]
+            ids[L : L + n] = branch[1 : n + 1]
+            if draft.tree is not None and n:  # the accepted nodes' K/V move to slots L..L+n-1
+                target.cache.move(path[1 : n + 1] + (L - 1), L)
+            last = path[n] if draft.tree is not None else n
+            g = draft.tree.depth if draft.tree is not None else g
         else:
             if sampler.greedy:
                 n_t, token = verify_greedy(draft.tokens, logits)
@@ -116,7 +157,10 @@ def generate(
             host = torch.cat([n_t.view(1), draft.tokens, token.view(1)]).tolist()  # the round's one host sync
             n, new = host[0], host[1 : 1 + host[0]] + host[-1:]
             ids[L : L + g] = draft.tokens
+            last = n
         ids[L + n] = token
+        if observe is not None:
+            observe(verified.hidden[last])
         stats.record_round(g, n)
         for i, t in enumerate(new):
             if t in stop_ids:

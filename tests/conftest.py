@@ -58,6 +58,13 @@ def tiny_decoder(kind: str = "llama", seed: int = 0, **overrides) -> Decoder:
     return runtime_from_hf(tiny_hf_model(kind, seed, **overrides))
 
 
+class NoCache:
+    """A stub's KV cache: a bigram model has no context to keep (tree branches need no moving)."""
+
+    def move(self, src: torch.Tensor, dst: int) -> None:
+        pass
+
+
 class BigramStub(nn.Module):
     """A 'model' whose logits at each position depend only on that position's token: table[token].
 
@@ -72,6 +79,7 @@ class BigramStub(nn.Module):
             num_kv_heads=1, head_dim=2, max_position_embeddings=context,
         )  # fmt: skip
         self.calls = 0
+        self.cache = NoCache()
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,211 @@
+"""Token trees for Medusa-style drafting: the tree, its attention mask, and tree verification.
+
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])     # Medusa's medusa_choices
+    tree = Tree.from_accuracies(acc, budget=32)     # acc [heads, top_k]: measured top-k accuracy per head
+    path, n, token = verify_tree_greedy(tree, tokens, logits)          # tokens [N+1], logits [N+1, V]
+    path, n, token = verify_tree_sample(tree, tokens, probs, sampler)  # lossless for temperature > 0
+    path, n, token = verify_tree_typical(tree, tokens, probs, sampler, threshold=0.09, alpha=0.3)  # lossy
+
+Node 0 is the root: the newest token, which the target has chosen but not cached yet. Every other
+node is a path (r_1, ..., r_d): the rank-r_1 candidate of head 1, then the rank-r_2 candidate of
+head 2 under it, and so on; node tokens come from the heads' top-k at the root's position. Nodes
+are ordered by depth, then by ranks, so siblings are tried best-first and ancestors come first.
+One target forward over the N + 1 nodes (each sees its ancestors: `mask`, at rope position
+start + depth) gives the target's prediction after every node; verification walks from the root.
+
+The verifiers return (path [D + 1] node indices per depth, accept_len n, next token): path[:n + 1]
+is the accepted branch, root first. Everything stays on the device: no host sync inside.
+"""
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import torch
+from torch import Tensor
+
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A candidate tree given by its node paths (root excluded), sorted by depth then ranks."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> "Tree":
+        """A tree from Medusa-style choices; every prefix of a path must be a path too."""
+        nodes = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if not nodes:
+            raise SpecdecError("a Medusa tree needs at least one node, e.g. [[0]]")
+        have = set(nodes)
+        for p in nodes:
+            if not p or min(p) < 0:
+                raise SpecdecError(f"tree path {list(p)}: paths are non-empty lists of ranks >= 0")
+            if len(p) > 1 and p[:-1] not in have:
+                raise SpecdecError(f"tree path {list(p)} has no parent {list(p[:-1])}: add it to the tree")
+        return cls(tuple(nodes))
+
+    @classmethod
+    @lru_cache(maxsize=64)
+    def chain(cls, depth: int) -> "Tree":
+        """The top-1 candidate of each head in a row (no branching)."""
+        return cls.from_paths([(0,) * d for d in range(1, depth + 1)])
+
+    @classmethod
+    def from_accuracies(cls, accuracy: Tensor | Sequence[Sequence[float]], budget: int) -> "Tree":
+        """The tree of at most `budget` nodes with the highest expected accepted length.
+
+        accuracy[k][r]: measured probability that head k+1's rank-r candidate is the right token.
+        A node's value is the product of its path's accuracies (heads taken as independent, as in
+        the Medusa paper); expected tokens per forward = 1 + sum of node values. Adding nodes
+        greedily by value is optimal here because a child is never worth more than its parent.
+        """
+        acc = torch.as_tensor(accuracy, dtype=torch.float64)
+        if acc.dim() != 2 or budget < 1:
+            raise SpecdecError(f"need accuracies [heads, top_k] and budget >= 1 (got {tuple(acc.shape)}, {budget})")
+        heads, top_k = acc.shape
+        frontier = [(-float(acc[0, r]), (r,)) for r in range(top_k)]
+        heapq.heapify(frontier)
+        chosen: list[tuple[int, ...]] = []
+        while frontier and len(chosen) < budget:
+            neg, path = heapq.heappop(frontier)
+            chosen.append(path)
+            if len(path) < heads:
+                for r in range(top_k):
+                    heapq.heappush(frontier, (neg * float(acc[len(path), r]), path + (r,)))
+        return cls.from_paths(chosen)
+
+    @staticmethod
+    def expected_tau(paths: Sequence[Sequence[int]], accuracy: Tensor | Sequence[Sequence[float]]) -> float:
+        """1 + the summed path probabilities: tokens per target forward if heads were independent."""
+        acc = torch.as_tensor(accuracy, dtype=torch.float64)
+        return 1.0 + sum(float(torch.prod(torch.stack([acc[d, r] for d, r in enumerate(p)]))) for p in paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)  # nodes, root excluded
+
+    @cached_property
+    def depth(self) -> int:
+        return len(self.paths[-1])
+
+    @cached_property
+    def top_k(self) -> list[int]:
+        """Candidates needed per head: 1 + the largest rank used at each depth."""
+        return [1 + max(p[-1] for p in self.paths if len(p) == d) for d in range(1, self.depth + 1)]
+
+    def truncated(self, depth: int) -> "Tree":
+        """The nodes up to `depth` (the loop never drafts past max_new_tokens)."""
+        return self if depth >= self.depth else Tree(tuple(p for p in self.paths if len(p) <= depth))
+
+    @cached_property
+    def tensors(self) -> dict[str, Tensor]:
+        """Index tensors (CPU) for the N + 1 nodes, root first.
+
+        parent [N+1] (root: 0), depth [N+1], rank [N+1], ancestor [N+1, N+1] (ancestor-or-self,
+        the attention mask), earlier [N+1, N+1] (j is a sibling ranked before i).
+        """
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        n = len(self.paths) + 1
+        parent = torch.zeros(n, dtype=torch.long)
+        depth = torch.zeros(n, dtype=torch.long)
+        rank = torch.zeros(n, dtype=torch.long)
+        ancestor = torch.eye(n, dtype=torch.bool)
+        ancestor[:, 0] = True
+        for p, i in index.items():
+            parent[i] = index.get(p[:-1], 0)
+            depth[i], rank[i] = len(p), p[-1]
+            for d in range(1, len(p)):
+                ancestor[i, index[p[:d]]] = True
+        earlier = (parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])
+        earlier[0], earlier[:, 0] = False, False  # the root is nobody's sibling
+        return {"parent": parent, "depth": depth, "rank": rank, "ancestor": ancestor, "earlier": earlier}
+
+    def on(self, device: torch.device) -> dict[str, Tensor]:
+        """`tensors` on a device (cached per device)."""
+        cache = self.__dict__.setdefault("_on", {})
+        if device not in cache:
+            cache[device] = {k: v.to(device) for k, v in self.tensors.items()}
+        return cache[device]
+
+    def candidates(self, root: Tensor, topk_ids: Tensor) -> Tensor:
+        """Node tokens [N + 1]: the root token, then topk_ids[depth - 1, rank] per node.
+
+        root: 0-dim token id; topk_ids [heads, k] the heads' candidates, best first.
+        """
+        t = self.on(topk_ids.device)
+        d, r = t["depth"][1:] - 1, t["rank"][1:]
+        return torch.cat([root.view(1), topk_ids[d, r]])
+
+
+def _walk(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
+    """The deepest node whose ancestors are all chosen (first in node order on ties).
+
+    chosen [N+1] bool (the root counts as chosen). Returns (path [D+1], accept_len).
+    """
+    chosen = chosen.clone()
+    chosen[0] = True
+    reached = ~(t["ancestor"] & ~chosen[None, :]).any(dim=1)  # [N+1]
+    n_nodes = chosen.shape[0]
+    score = torch.where(reached, t["depth"] * n_nodes + (n_nodes - 1 - torch.arange(n_nodes, device=chosen.device)), -1)
+    last = score.argmax()
+    n = t["depth"][last]
+    on_path = t["ancestor"][last]  # [N+1] the branch root..last
+    by_depth = on_path[:, None] & (t["depth"][:, None] == torch.arange(int(t["depth"].max()) + 1, device=n.device))
+    return by_depth.to(torch.uint8).argmax(dim=0), n  # [D+1]; entries past n point at the root
+
+
+def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Accept the branch the target's argmax follows; exact, so the output is the target's greedy output.
+
+    tokens [N+1] node tokens (root first); logits [N+1, V] the target's logits after each node.
+    """
+    t = tree.on(tokens.device)
+    choice = logits.argmax(dim=-1)  # [N+1]
+    chosen = tokens == choice[t["parent"]]  # siblings are distinct, so at most one matches
+    path, n = _walk(t, chosen)
+    return path, n, choice[path[n]]
+
+
+def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler) -> tuple[Tensor, Tensor, Tensor]:
+    """Lossless tree verification for sampling (SpecInfer's multi-candidate rejection sampling).
+
+    probs [N+1, V]: the target's warped distributions after each node. At a node with target
+    distribution p, its children (distinct, deterministic candidates) are tried best-first; child c
+    is accepted with probability p'(c), where p' is p with the rejected earlier siblings removed
+    and renormalized. When every child is rejected the next token is drawn from that residual.
+    Each step is a speculative-sampling step with a one-hot draft, so tokens follow p exactly.
+    """
+    t = tree.on(tokens.device)
+    p_tok = probs[t["parent"], tokens]  # [N+1] p_parent(token)
+    tried_mass = t["earlier"].to(probs.dtype) @ p_tok  # [N+1] mass of earlier siblings
+    u = sampler.uniform(tokens.shape[0], tokens.device)
+    ok = u * (1 - tried_mass).clamp_(min=0) < p_tok  # u < p(c) / (1 - tried) without dividing
+    first_ok = ok & ((t["earlier"].to(torch.uint8) @ ok.to(torch.uint8)) == 0)  # no earlier sibling accepted
+    path, n = _walk(t, first_ok)
+    last = path[n]
+    row = probs[last].clone()
+    children = (t["parent"] == last) & (torch.arange(tokens.shape[0], device=tokens.device) > 0)
+    row[tokens[children]] = 0.0  # every child of the last node was tried and rejected
+    row = torch.where(row.sum() > 0, row, probs[last])  # p entirely on rejected children: probability 0
+    return path, n, sampler.sample(row)
+
+
+def verify_tree_typical(
+    tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler, *, threshold: float, alpha: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Medusa's typical acceptance (LOSSY): accept a candidate whose target probability exceeds
+    min(threshold, alpha * exp(-entropy)) of the distribution it is judged by; take the deepest
+    accepted branch (best-ranked on ties) and sample the next token from the target there.
+
+    Output no longer follows the target's distribution exactly; it trades fidelity for tau.
+    """
+    t = tree.on(tokens.device)
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(dim=-1)  # [N+1]
+    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    chosen = probs[t["parent"], tokens] > bar[t["parent"]]
+    path, n = _walk(t, chosen)
+    return path, n, sampler.sample(probs[path[n]])
