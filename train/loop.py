@@ -60,12 +60,17 @@ def make_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     min_lr_ratio: float = 0.1,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with linear warm-up, then cosine (down to min_lr_ratio * lr), linear or constant."""
+    """AdamW with linear warm-up, then cosine (down to min_lr_ratio * lr), linear or constant.
+
+    params: parameters, or groups {"params": [...], "lr": x, "frozen_steps": n}: a group's own
+    peak learning rate, and n first steps at learning rate 0 (its parameters stay unchanged).
+    """
     if schedule not in ("cosine", "linear", "constant"):
         raise ValueError(f"optim.schedule='{schedule}': use cosine, linear or constant")
     if lr <= 0:
         raise ValueError(f"optim.lr={lr} must be positive")
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    frozen = [g.get("frozen_steps", 0) for g in optimizer.param_groups]
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -76,7 +81,8 @@ def make_optimizer(
         shape = 0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t
         return min_lr_ratio + (1 - min_lr_ratio) * shape
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    lambdas = [lambda step, n=n: 0.0 if step < n else factor(step) for n in frozen]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 def optimizer_step(

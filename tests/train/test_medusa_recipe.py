@@ -1,0 +1,190 @@
+"""The medusa recipe end to end on a tiny target: pinned losses, Medusa-2, hidden caching, resume,
+export round trips (FasterDecoding and vLLM layouts), errors; and the training module's gradients."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from recipes import medusa
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.generate import generate
+from specdec_runtime.loading import load_model
+from specdec_runtime.medusa import MedusaHeads, load_medusa, read_layout
+from tests.conftest import save_tiny_model, tiny_hf_model
+from train import checkpoint
+from train.medusa import MedusaTraining
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+WORDS = "apple river stone cloud green quick lazy small brave happy quiet north".split()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa")
+    target = save_tiny_model(root / "target", num_hidden_layers=2, tie_word_embeddings=True)
+    rows = [
+        {"question_id": f"p{i}", "category": ["a", "b"][i % 2], "turns": [f"{WORDS[i % 12]} {WORDS[(5 * i) % 12]}."]}
+        for i in range(24)
+    ]
+    data = root / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    return target, data, root / "cache"
+
+
+def config(tiny, out: Path, *overrides: str):
+    target, data, cache = tiny
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(
+            "medusa",
+            overrides=[
+                f"output_dir={out}",
+                f"model.name={target}",
+                f"data.train={data}",
+                f"data.val={data}",
+                f"responses.cache_dir={cache}",
+                "responses.max_new_tokens=16",
+                "responses.batch_size=8",
+                "medusa.num_heads=3",
+                "trainer.micro_batch=4",
+                "trainer.grad_accum=2",
+                "trainer.max_steps=6",
+                "trainer.log_every=1",
+                "trainer.checkpoint_every=3",
+                "optim.warmup_steps=1",
+                "optim.lr=1e-2",
+                "tree.budget=6",
+                "tree.calibration_prompts=8",
+                "validate.num_prompts=4",
+                "validate.max_new_tokens=10",
+                *overrides,
+            ],
+        )
+
+
+def logged(out: Path, key: str = "train/loss") -> list[float]:
+    return [json.loads(line)[key] for line in (out / "log.jsonl").read_text().splitlines() if key in line]
+
+
+# Pinned on torch 2.13.0 CPU (seeded tiny run; data and heads are deterministic).
+PINNED_MEDUSA1 = [8.94741535, 9.15068531, 7.34492397, 7.6887598, 5.74005985, 5.12255859]
+PINNED_MEDUSA2 = [8.94741535, 9.15069103, 7.35507965, 7.51750851, 5.44769096, 4.92902231]
+
+
+def test_medusa1_pinned_losses_tree_validation_and_both_export_layouts(tiny, tmp_path):
+    out = tmp_path / "m1"
+    result = medusa.run(config(tiny, out))
+    got = logged(out)
+    assert got == pytest.approx(PINNED_MEDUSA1, rel=1e-4, abs=1e-6)
+    assert max(got[-2:]) < min(got[:2])  # it learns
+    assert logged(out, "train/head1/top1") and logged(out, "train/head3/top5")
+    cal = result["calibration"]
+    assert len(cal["accuracy"]) == 3 and cal["nodes"] == 6 and cal["examples"] > 0
+    v = json.loads((out / "metrics.json").read_text())["validation"]
+    assert v["lossless"] == 1.0 and v["tau"] >= 1.0 and v["prompts"] == 4 and v["nodes"] == 6
+    export = Path(result["export"])
+    assert "tau" in (export / "README.md").read_text()
+    # Both layouts hold the trained heads: identical logits after reload
+    trained, _, layout = read_layout(export)
+    vllm, _, vlayout = read_layout(export / "vllm")
+    assert (layout, vlayout) == ("faster_decoding", "vllm")
+    h = torch.randn(7, trained.hidden_size)
+    torch.testing.assert_close(vllm(h), trained(h), rtol=0, atol=0)
+    # The runtime loads the export with its calibrated tree; greedy output = the target's
+    target = load_model(str(tiny[0]), device="cpu", dtype="float32")
+    drafter = load_medusa(export, target)
+    assert len(drafter.tree) == 6 and drafter.heads.lm_heads is not None
+    prompt = target.tokenizer.encode("apple river, say more.")
+    ar = generate(target.model, prompt, None, max_new_tokens=30)
+    assert generate(target.model, prompt, drafter, max_new_tokens=30, gamma=3).tokens == ar.tokens
+
+
+def test_hidden_state_cache_gives_the_same_losses(tiny, tmp_path):
+    live = medusa.run(config(tiny, tmp_path / "live", "validate.enabled=false"))
+    cached = medusa.run(config(tiny, tmp_path / "cached", "validate.enabled=false", "medusa.cache_hidden=true"))
+    assert logged(tmp_path / "cached") == pytest.approx(logged(tmp_path / "live"), rel=1e-5, abs=1e-6)
+    assert cached["train"]["loss"] == pytest.approx(live["train"]["loss"], rel=1e-5)
+    assert list((tiny[2] / "hidden").iterdir())  # the cache is on disk
+
+
+def test_medusa2_lora_trains_the_target_after_warmup_and_exports_it(tiny, tmp_path):
+    out = tmp_path / "m2"
+    result = medusa.run(config(tiny, out, "medusa.mode=medusa2", "medusa2.warmup_steps=2"))
+    assert logged(out) == pytest.approx(PINNED_MEDUSA2, rel=1e-4, abs=1e-6)
+    kl = logged(out, "train/target/kl")
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[1] == pytest.approx(0.0, abs=1e-6)  # frozen: no drift
+    assert max(kl[2:]) > 0  # then the target moves, held back by its self-distillation loss
+    v = result["validation"]
+    assert v["lossless"] == 1.0 and 0 <= v["identical_to_original"] <= 1 and "position_agreement_with_original" in v
+    export = Path(result["export"])
+    assert (export / "lora" / "adapter_config.json").is_file()
+    adapted = load_model(str(export / "target"), device="cpu", dtype="float32")
+    drafter = load_medusa(export, adapted)
+    prompt = adapted.tokenizer.encode("stone cloud.")
+    ar = generate(adapted.model, prompt, None, max_new_tokens=24)
+    assert generate(adapted.model, prompt, drafter, max_new_tokens=24, gamma=3).tokens == ar.tokens
+
+
+def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    medusa.run(config(tiny, straight, "validate.enabled=false"))
+    real = checkpoint.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(medusa, "save_checkpoint", save_then_die)
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        medusa.run(config(tiny, resumed, "validate.enabled=false"))
+    monkeypatch.setattr(medusa, "save_checkpoint", real)
+    medusa.run(config(tiny, resumed, "validate.enabled=false"))
+    assert logged(resumed) == pytest.approx(logged(straight), rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("medusa.mode=medusa3", "medusa.mode"),
+        ("medusa.num_heads=0", "num_heads"),
+        ("medusa.decay=1.5", "decay"),
+        ("tree.paths=[[0],[1,0]]", "no parent"),
+        ("tree.paths=[[0],[0,0],[0,0,0],[0,0,0,0]]", "deep"),
+        ("+extra=1 medusa.cache_hidden=true medusa.mode=medusa2", "cache_hidden"),
+        ("model.name=no-such-model", "no-such-model"),
+    ],
+)
+def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, override, message):
+    cfg = config(tiny, tmp_path / "bad", *override.split(" "))
+    with pytest.raises(SpecdecError, match=message):
+        medusa.run(cfg)
+
+
+def test_head_losses_match_a_naive_per_position_computation():
+    """Head k at position t predicts ids[t + 2 + k] on response tokens only, weighted decay^k."""
+    hf = tiny_hf_model("llama", seed=0)
+    heads = MedusaHeads(64, 256, 2, 1)
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model = MedusaTraining(hf, heads, decay=0.5)
+    ids = torch.randint(0, 256, (2, 9))
+    target_mask = torch.zeros(2, 8, dtype=torch.bool)
+    target_mask[0, 3:] = True  # ids[0, 4:] are response tokens
+    target_mask[1, 5:7] = True  # ids[1, 6:8]
+    loss, n, metrics = model(ids, torch.ones_like(ids), target_mask)
+    h = hf.model(ids).last_hidden_state
+    want, counts = 0.0, [0, 0]
+    for k in range(2):
+        for b in range(2):
+            for t in range(9):
+                if t + 2 + k < 9 and target_mask[b, t + 1 + k]:
+                    logits = heads.head_logits(k, h[b, t])
+                    want += 0.5**k * torch.nn.functional.cross_entropy(logits[None], ids[b, t + 2 + k][None])
+                    counts[k] += 1
+    assert n == int(target_mask.sum())
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    assert [metrics[f"head{k}/count"].item() for k in (1, 2)] == counts == [7, 7]
