@@ -320,14 +320,12 @@ def export_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree |
     joint = cfg.medusa.mode == "medusa2"
     base = cfg.model.name
     if joint:
-        target_dir = export_hf_drafter(
+        export_hf_drafter(
             adapted_target(model), run.tokenizer, tmp / "target", vocab_ids=None, generation_config=run.gen_cfg
         )
         if hasattr(model.base, "peft_config"):
             model.base.save_pretrained(tmp / "lora")
-        base = str(out / "target")
-        result["export_target"] = base
-        del target_dir
+        base = result["export_target"] = str(out / "target")
     lm_head = causal_lm(model.base).get_output_embeddings().weight.float()
     heads = copy.deepcopy(model.heads).float()
     write_layout(heads, tmp, "faster_decoding", base, lm_head_weight=lm_head)
