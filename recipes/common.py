@@ -13,6 +13,7 @@ here: the train/ modules below receive plain arguments.
 """
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,15 @@ def check_common(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
 def refuse(problems: list[str]) -> None:
     if problems:
         raise SpecdecError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def run_or_exit(run_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
+    """A recipe's entry point: a user's mistake (SpecdecError) prints its message and exits 2."""
+    try:
+        run_fn(cfg)
+    except SpecdecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def spread(convs: list[Conversation], n: int) -> list[Conversation]:

@@ -9,7 +9,6 @@ the drafter's and the target's next-token distributions on response tokens), val
 speedup, losslessness on the runtime), export (HF folder + model card, optional Hub push).
 """
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from recipes.common import (
     make_tracker,
     refuse,
     resume,
+    run_or_exit,
     start,
     train_loop,
     training_examples,
@@ -299,11 +299,7 @@ out = target.generate(ids, assistant_model=drafter, max_new_tokens=128, do_sampl
 
 @hydra.main(config_path="../conf", config_name="distill", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except SpecdecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Medusa-2 adds the adapted target and its LoRA adapter).
 
 import copy
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from recipes.common import (
     make_tracker,
     refuse,
     resume,
+    run_or_exit,
     start,
     target_responses,
     train_loop,
@@ -219,8 +219,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     trained_model.eval()
     result: dict[str, Any] = {"train": stats, "history": history, "step": cfg.trainer.max_steps}
     metrics: dict[str, Any] = {}
-    tree = None
+    tree, served = None, None
     if run.main:
+        served = adapted_target(trained_model) if joint else target  # what tree decoding runs on (merged once)
         with accelerator.autocast():
             acc = head_accuracies(trained_model, calib, pad_id=run.pad_id, top_k=cfg.tree.top_k)
         tree = (
@@ -240,7 +241,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             f"head {k + 1} {acc[k, 0]:.2f}/{acc[k, :5].sum():.2f}" for k in range(m.num_heads)))  # fmt: skip
         say(f"tree: {len(tree)} nodes, depth {tree.depth}, expected tau {calibration['expected_tau']:.2f}")
         if cfg.validate.enabled:
-            metrics = validate_medusa(cfg, run, trained_model, tree, target if not joint else None)
+            metrics = validate_medusa(cfg, run, trained_model, tree, served)
             metrics.update(nodes=len(tree), head_top1=acc[:, 0].tolist(), head_top5=acc[:, :5].sum(1).tolist())
             tracker.log(
                 {f"val/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}, cfg.trainer.max_steps
@@ -250,7 +251,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     # ---------------------------------------------------------------- export
     if run.main:
-        export = export_medusa(cfg, run, trained_model, tree, result)
+        export = export_medusa(cfg, run, trained_model, tree, served, result)
         cmd = f"specdec generate --target {result.get('export_target', cfg.model.name)} --drafter {export} --baseline"
         finish(cfg, run, result, export, cmd)
     tracker.finish()
@@ -269,16 +270,16 @@ def calibration_examples(cfg: DictConfig, run: Any, target: Any, train_examples:
     return with_responses(prompts, target_responses(cfg, run, target, prompts), cfg.trainer.max_seq_len)
 
 
-def validate_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree, frozen: Any | None) -> dict[str, Any]:
-    """Tree decoding on the runtime against autoregressive decoding of the (adapted) target.
+def validate_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree, served: Any) -> dict[str, Any]:
+    """Tree decoding on the runtime against autoregressive decoding of `served`: the target, or
+    under Medusa-2 the adapted target.
 
     Medusa-2 also measures how far the adapted target moved: greedy outputs identical to the
     original target's, and teacher-forced top-1 agreement (logged during training as target/agree).
     """
     device = run.device
     dtype = resolve_dtype("auto", device)
-    adapted = adapted_target(model) if frozen is None else frozen
-    decoder = runtime_decoder(adapted, None, device, dtype)
+    decoder = runtime_decoder(served, None, device, dtype)
     drafter = MedusaDrafter(copy.deepcopy(model.heads).float(), decoder, tree, name="medusa")
     metrics = validate(
         decoder,
@@ -290,7 +291,7 @@ def validate_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree
         max_new_tokens=cfg.validate.max_new_tokens,
     )
     metrics["device"] = str(device)
-    if frozen is None:  # Medusa-2: the original target's greedy outputs vs the adapted one's
+    if model.joint:  # Medusa-2: the original target's greedy outputs vs the adapted one's
         original = runtime_decoder(original_target(model), None, device, dtype)
         kw = dict(sampler=Sampler, max_new_tokens=cfg.validate.max_new_tokens, stop_ids=run.stop_ids, warmup=False)
         prompts = [torch.as_tensor(p, device=device) for p in run.val_prompts]
@@ -309,9 +310,11 @@ def original_target(model: MedusaTraining) -> Any:
     return copy.deepcopy(model.base).unload()  # peft: the base model without adapters
 
 
-def export_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree | None, result: dict) -> Path:
+def export_medusa(
+    cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree | None, served: Any, result: dict
+) -> Path:
     """export/ = FasterDecoding layout (+ tree, card), export/vllm/ = vLLM layout; Medusa-2 adds
-    export/target/ (the adapted target, merged) and export/lora/ (the adapter alone)."""
+    export/target/ (`served`: the adapted target, merged) and export/lora/ (the adapter alone)."""
     import shutil
 
     out = run.out / "export"
@@ -320,9 +323,7 @@ def export_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree |
     joint = cfg.medusa.mode == "medusa2"
     base = cfg.model.name
     if joint:
-        export_hf_drafter(
-            adapted_target(model), run.tokenizer, tmp / "target", vocab_ids=None, generation_config=run.gen_cfg
-        )
+        export_hf_drafter(served, run.tokenizer, tmp / "target", vocab_ids=None, generation_config=run.gen_cfg)
         if hasattr(model.base, "peft_config"):
             model.base.save_pretrained(tmp / "lora")
         base = result["export_target"] = str(out / "target")
@@ -375,11 +376,7 @@ calibrated tree (`medusa_choices`) and the measured per-head top-k accuracies.""
 
 @hydra.main(config_path="../conf", config_name="medusa", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except SpecdecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def main() -> None:
     if stored is None or "accuracy" not in stored:
         sys.exit(f"{args.export} has no calibrated medusa_tree.json: export it with recipes.medusa")
     target = load_model(args.target, device="cpu", dtype="float32")
-    heads, _, _ = read_layout(args.export)
+    heads, _ = read_layout(args.export)
     heads.share_if_equal(target.model.lm_head.weight.t())
     acc = torch.tensor(stored["accuracy"])
     every = read_prompts(builtin_prompts("prompts-val"))

@@ -111,16 +111,6 @@ class MedusaHeads(nn.Module):
         self.lm_heads, self.share_lm_head = None, True
         return True
 
-    @property
-    def meta(self) -> dict[str, int | bool]:
-        return {
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-            "num_heads": self.num_heads,
-            "num_layers": self.num_layers,
-            "share_lm_head": self.share_lm_head,
-        }
-
 
 # ---------------------------------------------------------------- layouts
 
@@ -187,8 +177,8 @@ def write_layout(
     return folder
 
 
-def read_layout(folder: Path) -> tuple[MedusaHeads, dict, str]:
-    """Heads (own lm_heads, fp32, CPU) from a FasterDecoding or vLLM Medusa folder, its config, the layout."""
+def read_layout(folder: Path) -> tuple[MedusaHeads, str]:
+    """Heads (own lm_heads, fp32, CPU) from a FasterDecoding or vLLM Medusa folder, and the layout."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -222,7 +212,7 @@ def read_layout(folder: Path) -> tuple[MedusaHeads, dict, str]:
     if missing:
         raise SpecdecError(f"{file} lacks Medusa tensors {sorted(missing)[:4]}: the file does not match its config")
     heads.load_state_dict({k: v.float() for k, v in own.items()})
-    return heads.eval(), cfg, layout
+    return heads.eval(), layout
 
 
 def read_tree(folder: Path) -> dict | None:
@@ -299,7 +289,7 @@ def is_medusa_folder(folder: Path) -> bool:
 def load_medusa(folder: str | Path, target: "LoadedModel", tree: str | Path | None = None) -> MedusaDrafter:
     """A MedusaDrafter from an exported folder (either layout) for a loaded target."""
     folder = Path(folder)
-    heads, _, _ = read_layout(folder)
+    heads, _ = read_layout(folder)
     heads.to(target.model.dtype).share_if_equal(target.model.lm_head.weight.t())
     return MedusaDrafter(
         heads, target.model, tree_from_spec(tree, folder, heads.num_heads), name=f"medusa:{folder.name}"

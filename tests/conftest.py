@@ -131,6 +131,33 @@ def bigram_table(V: int, seed: int, scale: float = 2.0) -> torch.Tensor:
     return torch.randn(V, V, generator=g) * scale
 
 
+def bigram_greedy(table: torch.Tensor, first: int, n: int) -> list[int]:
+    """The bigram model's own greedy continuation of `first` (n tokens)."""
+    out, t = [], first
+    for _ in range(n):
+        t = int(table[t].argmax())
+        out.append(t)
+    return out
+
+
+def exact_joint(table: torch.Tensor, first: int, n: int, **warp_kwargs) -> torch.Tensor:
+    """P(t1..tn | first) of a bigram model under the warped distribution, flattened [V**n]."""
+    import itertools
+
+    from specdec_runtime.sampling import warp
+
+    p = warp(table, **warp_kwargs)  # [V, V]
+    V = table.shape[0]
+    joint = torch.zeros([V] * n)
+    for seq in itertools.product(range(V), repeat=n):
+        prob, prev = 1.0, first
+        for t in seq:
+            prob *= float(p[prev, t])
+            prev = t
+        joint[seq] = prob
+    return joint.flatten()
+
+
 def save_tiny_tokenizer(path: Path, extra_tokens: tuple[str, ...] = ()):
     """A 34-token character-level tokenizer with a chat template; returns it."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -1,7 +1,5 @@
 """The generate loop: greedy losslessness, exact sampling, cache rollback, stopping, gamma control."""
 
-import itertools
-
 import pytest
 import torch
 
@@ -9,12 +7,14 @@ from specdec_runtime.drafters import Draft, ModelDrafter, NgramDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.model import LayerSkip
-from specdec_runtime.sampling import Sampler, warp
+from specdec_runtime.sampling import Sampler
 from tests.conftest import (
     BigramStub,
     assert_follows,
     assert_not_follows,
+    bigram_greedy,
     bigram_table,
+    exact_joint,
     runtime_from_hf,
     tiny_decoder,
     tiny_hf_model,
@@ -40,14 +40,6 @@ class OracleDrafter:
             tokens.append(last if right else (last + 1) % self.next.numel())
             last = tokens[-1]
         return Draft(torch.stack(tokens), None)
-
-
-def bigram_greedy(table: torch.Tensor, first: int, n: int) -> list[int]:
-    out, t = [], first
-    for _ in range(n):
-        t = int(table[t].argmax())
-        out.append(t)
-    return out
 
 
 @pytest.mark.parametrize("correct", [None, 0, 1, 2])
@@ -120,20 +112,6 @@ def test_kv_cache_after_rejections_equals_a_fresh_prefill(drafter_kind):
     fresh(seq, 0)
     torch.testing.assert_close(target.cache.k[..., :n, :], fresh.cache.k[..., :n, :], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(target.cache.v[..., :n, :], fresh.cache.v[..., :n, :], atol=1e-5, rtol=1e-5)
-
-
-def exact_joint(table: torch.Tensor, first: int, n: int, **warp_kwargs) -> torch.Tensor:
-    """P(t1..tn | first) of a bigram model under the warped distribution, flattened [V**n]."""
-    p = warp(table, **warp_kwargs)  # [V, V]
-    V = table.shape[0]
-    joint = torch.zeros([V] * n)
-    for seq in itertools.product(range(V), repeat=n):
-        prob, prev = 1.0, first
-        for t in seq:
-            prob *= float(p[prev, t])
-            prev = t
-        joint[seq] = prob
-    return joint.flatten()
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 0, 0.9), (1.5, 2, 1.0)])

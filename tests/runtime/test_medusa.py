@@ -100,7 +100,7 @@ def test_layouts_round_trip_with_identical_head_logits(layout, share, tmp_path):
         assert {"blocks.0.layers.1.weight", "blocks.2.layers.0.bias", "lm_heads.2.weight"} <= set(
             to_layout(heads, layout, lm)
         )
-    loaded, _, got_layout = read_layout(tmp_path / layout)
+    loaded, got_layout = read_layout(tmp_path / layout)
     assert got_layout == layout
     h = torch.randn(5, 64)
     expected = heads(h, lambda x: x @ lm.t())

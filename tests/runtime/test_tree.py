@@ -8,9 +8,18 @@ import torch
 from specdec_runtime.drafters import Draft
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
-from specdec_runtime.sampling import Sampler, warp
+from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree, verify_tree_greedy, verify_tree_sample, verify_tree_typical
-from tests.conftest import BigramStub, assert_follows, assert_not_follows, bigram_table, runtime_from_hf, tiny_hf_model
+from tests.conftest import (
+    BigramStub,
+    assert_follows,
+    assert_not_follows,
+    bigram_greedy,
+    bigram_table,
+    exact_joint,
+    runtime_from_hf,
+    tiny_hf_model,
+)
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]
 
@@ -111,14 +120,6 @@ class TreeStubDrafter:
         return Draft(tree.candidates(ids[-1], topk)[1:], None, tree=tree)
 
 
-def bigram_greedy(table: torch.Tensor, first: int, n: int) -> list[int]:
-    out, t = [], first
-    for _ in range(n):
-        t = int(table[t].argmax())
-        out.append(t)
-    return out
-
-
 def test_tree_drafts_are_lossless_greedy_and_accept_more_than_a_chain():
     table = bigram_table(30, seed=4)
     # Head 1 ranks the true successor second half the time; head 2 is noisy.
@@ -132,19 +133,6 @@ def test_tree_drafts_are_lossless_greedy_and_accept_more_than_a_chain():
         target, [3], TreeStubDrafter([noisy, two_step.log(), noisy], Tree.chain(3)), max_new_tokens=60, gamma=3
     )
     assert chain.tokens == out.tokens and out.stats.tau > chain.stats.tau
-
-
-def exact_joint(table: torch.Tensor, first: int, n: int, **warp_kwargs) -> torch.Tensor:
-    p = warp(table, **warp_kwargs)
-    V = table.shape[0]
-    joint = torch.zeros([V] * n)
-    for seq in itertools.product(range(V), repeat=n):
-        prob, prev = 1.0, first
-        for tok in seq:
-            prob *= float(p[prev, tok])
-            prev = tok
-        joint[seq] = prob
-    return joint.flatten()
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])

@@ -87,8 +87,8 @@ def test_medusa1_pinned_losses_tree_validation_and_both_export_layouts(tiny, tmp
     export = Path(result["export"])
     assert "tau" in (export / "README.md").read_text()
     # Both layouts hold the trained heads: identical logits after reload
-    trained, _, layout = read_layout(export)
-    vllm, _, vlayout = read_layout(export / "vllm")
+    trained, layout = read_layout(export)
+    vllm, vlayout = read_layout(export / "vllm")
     assert (layout, vlayout) == ("faster_decoding", "vllm")
     h = torch.randn(7, trained.hidden_size)
     torch.testing.assert_close(vllm(h), trained(h), rtol=0, atol=0)
