@@ -43,6 +43,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every process has written its RNG state before the rename
     if accelerator.is_main_process:
         if tensors:
             torch.save(tensors, tmp / "extra.pt")
