@@ -14,8 +14,9 @@ here: the train/ modules below receive plain arguments.
 
 import json
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,26 @@ from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype, re
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import Batches, Conversation, Example, encode_conversation, load_conversations, prompt_ids
 from train.export import push_to_hub
-from train.loop import MIXED_PRECISION, LossFn, make_accelerator, optimizer_step
+from train.loop import MIXED_PRECISION, BackwardFn, LossFn, make_accelerator, optimizer_step
 from train.responses import cache_key, generate_responses
 from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
 
 
 def check_common(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
-    """Problems with the config keys every recipe shares (trainer, responses, tracking, validate)."""
-    problems = []
+    """Problems with the config keys the conversation recipes share (trainer, responses, tracking, validate)."""
+    problems = check_trainer(cfg)
     if cfg.responses.source not in sources:
         problems.append(f"responses.source='{cfg.responses.source}': use one of {', '.join(sources)}")
+    for key in ("max_new_tokens", "batch_size"):
+        if cfg.responses[key] < 1:
+            problems.append(f"responses.{key}={cfg.responses[key]} must be >= 1")
+    return problems
+
+
+def check_trainer(cfg: DictConfig) -> list[str]:
+    """Problems with the keys every recipe has (trainer, tracking, validate)."""
+    problems = []
     if cfg.tracking.kind not in TRACKING_KINDS:
         problems.append(f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb")
     if cfg.trainer.mixed_precision not in MIXED_PRECISION:
@@ -47,9 +57,6 @@ def check_common(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
     for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
         if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
             problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
-    for key in ("max_new_tokens", "batch_size"):
-        if cfg.responses[key] < 1:
-            problems.append(f"responses.{key}={cfg.responses[key]} must be >= 1")
     if cfg.validate.max_new_tokens < 1:
         problems.append("validate.max_new_tokens must be >= 1")
     return problems
@@ -106,10 +113,11 @@ class Run:
     pad_id: int
     gen_cfg: Any
     stop_ids: frozenset[int]
-    train_convs: list[Conversation]
-    val_convs: list[Conversation]
-    val_prompts: list[list[int]]
-    rest_val_convs: list[Conversation]  # validation conversations not used for validation (calibration)
+    # The conversation recipes' data (a pretraining recipe has a corpus instead).
+    train_convs: list[Conversation] = field(default_factory=list)
+    val_convs: list[Conversation] = field(default_factory=list)
+    val_prompts: list[list[int]] = field(default_factory=list)
+    rest_val_convs: list[Conversation] = field(default_factory=list)  # not used for validation (calibration)
 
     @property
     def main(self) -> bool:
@@ -123,8 +131,8 @@ class Run:
         self.accelerator.print(*args)
 
 
-def start(cfg: DictConfig) -> Run:
-    """Accelerator, run folder (config.yaml), tokenizer, stop ids, train and validation conversations."""
+def open_run(cfg: DictConfig) -> tuple[Any, Path]:
+    """The accelerator and the run folder, with the resolved config.yaml (rank 0 writes it)."""
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(
         mixed_precision=cfg.trainer.mixed_precision,
@@ -137,17 +145,27 @@ def start(cfg: DictConfig) -> Run:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     accelerator.wait_for_everyone()
+    return accelerator, out
 
+
+def load_tokenizer(name: str) -> tuple[Path, Any, int, Any, frozenset[int]]:
+    """(path, tokenizer, pad id, generation config or None, stop ids) of a model, before any weights."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    target_path = resolve_model(cfg.model.name)  # clear error for unknown names, before any weights
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    path = resolve_model(name)  # clear error for unknown names
+    tokenizer = AutoTokenizer.from_pretrained(path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
-        gen_cfg = GenerationConfig.from_pretrained(target_path)
+        gen_cfg = GenerationConfig.from_pretrained(path)
     except OSError:
         gen_cfg = None
-    stop_ids = stop_token_ids(tokenizer, gen_cfg.eos_token_id if gen_cfg else None)
+    return path, tokenizer, pad_id, gen_cfg, stop_token_ids(tokenizer, gen_cfg.eos_token_id if gen_cfg else None)
+
+
+def start(cfg: DictConfig) -> Run:
+    """Accelerator, run folder (config.yaml), tokenizer, stop ids, train and validation conversations."""
+    accelerator, out = open_run(cfg)
+    target_path, tokenizer, pad_id, gen_cfg, stop_ids = load_tokenizer(cfg.model.name)
     d = cfg.data
     train_convs = load_conversations(d.train, split=d.split, column=d.column, max_samples=d.max_samples)
     all_val = load_conversations(d.val, split=d.split, column=d.column)
@@ -262,7 +280,7 @@ def train_loop(
     model: Any,
     optimizer: Any,
     scheduler: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     examples: list[Example],
     start_step: int,
     desc: str,
@@ -272,12 +290,15 @@ def train_loop(
     postprocess: Callable[[dict[str, float]], None] = lambda stats: None,
     postfix: tuple[str, ...] = ("loss",),
     validate: Callable[[int], dict[str, Any]] | None = None,
+    backward_fn: BackwardFn | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Steps start_step..max_steps: deterministic batches, token-normalized optimizer steps, logging,
     atomic checkpoints, optional periodic validation. Returns the last step's stats and the history.
 
     refresh(step) may return new examples (on-policy data) before a step; postprocess edits the
-    step's stats in place (derived metrics) before they are shown and logged.
+    step's stats in place (derived metrics) before they are shown and logged. backward_fn replaces
+    loss_fn for recipes that run their own backward (see train/loop.py). Examples need only
+    `n_targets` here (the Batches they go through only index them).
     """
     acc, T = run.accelerator, cfg.trainer
     if start_step < T.max_steps:
@@ -289,6 +310,7 @@ def train_loop(
     bar = tqdm(steps, initial=start_step, total=T.max_steps, desc=desc, unit="step", disable=not run.main)
     batches, stats, history = None, {}, []
     for step in bar:
+        t0 = time.perf_counter()
         fresh = refresh(step) if refresh is not None else None
         if fresh is not None:
             examples, batches = fresh, None
@@ -310,7 +332,9 @@ def train_loop(
             loss_fn,
             T.max_grad_norm,
             n_tokens=lambda mb: sum(e.n_targets for e in mb),
+            backward_fn=backward_fn,
         )
+        stats["tokens_per_s"] = stats["tokens"] / (time.perf_counter() - t0)  # loss tokens, all processes
         postprocess(stats)
         bar.set_postfix({k: f"{stats[k]:.4f}" for k in postfix if k in stats})
         done = step + 1

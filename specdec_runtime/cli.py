@@ -6,7 +6,8 @@
         --prompts prompts.jsonl --max-new-tokens 256 --temperature 0 --gamma 4 --output out.jsonl
 
 Drafter specs: none | ngram[:N] | truncate:K | a draft model (bundled alias, local folder, Hub id)
-| a Medusa export folder (`--tree` picks its tree; `--typical` enables Medusa's lossy typical acceptance).
+| a Medusa export folder (`--tree` picks its tree; `--typical` enables Medusa's lossy typical acceptance)
+| mtp: the multi-token-prediction heads exported with the target by recipes.mtp (`--target DIR --drafter mtp`).
 Each output line holds the prompt's id, output_ids, text and stats; a summary table is printed.
 """
 
@@ -22,7 +23,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that decodes (generate now, bench later)."""
     p.add_argument("--target", default="smollm2-135m-instruct", help="bundled alias, local HF folder or Hub id")
     p.add_argument(
-        "--drafter", default="none", help="none | ngram[:N] | truncate:K | draft model name | Medusa export folder"
+        "--drafter",
+        default="none",
+        help="none | ngram[:N] | truncate:K | mtp (the target's own heads) | draft model | Medusa folder",
     )
     p.add_argument("--tree", help="Medusa: a JSON file of tree paths, or 'chain' (default: the export's tree)")
     p.add_argument(

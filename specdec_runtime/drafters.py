@@ -10,9 +10,12 @@
 The protocol is two methods. `start` is called once per prompt, after the target's prefill.
 `draft` receives the whole sequence so far, ids [L]: the target has verified ids[:L-1] into its
 KV cache and ids[L-1] is the newest token; it returns up to gamma tokens that should follow (or a
-token tree at most gamma deep). A drafter that reads the target's hidden states (Medusa heads)
-also has `observe(hidden [H])`: after every target forward the loop passes the final-norm hidden
-state at the position that produced the newest token.
+token tree at most gamma deep). A drafter that reads the target's hidden states (Medusa, MTP heads)
+also has `observe(hidden [k, H])`: after every target forward the loop passes the hidden states of
+the positions it accepted, in order, the last one being the position that produced the newest
+token (after the prefill: the prompt's). They are final-norm states (only the last prompt row
+after the prefill), or, when the drafter sets `hidden_layer = k`, the residual stream after the
+target's first k layers (every prompt row).
 """
 
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -168,6 +171,7 @@ def build_drafter(
     none            autoregressive (no drafter)
     ngram[:N]       prompt lookup with n-grams of up to N tokens (default 3)
     truncate:K      the target's first K layers + its final norm and lm_head (no training)
+    mtp             the target's own multi-token-prediction heads (a target exported by recipes.mtp)
     DIR             exported Medusa heads (FasterDecoding or vLLM layout); tree: a JSON file of
                     paths, 'chain', or None for the tree calibrated at export
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
@@ -187,6 +191,10 @@ def build_drafter(
         if not 1 <= k < n:
             raise SpecdecError(f"drafter '{spec}': K must be in 1..{n - 1} (the target has {n} layers)")
         return ModelDrafter(target.model, exit_layer=k, shares_target_cache=True, confidence=confidence, name=spec)
+    if spec == "mtp":
+        from specdec_runtime.mtp import load_mtp
+
+        return load_mtp(target)
     if is_medusa_folder(Path(spec).expanduser()):
         return load_medusa(Path(spec).expanduser(), target, tree)
     if tree is not None:

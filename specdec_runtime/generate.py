@@ -46,19 +46,23 @@ def check_fits(prompt_len: int, max_new_tokens: int, context: int, name: str = "
         )
 
 
-def verify_forward(target: Decoder, ids: Tensor, L: int, draft: Draft | None, hidden: bool) -> DecoderOutput:
+def verify_forward(
+    target: Decoder, ids: Tensor, L: int, draft: Draft | None, hidden: bool, hidden_layer: int | None = None
+) -> DecoderOutput:
     """The target's output (batch row 0) for the newest token ids[L-1] and the draft after it:
-    logits [g + 1, V] (hidden [g + 1, H] when asked), for a chain or a token tree."""
+    logits [g + 1, V] (hidden [g + 1, H] when asked: final-norm, or after layer hidden_layer - 1),
+    for a chain or a token tree."""
+    kw = dict(return_hidden=hidden, hidden_layer=hidden_layer)
     if draft is None or not draft.tokens.numel():
-        out = target(ids[None, L - 1 : L], L - 1, return_hidden=hidden)
+        out = target(ids[None, L - 1 : L], L - 1, **kw)
     elif draft.tree is not None:
         t = draft.tree.on(ids.device)
         nodes = torch.cat([ids[L - 1 : L], draft.tokens])[None]
-        out = target(nodes, L - 1, positions=t["depth"] + (L - 1), tree_mask=t["ancestor"], return_hidden=hidden)
+        out = target(nodes, L - 1, positions=t["depth"] + (L - 1), tree_mask=t["ancestor"], **kw)
     elif draft.residual is not None:  # resume where an early-exit drafter stopped
         out = target.head(target.run_layers(draft.residual, L - 1, draft.resume_layer), return_hidden=hidden)
     else:
-        out = target(torch.cat([ids[L - 1 : L], draft.tokens])[None], L - 1, return_hidden=hidden)
+        out = target(torch.cat([ids[L - 1 : L], draft.tokens])[None], L - 1, **kw)
     return DecoderOutput(out.logits[0], out.hidden[0] if hidden else None)
 
 
@@ -114,7 +118,8 @@ def generate(
     ids = torch.empty(capacity, dtype=torch.long, device=device)  # prompt + new tokens
     ids[:P] = prompt
     observe = getattr(drafter, "observe", None)  # drafters that read the target's hidden states
-    prefill = target(prompt[None], 0, logits_to_keep=1, return_hidden=observe is not None)
+    tap = getattr(drafter, "hidden_layer", None)  # ... after this layer instead of the final norm
+    prefill = target(prompt[None], 0, logits_to_keep=1, return_hidden=observe is not None, hidden_layer=tap)
     first = sampler.next_token(prefill.logits[0, -1])
     ids[P] = first
     out = [int(first)]  # host sync: the first token
@@ -122,7 +127,7 @@ def generate(
     if drafter is not None:
         drafter.start(prompt, capacity)
     if observe is not None:
-        observe(prefill.hidden[0, -1])
+        observe(prefill.hidden[0])  # the prompt's rows (only the last one for final-norm states)
     stats.prefill_s = time.perf_counter() - t_start
 
     L = P + 1  # tokens in ids; the target's cache holds all but the newest
@@ -134,8 +139,8 @@ def generate(
         g = 0 if draft is None else draft.tokens.shape[0]
         t1 = time.perf_counter()
 
-        verified = verify_forward(target, ids, L, draft, hidden=observe is not None)
-        logits, last = verified.logits, 0  # last: the row that produced the newest token
+        verified = verify_forward(target, ids, L, draft, observe is not None, tap)
+        logits, rows = verified.logits, slice(0, 1)  # rows: the accepted positions, in order
         if g == 0:  # a plain decode step
             token = sampler.next_token(logits[0])
             n, new = 0, [int(token)]  # host sync
@@ -147,7 +152,7 @@ def generate(
             ids[L : L + n] = branch[1 : n + 1]
             if draft.tree is not None and n:  # the accepted nodes' K/V move to slots L..L+n-1
                 target.cache.move(path[1 : n + 1] + (L - 1), L)
-            last = path[n] if draft.tree is not None else n
+            rows = path[: n + 1] if draft.tree is not None else slice(0, n + 1)
             g = draft.tree.depth if draft.tree is not None else g
         else:
             if sampler.greedy:
@@ -157,10 +162,10 @@ def generate(
             host = torch.cat([n_t.view(1), draft.tokens, token.view(1)]).tolist()  # the round's one host sync
             n, new = host[0], host[1 : 1 + host[0]] + host[-1:]
             ids[L : L + g] = draft.tokens
-            last = n
+            rows = slice(0, n + 1)
         ids[L + n] = token
         if observe is not None:
-            observe(verified.hidden[last])
+            observe(verified.hidden[rows])
         stats.record_round(g, n)
         for i, t in enumerate(new):
             if t in stop_ids:

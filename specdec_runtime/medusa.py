@@ -265,8 +265,8 @@ class MedusaDrafter:
         self.hidden = None
 
     def observe(self, hidden: Tensor) -> None:
-        """The target's final-norm hidden state [H] at the position that produced the newest token."""
-        self.hidden = hidden
+        """The target's final-norm hidden states [k, H]; the last produced the newest token."""
+        self.hidden = hidden[-1]
 
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:

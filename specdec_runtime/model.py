@@ -43,7 +43,9 @@ class LayerSkip:
 
 class DecoderOutput(NamedTuple):
     logits: Tensor  # [B, T', V] for the last T' = logits_to_keep positions (all when 0)
-    hidden: Tensor | None  # [B, T', H] after the final norm, when return_hidden
+    # When return_hidden: [B, T', H] after the final norm, or with hidden_layer=k the residual
+    # stream after the first k layers at every position [B, T, H] (an MTP trunk's output).
+    hidden: Tensor | None
 
 
 class KVCache(nn.Module):
@@ -220,6 +222,7 @@ class Decoder(nn.Module):
         skip: LayerSkip | None = None,
         logits_to_keep: int = 0,
         return_hidden: bool = False,
+        hidden_layer: int | None = None,
     ) -> DecoderOutput:
         """Run `ids` [B, T] at cache slots start..start+T-1.
 
@@ -227,11 +230,16 @@ class Decoder(nn.Module):
         tree_mask: [T, T] bool, which new tokens each new token sees (the prefix is always seen).
         exit_layer: stop after this many layers and apply the final norm + lm_head (early exit).
         skip: sublayers to bypass. logits_to_keep: only project the last n positions (0 = all).
+        return_hidden: also return the final-norm hidden states, or with hidden_layer=k the
+        residual stream after layer k-1 at every position.
         """
-        x = self.run_layers(
-            self.embed_tokens(ids), start, 0, exit_layer, positions=positions, tree_mask=tree_mask, skip=skip
-        )
-        return self.head(x, logits_to_keep, return_hidden)
+        kw = dict(positions=positions, tree_mask=tree_mask, skip=skip)
+        x = self.embed_tokens(ids)
+        if not return_hidden or hidden_layer is None:
+            return self.head(self.run_layers(x, start, 0, exit_layer, **kw), logits_to_keep, return_hidden)
+        tapped = self.run_layers(x, start, 0, hidden_layer, **kw)
+        out = self.head(self.run_layers(tapped, start, hidden_layer, exit_layer, **kw), logits_to_keep)
+        return DecoderOutput(out.logits, tapped)
 
     @torch.inference_mode()
     def run_layers(
@@ -324,25 +332,36 @@ class Decoder(nn.Module):
             own["embed.weight"] = prep(embed)
         own["lm_head.weight"] = prep(head.t())
         for i in range(cfg.num_layers):
-            p, a, m, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
-            q = interleave_rope_dims(sd[a + "q_proj.weight"], cfg.num_heads, cfg.head_dim)
-            k = interleave_rope_dims(sd[a + "k_proj.weight"], cfg.num_kv_heads, cfg.head_dim)
-            own[o + "attn_norm"] = twice(sd[p + "input_layernorm.weight"])
-            own[o + "mlp_norm"] = twice(sd[p + "post_attention_layernorm.weight"])
-            own[o + "qkv.weight"] = prep(torch.cat([q, k, sd[a + "v_proj.weight"]]).t())
-            own[o + "o.weight"] = prep(sd[a + "o_proj.weight"].t())
-            own[o + "gate_up.weight"] = prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t())
-            own[o + "down.weight"] = prep(sd[m + "down_proj.weight"].t())
-            if cfg.qkv_bias:
-                qb = interleave_rope_dims(sd[a + "q_proj.bias"], cfg.num_heads, cfg.head_dim)
-                kb = interleave_rope_dims(sd[a + "k_proj.bias"], cfg.num_kv_heads, cfg.head_dim)
-                own[o + "qkv.bias"] = prep(torch.cat([qb, kb, sd[a + "v_proj.bias"]]))
-            if cfg.o_bias:
-                own[o + "o.bias"] = prep(sd[a + "o_proj.bias"])
-            if cfg.mlp_bias:
-                own[o + "gate_up.bias"] = prep(torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]]))
-                own[o + "down.bias"] = prep(sd[m + "down_proj.bias"])
+            own |= block_state_dict(cfg, sd, f"model.layers.{i}.", f"layers.{i}.", prep)
         model.load_state_dict(own, strict=True, assign=True)
         if vocab_ids is not None:
             model.vocab_ids = vocab_ids.to(device=device, dtype=torch.long)
         return model.eval()
+
+
+def block_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], src: str, dst: str, prep) -> dict[str, Tensor]:
+    """One transformers decoder layer's weights (keys under `src`) as a Block's (keys under `dst`):
+    q/k/v and gate/up fused, [in, out], q/k rows interleaved for rope, norms doubled; prep(w)
+    places a tensor on the right device and dtype."""
+    a, m, o = src + "self_attn.", src + "mlp.", dst
+    twice = lambda w: prep(torch.cat([w, w]))  # noqa: E731  (norm weights, see rms_norm)
+    q = interleave_rope_dims(sd[a + "q_proj.weight"], cfg.num_heads, cfg.head_dim)
+    k = interleave_rope_dims(sd[a + "k_proj.weight"], cfg.num_kv_heads, cfg.head_dim)
+    own = {
+        o + "attn_norm": twice(sd[src + "input_layernorm.weight"]),
+        o + "mlp_norm": twice(sd[src + "post_attention_layernorm.weight"]),
+        o + "qkv.weight": prep(torch.cat([q, k, sd[a + "v_proj.weight"]]).t()),
+        o + "o.weight": prep(sd[a + "o_proj.weight"].t()),
+        o + "gate_up.weight": prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t()),
+        o + "down.weight": prep(sd[m + "down_proj.weight"].t()),
+    }
+    if cfg.qkv_bias:
+        qb = interleave_rope_dims(sd[a + "q_proj.bias"], cfg.num_heads, cfg.head_dim)
+        kb = interleave_rope_dims(sd[a + "k_proj.bias"], cfg.num_kv_heads, cfg.head_dim)
+        own[o + "qkv.bias"] = prep(torch.cat([qb, kb, sd[a + "v_proj.bias"]]))
+    if cfg.o_bias:
+        own[o + "o.bias"] = prep(sd[a + "o_proj.bias"])
+    if cfg.mlp_bias:
+        own[o + "gate_up.bias"] = prep(torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]]))
+        own[o + "down.bias"] = prep(sd[m + "down_proj.bias"])
+    return own

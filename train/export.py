@@ -14,6 +14,7 @@ from which the runtime builds the small head. Folders are written to NAME.tmp an
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,16 @@ from train.draft_model import full_state_dict
 
 
 def export_hf_drafter(
-    model: Any, tokenizer: Any, out: Path, *, vocab_ids: torch.Tensor | None, generation_config: Any | None = None
+    model: Any,
+    tokenizer: Any,
+    out: Path,
+    *,
+    vocab_ids: torch.Tensor | None,
+    generation_config: Any | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write the drafter as a transformers model folder at `out` (atomically)."""
+    """Write the drafter as a transformers model folder at `out` (atomically); extra(folder) adds
+    files of its own (MTP heads) before the folder takes its name."""
     from safetensors.torch import save_file
 
     tmp = out.with_name(out.name + ".tmp")
@@ -42,6 +50,8 @@ def export_hf_drafter(
         generation_config.save_pretrained(tmp)
     if vocab_ids is not None:
         save_file({"ids": vocab_ids.to("cpu", torch.long).contiguous()}, str(tmp / DRAFT_VOCAB_FILE))
+    if extra is not None:
+        extra(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -65,6 +75,7 @@ def model_card(
     usage: str,
     tags: list[str] | None = None,
     base_model: str | None = None,
+    summary: str | None = None,
 ) -> str:
     """A README.md with YAML front matter, the training setup and the measured numbers."""
     front = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
@@ -75,7 +86,8 @@ def model_card(
         *front,
         f"# {title}",
         "",
-        f"A drafter for speculative decoding of **{target}**, trained with specdec's "
+        summary
+        or f"A drafter for speculative decoding of **{target}**, trained with specdec's "
         f"`{recipe}` recipe. Speculative decoding with it produces exactly the target's output.",
         "",
     ]

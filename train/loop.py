@@ -6,6 +6,9 @@
     stats = optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, loss_fn, max_grad_norm=1.0)
 
 loss_fn(micro_batch) returns (loss summed over its tokens, token count, {metric: sum over tokens}).
+A recipe that runs its own backward (MTP's sequential per-head backward) passes
+backward_fn(micro_batch, scale) instead: it backpropagates loss * scale and returns
+(loss, {metric: sum over tokens}), detached.
 optimizer_step scales every micro-batch so the gradient is that of the mean over all tokens of the
 optimizer step, across gradient-accumulation steps and processes (accelerate divides by the
 accumulation steps and DDP averages over processes; both are undone here).
@@ -21,6 +24,7 @@ from torch import Tensor
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
+BackwardFn = Callable[[Any, float], tuple[Tensor, dict[str, Tensor]]]
 
 
 def make_accelerator(
@@ -91,9 +95,10 @@ def optimizer_step(
     optimizer: Any,
     scheduler: Any,
     micro_batches: list[Any],
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     max_grad_norm: float | None,
     n_tokens: Callable[[Any], int],
+    backward_fn: BackwardFn | None = None,
 ) -> dict[str, float]:
     """One optimizer step over this process's micro-batches; returns token-weighted global means."""
     local = sum(n_tokens(mb) for mb in micro_batches)
@@ -106,8 +111,11 @@ def optimizer_step(
     grad_norm = None
     for mb in micro_batches:
         with accelerator.accumulate(model):
-            loss, _, metrics = loss_fn(mb)
-            accelerator.backward(loss * scale)
+            if backward_fn is not None:
+                loss, metrics = backward_fn(mb, scale)
+            else:
+                loss, _, metrics = loss_fn(mb)
+                accelerator.backward(loss * scale)
             for k, v in {"loss": loss, **metrics}.items():
                 sums[k] = sums.get(k, 0) + v.detach().float()
             if accelerator.sync_gradients and max_grad_norm:

@@ -1,0 +1,395 @@
+"""Pretrain a model with multi-token-prediction heads (Gloeckle et al. 2024), or attach heads to a
+pretrained one, then validate MTP self-speculation on specdec_runtime and export.
+
+    python -m recipes.mtp output_dir=runs/mtp                              # from scratch on the stdlib corpus
+    python -m recipes.mtp experiment=mtp_quickstart output_dir=runs/mtp-quick
+    python -m recipes.mtp mtp.init=pretrained mtp.trainable=new_heads output_dir=runs/mtp-smollm2
+    python -m recipes.mtp data.corpus='data/*.jsonl' data.column=text mtp.num_heads=8
+    accelerate launch --config_file conf/accelerate/multi_gpu.yaml -m recipes.mtp
+
+Setup (config checks, tokenizer, packed corpus, model), loop (sequential per-head backward, or
+naive for comparison; per-head loss and accuracy logged), evaluate (per-head held-out loss),
+validate (greedy MTP self-speculation vs autoregressive on held-out prompts: tau, speedup,
+losslessness), export (trunk + head 0 as a transformers causal LM; heads 1.. in
+mtp_heads.safetensors with mtp_config.json; a model card).
+"""
+
+import copy
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from recipes.common import (
+    Run,
+    check_trainer,
+    finish,
+    load_tokenizer,
+    make_tracker,
+    open_run,
+    refuse,
+    resume,
+    run_or_exit,
+    train_loop,
+)
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype
+from specdec_runtime.mtp import MTP_CONFIG, MTP_WEIGHTS, MTPDrafter, MTPHeads
+from train.corpus import corpus_documents, packed_corpus, train_tokenizer
+from train.export import export_hf_drafter, model_card, write_model_card
+from train.loop import make_optimizer
+from train.mtp import TRAINABLE, MTPModel, PackedSequence, average_gradients, evaluate, heads_state_dict, mtp_step
+from train.validate import runtime_decoder, validate
+
+INITS = ("scratch", "pretrained")
+BACKWARDS = ("sequential", "naive")
+
+
+def loss_weights(cfg: DictConfig) -> list[float]:
+    w = cfg.mtp.loss_weights
+    return [1.0] * cfg.mtp.num_heads if w is None else [float(x) for x in w]
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Refuse bad values before anything is loaded."""
+    m, T, v = cfg.mtp, cfg.trainer, cfg.validate
+    problems = check_trainer(cfg)
+    if not isinstance(m.num_heads, int) or m.num_heads < 1:
+        problems.append(f"mtp.num_heads={m.num_heads} must be a positive integer (1 = plain next-token training)")
+    else:
+        w = loss_weights(cfg)
+        if len(w) != m.num_heads or min(w) < 0 or sum(w) <= 0:
+            problems.append(f"mtp.loss_weights={list(w)}: give {m.num_heads} non-negative weights, not all 0")
+        if T.max_seq_len <= m.num_heads:
+            problems.append(f"trainer.max_seq_len={T.max_seq_len} must exceed mtp.num_heads={m.num_heads}")
+    if cfg.data.train_tokenizer and (m.init != "scratch" or cfg.data.train_tokenizer < 256):
+        problems.append("data.train_tokenizer: a vocabulary size >= 256, with mtp.init=scratch only (0 = model's)")
+    if m.init not in INITS:
+        problems.append(f"mtp.init='{m.init}': use scratch (new model from mtp.architecture) or pretrained")
+    if m.trainable not in TRAINABLE:
+        problems.append(f"mtp.trainable='{m.trainable}': use one of {', '.join(TRAINABLE)}")
+    if m.backward not in BACKWARDS:
+        problems.append(f"mtp.backward='{m.backward}': use sequential (memory of one head) or naive")
+    if m.init == "scratch":
+        a = m.architecture
+        if a.trunk_layers < 1 or a.hidden_size % a.num_attention_heads or a.num_attention_heads % a.num_key_value_heads:
+            problems.append(
+                "mtp.architecture: need trunk_layers >= 1, hidden_size divisible by num_attention_heads, "
+                "num_attention_heads divisible by num_key_value_heads"
+            )
+        if T.max_seq_len > a.max_position_embeddings:
+            problems.append(f"trainer.max_seq_len={T.max_seq_len} exceeds mtp.architecture.max_position_embeddings")
+        if v.prompt_tokens + v.max_new_tokens > a.max_position_embeddings:
+            problems.append("validate.prompt_tokens + validate.max_new_tokens exceed the model's context")
+    if v.prompt_tokens < 1 or v.prompt_tokens >= T.max_seq_len:
+        problems.append(f"validate.prompt_tokens={v.prompt_tokens} must be in 1..trainer.max_seq_len - 1")
+    refuse(problems)
+
+
+def build_model(cfg: DictConfig, tokenizer: Any) -> MTPModel:
+    m = cfg.mtp
+    if m.init == "pretrained":
+        lm = load_hf_model(cfg.model.name, dtype=torch.float32)
+        if cfg.trainer.max_seq_len > lm.config.max_position_embeddings:
+            raise SpecdecError(
+                f"trainer.max_seq_len exceeds {cfg.model.name}'s context of {lm.config.max_position_embeddings}"
+            )
+        model = MTPModel.attach(lm, m.num_heads)
+    else:
+        from transformers import LlamaConfig
+
+        a = m.architecture
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=a.hidden_size,
+            intermediate_size=a.intermediate_size,
+            num_hidden_layers=a.trunk_layers + 1,  # the exported model: trunk + head 0
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            max_position_embeddings=a.max_position_embeddings,
+            rope_theta=a.rope_theta,
+            tie_word_embeddings=a.tie_word_embeddings,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(cfg.seed)
+        model = MTPModel.from_config(config, m.num_heads)
+    model.lm.config.architectures = [type(model.lm).__name__]
+    model.set_trainable(m.trainable)
+    return model
+
+
+def no_sync(model: Any) -> Any:
+    """DDP's no_sync (the step reduces gradients itself), or nothing for a plain module."""
+    return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
+
+
+def check_distributed(accelerator: Any) -> None:
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise SpecdecError(
+            f"the mtp recipe runs its own per-head backward and gradient reduction, which supports one process "
+            f"or DDP (conf/accelerate/multi_gpu.yaml, multi_cpu.yaml), not {accelerator.distributed_type.value}"
+        )
+
+
+def own_tokenizer(cfg: DictConfig, out: Path) -> Any:
+    """The run's BPE tokenizer (data.train_tokenizer tokens) trained on the training documents."""
+    from transformers import AutoTokenizer
+
+    folder = out / "tokenizer"
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(folder)
+    d = cfg.data
+    train, _ = corpus_documents(
+        d.corpus, split=d.split, column=d.column, val_fraction=d.val_fraction, max_documents=d.max_documents
+    )
+    return train_tokenizer(train, d.train_tokenizer, folder)
+
+
+def make_backward_fn(accelerator: Any, wrapped: Any, weights: list[float], sequential: bool) -> Any:
+    """The loop's backward_fn: one micro-batch's MTP forward + backward, and on the last micro-batch
+    of an optimizer step the gradient average over processes (once; DDP itself never reduces)."""
+    model = accelerator.unwrap_model(wrapped)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def backward_fn(mb: list[PackedSequence], scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids = torch.stack([s.ids for s in mb]).to(accelerator.device)
+        with no_sync(wrapped):
+            loss, metrics = mtp_step(
+                model,
+                ids,
+                weights=weights,
+                scale=scale,
+                backward=accelerator.backward,
+                sequential=sequential,
+                autocast=accelerator.autocast,
+            )
+        if accelerator.sync_gradients and accelerator.num_processes > 1:
+            average_gradients(trainable, accelerator.num_processes)
+        return loss, metrics
+
+    return backward_fn
+
+
+def validation_prompts(val: torch.Tensor, n: int, prompt_tokens: int) -> list[list[int]]:
+    """The first prompt_tokens tokens of n held-out sequences spread over the held-out split."""
+    idx = torch.linspace(0, val.shape[0] - 1, min(n, val.shape[0])).long().unique()
+    return [val[i, :prompt_tokens].tolist() for i in idx]
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    # ---------------------------------------------------------------- setup
+    check_config(cfg)
+    accelerator, out = open_run(cfg)
+    check_distributed(accelerator)
+    path, tokenizer, pad_id, gen_cfg, stop_ids = load_tokenizer(cfg.model.name)
+    m, T, d = cfg.mtp, cfg.trainer, cfg.data
+    if d.train_tokenizer:
+        with accelerator.main_process_first():  # rank 0 trains it (or finds it from an earlier start)
+            tokenizer = own_tokenizer(cfg, out)
+        pad_id, stop_ids = tokenizer.pad_token_id, frozenset({tokenizer.eos_token_id})
+    run = Run(accelerator, out, path, tokenizer, pad_id, gen_cfg, stop_ids)
+    say = run.say
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else cache_root() / "corpus"
+    with accelerator.main_process_first():  # rank 0 tokenizes, the others read its cache
+        train_seqs, val_seqs, info = packed_corpus(
+            tokenizer,
+            d.corpus,
+            seq_len=T.max_seq_len,
+            cache_dir=cache,
+            split=d.split,
+            column=d.column,
+            val_fraction=d.val_fraction,
+            max_documents=d.max_documents,
+            progress=run.main,
+        )
+    say(
+        f"corpus {d.corpus}: {train_seqs.numel():,} training tokens ({info['train_documents']} documents), "
+        f"{val_seqs.numel():,} held-out ({info['val_documents']} documents), sequences of {T.max_seq_len}"
+    )
+    n, weights, sequential = m.num_heads, loss_weights(cfg), m.backward == "sequential"
+    examples = [PackedSequence(s, T.max_seq_len - n) for s in train_seqs]
+
+    model = build_model(cfg, tokenizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in model.parameters())
+    say(
+        f"model: {model.trunk_layers}-layer trunk + {n} heads, {total / 1e6:.1f}M parameters "
+        f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {m.trainable}), {m.backward} backward"
+    )
+    optimizer, scheduler = make_optimizer(
+        trainable,
+        lr=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        warmup_steps=cfg.optim.warmup_steps,
+        max_steps=T.max_steps,
+        schedule=cfg.optim.schedule,
+    )
+    wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model = accelerator.unwrap_model(wrapped)
+    tracker = make_tracker(cfg, run, "mtp")
+
+    backward_fn = make_backward_fn(accelerator, wrapped, weights, sequential)
+
+    def held_out(step: int) -> dict[str, Any]:
+        metrics = evaluate(model, val_seqs[: cfg.validate.eval_sequences], T.micro_batch, accelerator.autocast)
+        tracker.log({f"val/{k}": v for k, v in metrics.items()}, step)
+        return metrics
+
+    # ---------------------------------------------------------------- train
+    start_step, _ = resume(cfg, run)
+    stats, history = train_loop(
+        cfg,
+        run,
+        tracker,
+        model=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_fn=None,
+        backward_fn=backward_fn,
+        examples=examples,
+        start_step=start_step,
+        desc="mtp",
+        postfix=("loss", "loss_0", f"acc_{n - 1}"),
+        validate=held_out,
+    )
+    model.eval()
+    heldout = held_out(T.max_steps)
+    say(
+        "held-out per head: "
+        + ", ".join(f"{i}: loss {heldout[f'loss_{i}']:.3f} acc {heldout[f'acc_{i}']:.2f}" for i in range(n))
+    )
+
+    # ---------------------------------------------------------------- validate + export (rank 0)
+    result: dict[str, Any] = {"train": stats, "history": history, "heldout": heldout}
+    if run.main:
+        if cfg.validate.enabled and n > 1:
+            result["validation"] = validate_mtp(cfg, run, model, val_seqs)
+        export = export_mtp(cfg, run, model, info, result)
+        finish(cfg, run, result, export, f"specdec generate --target {export} --drafter mtp --no-chat-template")
+    accelerator.wait_for_everyone()
+    tracker.finish()
+    return result
+
+
+def runtime_drafter(model: MTPModel, device: torch.device, dtype: torch.dtype) -> tuple[Any, MTPDrafter]:
+    """The trained model on specdec_runtime (trunk + head 0) and its MTP drafter, as the export loads them."""
+    target = runtime_decoder(model.lm, None, device, dtype)
+    heads = MTPHeads.from_hf_state_dict(
+        target.config, heads_state_dict(model), model.num_heads, model.trunk_layers, device, dtype
+    )
+    return target, MTPDrafter(heads, target)
+
+
+def validate_mtp(cfg: DictConfig, run: Run, model: MTPModel, val_seqs: torch.Tensor) -> dict[str, Any]:
+    v = cfg.validate
+    device = run.device
+    target, drafter = runtime_drafter(model, device, resolve_dtype(cfg.model.dtype, device))
+    prompts = validation_prompts(val_seqs, v.num_prompts, v.prompt_tokens)
+    gamma = v.gamma or model.num_heads - 1
+    metrics = validate(
+        target,
+        drafter,
+        prompts,
+        [None] * len(prompts),
+        stop_ids=frozenset({run.tokenizer.eos_token_id}),
+        gamma=gamma,
+        max_new_tokens=v.max_new_tokens,
+    )
+    metrics["device"] = str(device)
+    return metrics
+
+
+def export_mtp(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any], result: dict[str, Any]) -> Path:
+    """export/: the causal LM (trunk + head 0), mtp_heads.safetensors + mtp_config.json, a model card."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    m, n = cfg.mtp, model.num_heads
+    tokenizer = run.tokenizer
+    gen_cfg = run.gen_cfg
+    if m.init == "scratch":  # a base model: no chat template, plain end-of-text (gen_cfg was model.name's)
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = None
+        gen_cfg = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=run.pad_id
+        )
+    meta = {
+        "format": "specdec-mtp",
+        "num_heads": n,
+        "trunk_layers": model.trunk_layers,
+        "head_layer": type(model.head_layer(0)).__name__,
+        "weights": MTP_WEIGHTS,
+        "loss_weights": loss_weights(cfg),
+        "keys": "heads.{i}.<decoder layer keys>, i = 1..num_heads-1; head 0 is the model's last layer",
+    }
+
+    def add_heads(folder: Path) -> None:
+        sd = {k: v.to("cpu").contiguous() for k, v in heads_state_dict(model).items()}
+        save_file(sd, str(folder / MTP_WEIGHTS), metadata={"format": "pt"})
+        (folder / MTP_CONFIG).write_text(json.dumps(meta, indent=2))
+
+    export = export_hf_drafter(
+        model.lm, tokenizer, run.out / "export", vocab_ids=None, generation_config=gen_cfg, extra=add_heads
+    )
+    val = result.get("validation")
+    heldout = result["heldout"]
+    setup = {
+        "init": m.init if m.init == "scratch" else f"pretrained {cfg.model.name}",
+        "heads": n,
+        "trunk layers": model.trunk_layers,
+        "trainable": m.trainable,
+        "loss weights": loss_weights(cfg),
+        "corpus": f"{cfg.data.corpus} ({info['train_documents']} documents)",
+        "steps": cfg.trainer.max_steps,
+        "sequence length": cfg.trainer.max_seq_len,
+        "held-out loss per head": [heldout[f"loss_{i}"] for i in range(n)],
+        "held-out top-1 per head": [heldout[f"acc_{i}"] for i in range(n)],
+    }
+    usage = f"""
+```python
+from transformers import AutoModelForCausalLM     # trunk + head 0: an ordinary causal LM
+model = AutoModelForCausalLM.from_pretrained("{export.name}")
+```
+
+MTP self-speculation (heads 1..{n - 1} draft, the model verifies; output identical to its own):
+
+```bash
+specdec generate --target {export.name} --drafter mtp --no-chat-template --prompt "def parse_args("
+```
+"""
+    summary = (
+        f"A causal LM trained with multi-token prediction ({n} heads, Gloeckle et al. 2024) by specdec's "
+        "`mtp` recipe. The model folder is an ordinary transformers model (trunk + next-token head); "
+        f"heads 1..{n - 1} are in `{MTP_WEIGHTS}` and let specdec_runtime decode it self-speculatively, "
+        "with exactly its own output."
+    )
+    card = model_card(
+        title=f"{export.name}: {n}-head multi-token prediction",
+        target="itself",
+        recipe="mtp",
+        setup=setup,
+        metrics=val,
+        usage=usage,
+        tags=["multi-token-prediction"],
+        base_model=None if m.init == "scratch" else cfg.model.name,
+        summary=summary,
+    )
+    write_model_card(export, card, val)
+    return export
+
+
+@hydra.main(config_path="../conf", config_name="mtp", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_or_exit(run, cfg)
+
+
+if __name__ == "__main__":
+    main()
