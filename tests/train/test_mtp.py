@@ -349,3 +349,47 @@ def test_config_errors_come_before_any_work(tiny, tmp_path):
     assert not (tmp_path / "bad").exists()
     with pytest.raises(SpecdecError, match="no such file"):
         recipe.run(config(tiny, tmp_path / "bad2", f"data.corpus={tmp_path}/none.jsonl"))
+
+
+def test_bf16_autocast_sequential_matches_naive():
+    """Mixed precision: under bf16 autocast both modes run the same ops, so gradients agree closely."""
+    model = tiny_mtp()
+    ids = global_batch(2, 16)
+    n_pos = ids.shape[0] * (ids.shape[1] - model.num_heads)
+    grads = []
+    for sequential in (False, True):
+        model.zero_grad(set_to_none=True)
+        mtp_step(
+            model,
+            ids,
+            weights=WEIGHTS,
+            scale=1 / n_pos,
+            backward=torch.Tensor.backward,
+            sequential=sequential,
+            autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        )
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=2e-2, atol=1e-3)
+
+
+def test_heads_on_a_pretrained_model_leave_it_unchanged(tiny, tmp_path):
+    """mtp.init=pretrained, trainable=new_heads: the export is the pretrained model, bit for bit,
+    and the heads moved away from their initial copies of its last layer."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir, _, _ = tiny
+    out = tmp_path / "pre"
+    overrides = ["mtp.init=pretrained", "mtp.trainable=new_heads", "trainer.max_steps=3", "validate.enabled=false"]
+    recipe.run(config(tiny, out, *overrides))
+    before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out / "export").state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    heads = load_file(str(out / "export" / "mtp_heads.safetensors"))
+    last = f"model.layers.{AutoModelForCausalLM.from_pretrained(model_dir).config.num_hidden_layers - 1}."
+    start = {k[len(last) :]: v for k, v in before.items() if k.startswith(last)}
+    assert heads and {k.split(".", 2)[2] for k in heads} == set(start)
+    assert [k for k, v in heads.items() if not torch.equal(v, start[k.split(".", 2)[2]])]  # trained
