@@ -2,7 +2,7 @@
 
     train, val = corpus_documents("stdlib", val_fraction=0.02)         # this Python's standard library
     train, val = corpus_documents("data/*.jsonl", column="text")        # local text / jsonl / json / parquet
-    train, val = corpus_documents("hub:bigcode/the-stack-smol@data/python", split="train", column="content")
+    train, val = corpus_documents("hub:wikitext@wikitext-103-raw-v1", split="train", column="text")
     seqs = pack(tokenize(tokenizer, train), seq_len=512, eos_id=2)       # [N, 512] int64
     seqs = packed_corpus(tokenizer, "stdlib", seq_len=512, cache_dir=...)  # the same, cached on disk
     tokenizer = train_tokenizer(train, vocab_size=8192, folder=out / "tokenizer")  # BPE for a small model
@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec_runtime.errors import SpecdecError
+from train.data import load_hub_dataset
 
 TEXT_EXTENSIONS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -53,15 +54,11 @@ def _stdlib_documents(max_documents: int | None) -> list[Document]:
 
 
 def _records(source: str, split: str, column: str) -> list[Document]:
-    import datasets
-
     if source.startswith("hub:"):
-        name, _, subset = source[4:].partition("@")
-        try:
-            ds = datasets.load_dataset(name, data_dir=subset or None, split=split)
-        except Exception as e:  # offline, unknown id, bad split: say which
-            raise SpecdecError(f"could not load dataset '{name}' split '{split}' from the Hub: {e}") from e
+        ds = load_hub_dataset(source, split)
     else:
+        import datasets
+
         files = sorted(glob.glob(str(Path(source).expanduser())))
         if not files:
             raise SpecdecError(f"data.corpus='{source}': no such file (a path or glob of .txt/.jsonl/.json/.parquet)")
@@ -82,7 +79,7 @@ def corpus_documents(
     val_fraction: float = 0.02,
     max_documents: int | None = None,
 ) -> tuple[list[Document], list[Document]]:
-    """(train, held-out) documents of `stdlib`, a local file/glob, or hub:ID[@DATA_DIR]."""
+    """(train, held-out) documents of `stdlib`, a local file/glob, or hub:ID[@SUBSET]."""
     if not 0 < val_fraction < 1:
         raise SpecdecError(f"data.val_fraction={val_fraction} must be in (0, 1)")
     if source == "stdlib":

@@ -90,6 +90,17 @@ def to_messages(record: dict[str, Any], column: str | None, where: str) -> list[
     return messages
 
 
+def load_hub_dataset(source: str, split: str) -> Any:
+    """The `datasets` split of hub:ID[@SUBSET] (SUBSET: the dataset's configuration name)."""
+    import datasets
+
+    name, _, subset = source.removeprefix("hub:").partition("@")
+    try:
+        return datasets.load_dataset(name, subset or None, split=split)
+    except Exception as e:  # offline, unknown id, bad split: say which
+        raise SpecdecError(f"could not load dataset '{name}' split '{split}' from the Hub: {e}") from e
+
+
 def _records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     """Raw records of a source and a label for error messages."""
     if source.startswith("builtin:"):
@@ -98,14 +109,7 @@ def _records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
             raise SpecdecError(f"unknown built-in prompt set '{source}': use builtin:train or builtin:val")
         source = str(path)
     if source.startswith("hub:"):
-        import datasets
-
-        name, _, subset = source[4:].partition("@")
-        try:
-            ds = datasets.load_dataset(name, subset or None, split=split)
-        except Exception as e:  # offline, unknown id, bad split: say which
-            raise SpecdecError(f"could not load dataset '{name}' split '{split}' from the Hub: {e}") from e
-        return list(ds), name
+        return list(load_hub_dataset(source, split)), source[4:]
     path = Path(source).expanduser()
     if not path.is_file():
         raise SpecdecError(
