@@ -7,7 +7,8 @@
 
 Drafter specs: none | ngram[:N] | truncate:K | a draft model (bundled alias, local folder, Hub id)
 | a Medusa export folder (`--tree` picks its tree; `--typical` enables Medusa's lossy typical acceptance)
-| mtp: the multi-token-prediction heads exported with the target by recipes.mtp (`--target DIR --drafter mtp`).
+| mtp: the multi-token-prediction heads exported with the target by recipes.mtp (`--target DIR --drafter mtp`)
+| a layer-skip set (`--drafter runs/layerskip/skipset.json`, from recipes.layerskip).
 Each output line holds the prompt's id, output_ids, text and stats; a summary table is printed.
 """
 
@@ -25,7 +26,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default="none",
-        help="none | ngram[:N] | truncate:K | mtp (the target's own heads) | draft model | Medusa folder",
+        help="none | ngram[:N] | truncate:K | mtp (the target's own heads) | draft model | Medusa folder "
+        "| layer-skip set (skipset.json)",
     )
     p.add_argument("--tree", help="Medusa: a JSON file of tree paths, or 'chain' (default: the export's tree)")
     p.add_argument(
@@ -39,10 +41,17 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    p.add_argument(
+        "--gamma", type=int, default=None, help="draft tokens per round (default: the drafter's own, else 4)"
+    )
     p.add_argument("--adaptive-gamma", action="store_true", help="+2 after a fully accepted draft, -1 otherwise")
     p.add_argument("--max-gamma", type=int, default=16)
-    p.add_argument("--confidence", type=float, default=0.0, help="stop drafting below this draft probability (0 = off)")
+    p.add_argument(
+        "--confidence",
+        type=float,
+        default=0.0,
+        help="stop drafting below this draft probability (0 = off; a layer-skip set's own threshold adapts)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
@@ -91,6 +100,8 @@ def run_generate(args: argparse.Namespace) -> None:
     for p, ids in zip(prompts, encoded):  # every prompt must fit before any work starts
         check_fits(len(ids), args.max_new_tokens, target.context, f"prompt '{p.id}'")
     drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
+    if args.gamma is None:
+        args.gamma = getattr(drafter, "gamma", None) or 4
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
     out_file = None

@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 class Draft(NamedTuple):
     tokens: Tensor  # [g] proposed ids, 0 <= g <= gamma
     probs: Tensor | None  # [g, V] the distributions they were sampled from; None if deterministic
-    # Early-exit drafters have already run the target's first `resume_layer` layers on every token
-    # the target will verify (ids[L-1] and the g drafts): their residual stream [1, g + 1, H] lets
-    # verification resume at that layer instead of recomputing it (LayerSkip's cache reuse).
+    # Drafters that share the target (truncate, layer-skip) have already run its first
+    # `resume_layer` layers, exactly, on every token the target will verify (ids[L-1] and the g
+    # drafts): their residual stream [1, g + 1, H] lets verification resume at that layer.
     residual: Tensor | None = None
     resume_layer: int = 0
     # A token tree (Medusa): tokens are its nodes after the root, verified in one forward with
@@ -59,15 +59,59 @@ def empty_draft(device: torch.device) -> Draft:
     return Draft(torch.empty(0, dtype=torch.long, device=device), None)
 
 
+class DraftExit:
+    """When a drafter stops early: right after a draft token whose probability is below `threshold`.
+
+    With adaptive=True the threshold follows recent acceptance, as in Draft & Verify (Zhang et al.
+    2023): after each verified draft the smoothed acceptance a <- beta1 * a + (1 - beta1) * accepted
+    / drafted is compared with `target_acceptance`; the threshold steps up by epsilon when a is
+    below it (drafts are too long) and down otherwise (too short), smoothed by beta2. A draft that
+    used the whole gamma budget leaves the threshold as it is.
+    """
+
+    def __init__(
+        self,
+        threshold: float = 0.5,
+        *,
+        adaptive: bool = True,
+        target_acceptance: float = 0.9,
+        beta1: float = 0.5,
+        beta2: float = 0.9,
+        epsilon: float = 0.01,
+    ):
+        if not 0 <= threshold < 1 or not 0 < target_acceptance <= 1 or not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise SpecdecError(
+                "draft exit: need 0 <= threshold < 1, 0 < target_acceptance <= 1 and 0 <= beta1, beta2 < 1 "
+                f"(got {threshold}, {target_acceptance}, {beta1}, {beta2})"
+            )
+        self.threshold, self.adaptive, self.target_acceptance = threshold, adaptive, target_acceptance
+        self.beta1, self.beta2, self.epsilon = beta1, beta2, epsilon
+        self.acceptance = 0.0  # smoothed accepted / drafted
+
+    def update(self, accepted: int, drafted: int, full: bool) -> None:
+        """Record one verified draft: `accepted` of its `drafted` tokens; full: it used all of gamma."""
+        if not self.adaptive or drafted == 0:
+            return
+        self.acceptance = self.beta1 * self.acceptance + (1 - self.beta1) * accepted / drafted
+        step = 0.0 if full else (self.epsilon if self.acceptance <= self.target_acceptance else -self.epsilon)
+        self.threshold = min(max(self.threshold + (1 - self.beta2) * step, 0.0), 1.0)
+
+    def stop(self, p: float) -> bool:
+        return p < self.threshold
+
+
 class ModelDrafter:
     """Drafts with a Decoder: a stand-alone model, or the target itself cut short / with skips.
 
     With shares_target_cache (truncate:K, layer-skip) the drafter is the target run with
     exit_layer / skip: it reads the target's verified cache entries and writes its guesses into
-    slots the next verification overwrites, so it never re-reads the context. An early-exit
-    drafter (exit_layer, no skip) also hands its layer-K residual stream to verification, which
-    then only runs layers K.. (the first K were the target's own computation already). A
-    stand-alone model keeps its own cache and only feeds the tokens it has not seen (one or two).
+    slots the next verification overwrites, so it never re-reads the context. Its first layers up
+    to the first one it exits at or skips from (`resume_layer`) are the target's own computation,
+    so it hands their residual stream to verification, which then only runs layers resume_layer..
+    A stand-alone model keeps its own cache and only feeds the tokens it has not seen (one or two).
+
+    Drafting stops early after an unsure token when a DraftExit is given (`confidence` > 0 is a
+    fixed threshold); an adaptive DraftExit learns from how many tokens of each draft were accepted.
     """
 
     def __init__(
@@ -79,15 +123,26 @@ class ModelDrafter:
         skip: LayerSkip | None = None,
         shares_target_cache: bool = False,
         confidence: float = 0.0,
+        draft_exit: DraftExit | None = None,
+        gamma: int | None = None,
         name: str = "model",
     ):
         self.model, self.exit_layer, self.skip = model, exit_layer, skip
         self.vocab_size = vocab_size or model.config.vocab_size  # the target's vocabulary
-        self.shares_target_cache, self.confidence, self.name = shares_target_cache, confidence, name
+        self.shares_target_cache, self.name = shares_target_cache, name
+        self.gamma = gamma  # the draft length it was tuned for (a CLI default), if any
+        self.draft_exit = draft_exit or (DraftExit(confidence, adaptive=False) if confidence > 0 else None)
         self.seen = 0  # own cache: leading positions that hold the current sequence
         self.vocab_ids = getattr(model, "vocab_ids", None)  # [N] a draft vocabulary's ids, if any
+        self.last: tuple[int, int, bool] | None = None  # (L, drafted, full) of the previous draft
+        n = model.config.num_layers
+        skipped = (skip.attn | skip.mlp) if skip is not None else frozenset()
+        self.resume_layer = min([n, *skipped] + ([exit_layer] if exit_layer is not None else []))
+        if not shares_target_cache:
+            self.resume_layer = 0
 
     def start(self, prompt: Tensor, capacity: int) -> None:
+        self.last = None
         if self.shares_target_cache:
             return
         context = self.model.config.max_position_embeddings
@@ -100,9 +155,14 @@ class ModelDrafter:
         self.model(prompt[None], 0, logits_to_keep=1)
         self.seen = prompt.shape[0]
 
-    def _residual(self, x: Tensor, start: int) -> Tensor:
-        """The drafter's residual stream [1, T, H] for x [1, T] fed at `start` (before its head)."""
-        return self.model.run_layers(self.model.embed_tokens(x), start, 0, self.exit_layer, skip=self.skip)
+    def _residual(self, x: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        """The drafter's residual stream [1, T, H] for x [1, T] fed at `start` (before its head),
+        and the stream after its first resume_layer layers (None when nothing is handed over)."""
+        h = self.model.embed_tokens(x)
+        if not self.resume_layer:
+            return self.model.run_layers(h, start, 0, self.exit_layer, skip=self.skip), None
+        tapped = self.model.run_layers(h, start, 0, self.resume_layer)
+        return self.model.run_layers(tapped, start, self.resume_layer, self.exit_layer, skip=self.skip), tapped
 
     def _logits(self, residual: Tensor) -> Tensor:
         """Draft logits [V_target] at the last position of a residual stream [1, T, H]."""
@@ -120,14 +180,17 @@ class ModelDrafter:
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         L = ids.shape[0]
+        if self.draft_exit is not None and self.last is not None:
+            # The previous draft was verified: the sequence grew by its accepted tokens + one.
+            prev_L, drafted, full = self.last
+            self.draft_exit.update(min(max(L - prev_L - 1, 0), drafted), drafted, full)
         seen = L - 1 if self.shares_target_cache else min(self.seen, L - 1)
         x, pos = ids[seen:L][None], seen  # the tokens the drafter has not processed yet
-        reuse = self.shares_target_cache and self.exit_layer is not None and self.skip is None
-        tokens, probs, residuals = [], [], []
+        tokens, probs, handed = [], [], []
         for _ in range(gamma):
-            residual = self._residual(x, pos)
-            if reuse:
-                residuals.append(residual)
+            residual, tapped = self._residual(x, pos)
+            if tapped is not None:
+                handed.append(tapped)
             logits = self._logits(residual)
             pos += x.shape[1]
             if sampler.greedy:
@@ -138,17 +201,19 @@ class ModelDrafter:
                 probs.append(p)
             tokens.append(token)
             x = token.view(1, 1)
-            # Draft-confidence cut-off (host sync per draft token, only when enabled).
-            if self.confidence > 0:
+            # Draft exit (host sync per draft token, only when enabled).
+            if self.draft_exit is not None:
                 conf = (p if p is not None else logits.float().softmax(-1))[token]
-                if conf.item() < self.confidence:
+                if self.draft_exit.stop(conf.item()):
                     break
         self.seen = pos  # ids[:L] and all drafted tokens but the last are now cached
+        self.last = (L, len(tokens), len(tokens) == gamma)
         drafted, q = torch.stack(tokens), torch.stack(probs) if probs else None
-        if not reuse:
+        if not self.resume_layer:
             return Draft(drafted, q)
-        residuals.append(self._residual(drafted[-1:][None], pos))  # the last draft's first K layers
-        return Draft(drafted, q, torch.cat(residuals, dim=1), self.exit_layer)
+        # The last draft token's first layers, which verification would otherwise recompute.
+        last = self.model.run_layers(self.model.embed_tokens(drafted[-1:][None]), pos, 0, self.resume_layer)
+        return Draft(drafted, q, torch.cat(handed + [last], dim=1), self.resume_layer)
 
 
 def _int_arg(spec: str, kind: str) -> int:
@@ -174,10 +239,13 @@ def build_drafter(
     mtp             the target's own multi-token-prediction heads (a target exported by recipes.mtp)
     DIR             exported Medusa heads (FasterDecoding or vLLM layout); tree: a JSON file of
                     paths, 'chain', or None for the tree calibrated at export
+    FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
+                    sublayers skipped, adaptive draft exit; confidence > 0 fixes the threshold)
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
     """
     from pathlib import Path
 
+    from specdec_runtime.layerskip import is_skipset_file
     from specdec_runtime.loading import check_same_vocab, load_model
     from specdec_runtime.medusa import is_medusa_folder, load_medusa
 
@@ -195,6 +263,10 @@ def build_drafter(
         from specdec_runtime.mtp import load_mtp
 
         return load_mtp(target)
+    if is_skipset_file(spec):
+        from specdec_runtime.layerskip import SkipSet, skip_drafter
+
+        return skip_drafter(target, SkipSet.load(spec), confidence=confidence, name=spec)
     if is_medusa_folder(Path(spec).expanduser()):
         return load_medusa(Path(spec).expanduser(), target, tree)
     if tree is not None:

@@ -1,0 +1,345 @@
+"""Find the sublayers a target skips to draft for itself (self-speculative decoding, Draft &
+Verify), by Bayesian optimization of measured speed, then validate and write the skip set.
+
+    python -m recipes.layerskip output_dir=runs/layerskip
+    python -m recipes.layerskip experiment=layerskip_quickstart output_dir=runs/layerskip-quick
+    python -m recipes.layerskip search.objective=proxy search.cost_model=params model=llama3_1b
+    python -m recipes.layerskip search.storage=postgresql://user:pw@host/db search.study_name=llama-8b
+    specdec generate --drafter runs/layerskip/skipset.json --baseline
+
+Setup (config and search-space checks from the target's config.json, before any weights), the
+target loaded once on specdec_runtime, calibration (its greedy outputs and autoregressive speed
+on the calibration prompts), the study (optuna, resumable, shared through its storage), an
+optional random-search baseline with the same budget, validation of the best set on held-out
+prompts, and the outputs: skipset.json, trials.jsonl, search_trace.png, metrics.json, export/.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from recipes.common import finish, refuse, run_or_exit, spread
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.layerskip import SkipSet, skip_drafter
+from specdec_runtime.loading import load_hf_config, load_model, resolve_model
+from train.data import load_conversations, prompt_ids
+from train.export import model_card, write_model_card
+from train.layerskip import (
+    COST_MODELS,
+    OBJECTIVES,
+    SAMPLERS,
+    Calibration,
+    CostModel,
+    Evaluator,
+    ExitSettings,
+    SearchSpace,
+    best_so_far,
+    best_trial,
+    calibrate,
+    finished,
+    open_study,
+    plot_traces,
+    search,
+)
+from train.loop import make_accelerator
+from train.tracking import KINDS as TRACKING_KINDS
+from train.tracking import Tracker
+from train.validate import validate
+
+
+def check_config(cfg: DictConfig) -> list[str]:
+    """Problems with the settings that need no model."""
+    s, c, d, v = cfg.search, cfg.calibration, cfg.draft, cfg.validate
+    problems = []
+    if cfg.tracking.kind not in TRACKING_KINDS:
+        problems.append(f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb")
+    if s.sampler not in SAMPLERS:
+        problems.append(f"search.sampler='{s.sampler}': use gp (Bayesian optimization) or random")
+    if s.objective not in OBJECTIVES:
+        problems.append(f"search.objective='{s.objective}': use speedup (measured) or proxy (tau x cost model)")
+    if s.cost_model not in COST_MODELS:
+        problems.append(f"search.cost_model='{s.cost_model}': use measured or params")
+    for key, low in (("n_trials", 1), ("n_startup_trials", 0), ("baseline_every", 0)):
+        if not isinstance(s[key], int) or s[key] < low:
+            problems.append(f"search.{key}={s[key]} must be an integer >= {low}")
+    if not isinstance(c.num_prompts, int) or c.num_prompts < 1 or c.max_new_tokens < 2:
+        problems.append("calibration: need num_prompts >= 1 and max_new_tokens >= 2")
+    if not isinstance(d.gamma, int) or d.gamma < 1:
+        problems.append(f"draft.gamma={d.gamma} must be an integer >= 1")
+    if not 0 <= d.threshold < 1 or not 0 < d.target_acceptance <= 1:
+        problems.append("draft: need 0 <= threshold < 1 and 0 < target_acceptance <= 1")
+    if v.enabled and (v.max_new_tokens < 1 or v.num_prompts < 0):
+        problems.append("validate: need max_new_tokens >= 1 and num_prompts >= 0")
+    return problems
+
+
+def search_space(cfg: DictConfig, num_layers: int) -> SearchSpace:
+    s = cfg.search
+    return SearchSpace(num_layers, s.keep_first, s.keep_last, float(s.max_skip_fraction))
+
+
+def study_meta(cfg: DictConfig, space: SearchSpace, sampler: str) -> dict[str, Any]:
+    """What must not change when a study is resumed or shared."""
+    s = cfg.search
+    return {
+        "target": cfg.model.name,
+        "sampler": sampler,
+        "objective": s.objective,
+        "cost_model": s.cost_model if s.objective == "proxy" else None,
+        "space": {"num_layers": space.num_layers, "keep_first": space.keep_first, "keep_last": space.keep_last},
+        "max_skip_fraction": space.max_skip_fraction,
+        "draft": OmegaConf.to_container(cfg.draft, resolve=True),
+        "calibration": OmegaConf.to_container(cfg.calibration, resolve=True) | {"data": cfg.data.train},
+    }
+
+
+def prompts_of(tokenizer: Any, source: str, n: int, cfg: DictConfig) -> tuple[list[list[int]], list[Any]]:
+    convs = spread(load_conversations(source, split=cfg.data.split, column=cfg.data.column), n)
+    return [prompt_ids(tokenizer, c) for c in convs], [c.category for c in convs]
+
+
+def cost_model(cfg: DictConfig, study: Any, target: Any) -> CostModel | None:
+    """The proxy's cost model: stored with the study (so every worker and a resumed search use the
+    same one), else measured here or computed from the weights."""
+    if cfg.search.objective != "proxy":
+        return None
+    stored = study.user_attrs.get("cost_model")
+    if stored:
+        return CostModel(**stored)
+    if cfg.search.cost_model == "params":
+        cost = CostModel.from_params(target.model)
+    else:
+        cost = CostModel.measure(target.model, cfg.draft.gamma)
+    study.set_user_attr("cost_model", cost.__dict__)
+    return cost
+
+
+def run_study(cfg: DictConfig, name: str, sampler: str, storage: str, tracker: Tracker, prefix: str, **kw: Any) -> Any:
+    """Open (or resume) one study and run it to search.n_trials complete trials."""
+    s = cfg.search
+    study = open_study(storage, name, sampler=sampler, seed=cfg.seed, n_startup=s.n_startup_trials, meta=kw["meta"])
+    evaluator: Evaluator = kw["make_evaluator"](study)
+    best = [max((t.value for t in finished(study)), default=float("-inf"))]
+
+    def on_trial(trial: Any) -> None:
+        best[0] = max(best[0], trial.value)
+        a = trial.user_attrs
+        metrics = {"value": trial.value, "best": best[0], "skipped": a.get("skipped")}
+        metrics |= {k: a[k] for k in ("tau", "speedup", "est_speedup", "acceptance") if k in a}
+        tracker.log({f"{prefix}/{k}": v for k, v in metrics.items() if v is not None}, trial.number + 1)
+
+    def progress(done: int, total: int) -> Any:
+        return tqdm(total=total, initial=done, desc=f"{name} ({sampler}, {s.objective})", unit="trial")
+
+    search(
+        study,
+        kw["space"],
+        evaluator,
+        n_trials=s.n_trials,
+        sampler=sampler,
+        seed=cfg.seed,
+        n_startup=s.n_startup_trials,
+        on_trial=on_trial,
+        progress=progress,
+    )
+    return study
+
+
+def write_trials(path: Path, studies: dict[str, Any]) -> None:
+    """Every complete trial of every study, one JSON line each (rewritten atomically)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for sampler, study in studies.items():
+            for t in finished(study):
+                f.write(json.dumps({"sampler": sampler, "trial": t.number, "value": t.value, **t.user_attrs}) + "\n")
+    os.replace(tmp, path)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    refuse(check_config(cfg))
+    path = resolve_model(cfg.model.name)  # a clear error for unknown names, before anything else
+    dcfg = DecoderConfig.from_hf(load_hf_config(path))
+    space = search_space(cfg, dcfg.num_layers)
+    refuse(space.problems())
+    out = Path(cfg.output_dir)
+    storage = cfg.search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    accelerator = make_accelerator(
+        mixed_precision="no",
+        grad_accum=1,
+        seed=cfg.seed,
+        log_with="wandb" if cfg.tracking.kind == "wandb" else None,
+        project_dir=str(out),
+    )
+    if accelerator.num_processes > 1:
+        raise SpecdecError(
+            "recipes.layerskip runs as one process: start it once per machine or GPU (python -m recipes.layerskip "
+            "device=cuda:N) with the same search.storage URL, and the workers share one study"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    target = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.dtype)
+    print(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")
+    cal_prompts, _ = prompts_of(target.tokenizer, cfg.data.train, cfg.calibration.num_prompts, cfg)
+    print(f"calibration: {len(cal_prompts)} prompts from {cfg.data.train}, {cfg.calibration.max_new_tokens} tokens")
+    tracker = Tracker(
+        accelerator,
+        out,
+        kind=cfg.tracking.kind,
+        project=cfg.tracking.get("project", "specdec"),
+        run_name=cfg.tracking.get("run_name") or f"layerskip-{out.name}",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        entity=cfg.tracking.get("entity"),
+        tags=list(cfg.tracking.get("tags") or []),
+    )
+    cal: Calibration = calibrate(
+        target.model, cal_prompts, max_new_tokens=cfg.calibration.max_new_tokens, stop_ids=target.stop_ids
+    )
+    print(f"autoregressive on the calibration prompts: {cal.ar_tokens_per_s:.1f} tokens/s ({cal.tokens} tokens)")
+    d = cfg.draft
+    exit_settings = ExitSettings(float(d.threshold), bool(d.adaptive), float(d.target_acceptance))
+
+    def make_evaluator(study: Any) -> Evaluator:
+        return Evaluator(
+            target.model,
+            cal,
+            objective=cfg.search.objective,
+            gamma=d.gamma,
+            exit_settings=exit_settings,
+            cost=cost_model(cfg, study, target),
+            max_new_tokens=cfg.calibration.max_new_tokens,
+            stop_ids=target.stop_ids,
+            baseline_every=cfg.search.baseline_every,
+        )
+
+    samplers = [cfg.search.sampler] + (["random"] if cfg.search.random_baseline and cfg.search.sampler != "random" else [])
+    studies = {}
+    for sampler in samplers:
+        name = cfg.search.study_name + ("" if sampler == cfg.search.sampler else f"-{sampler}")
+        studies[sampler] = run_study(
+            cfg,
+            name,
+            sampler,
+            storage,
+            tracker,
+            "search" if sampler == cfg.search.sampler else sampler,
+            meta=study_meta(cfg, space, sampler),
+            make_evaluator=make_evaluator,
+            space=space,
+        )
+    write_trials(out / "trials.jsonl", studies)
+    ylabel = "speedup over autoregressive" if cfg.search.objective == "speedup" else "estimated speedup (proxy)"
+    plot_traces(
+        {s: [[t.value for t in finished(st)]] for s, st in studies.items()},
+        out / "search_trace.png",
+        ylabel=ylabel,
+        title=f"layer-skip search on {cfg.model.name} ({cfg.search.objective})",
+    )
+    study = studies[cfg.search.sampler]
+    best = best_trial(study)
+    if best is None:
+        raise SpecdecError("no trial produced a usable skip set (all infeasible or not lossless): see trials.jsonl")
+    skip = space.skip_of(best.params)
+    summary = {
+        s: {"best": max(t.value for t in finished(st)), "trials": len(finished(st))} for s, st in studies.items()
+    }
+    print("best per sampler: " + ", ".join(f"{s} {v['best']:.3f}" for s, v in summary.items()))
+    skipset = SkipSet(
+        attn=sorted(skip.attn),
+        mlp=sorted(skip.mlp),
+        num_layers=dcfg.num_layers,
+        target=cfg.model.name,
+        hidden_size=dcfg.hidden_size,
+        draft={"threshold": d.threshold, "adaptive": d.adaptive, "target_acceptance": d.target_acceptance, "gamma": d.gamma},
+        search={
+            "sampler": cfg.search.sampler,
+            "objective": cfg.search.objective,
+            "trials": len(finished(study)),
+            "best_trial": best.number,
+            "best_value": best.value,
+            "calibration_tau": best.user_attrs.get("tau"),
+        },
+    )
+    result: dict[str, Any] = {"search": summary, "best": skipset.to_dict(), "calibration_ar_tokens_per_s": cal.ar_tokens_per_s}
+    if cfg.validate.enabled:
+        val_prompts, cats = prompts_of(target.tokenizer, cfg.data.val, cfg.validate.num_prompts, cfg)
+        metrics = validate(
+            target.model,
+            skip_drafter(target, skipset),
+            val_prompts,
+            cats,
+            stop_ids=target.stop_ids,
+            gamma=d.gamma,
+            max_new_tokens=cfg.validate.max_new_tokens,
+        )
+        metrics["device"] = str(target.model.device)
+        skipset.tau, skipset.speedup = metrics["tau"], metrics["speedup"]
+        result["validation"] = metrics
+        tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, len(finished(study)))
+    skipset.save(out / "skipset.json")
+    result["best"] = skipset.to_dict()
+    export = export_skipset(cfg, out, skipset, result.get("validation"))
+    tracker.finish()
+    finish(cfg, _Say(out), result, export, f"specdec generate --target {cfg.model.name} --drafter {out / 'skipset.json'}")
+    return result
+
+
+class _Say:
+    """The bits of recipes.common.Run that finish() uses (this recipe has no training run)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def say(self, *args: Any) -> None:
+        print(*args)
+
+
+def export_skipset(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str, Any] | None) -> Path:
+    """export/: skipset.json and a model card (what a Hub repo of the set holds)."""
+    export = out / "export"
+    skipset.save(export / "skipset.json")
+    s = cfg.search
+    setup = {
+        "skipped attention layers": skipset.attn or "none",
+        "skipped MLP layers": skipset.mlp or "none",
+        "skipped fraction of sublayers": f"{skipset.skipped_fraction:.2f}",
+        "search": f"{s.sampler}, {skipset.search['trials']} trials, objective {s.objective}",
+        "draft exit": f"threshold {cfg.draft.threshold}, adaptive {cfg.draft.adaptive}, gamma {cfg.draft.gamma}",
+    }
+    usage = f"""
+```bash
+specdec generate --target {cfg.model.name} --drafter skipset.json --baseline
+```
+"""
+    summary = (
+        f"A layer-skip set for self-speculative decoding of **{cfg.model.name}** (Draft & Verify), found by "
+        "specdec's `layerskip` recipe: the target drafts for itself with the listed sublayers skipped and "
+        "verifies with all of them, so the output is exactly the target's."
+    )
+    card = model_card(
+        title=f"Layer-skip set for {cfg.model.name}",
+        target=cfg.model.name,
+        recipe="layerskip",
+        setup=setup,
+        metrics=metrics,
+        usage=usage,
+        tags=["self-speculative-decoding", "layer-skip"],
+        base_model=cfg.model.name,
+        summary=summary,
+    )
+    write_model_card(export, card, metrics)
+    return export
+
+
+@hydra.main(config_path="../conf", config_name="layerskip", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_or_exit(run, cfg)
+
+
+if __name__ == "__main__":
+    main()
