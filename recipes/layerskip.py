@@ -16,6 +16,7 @@ prompts, and the outputs: skipset.json, trials.jsonl, search_trace.png, metrics.
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,6 @@ from train.layerskip import (
     Evaluator,
     ExitSettings,
     SearchSpace,
-    best_so_far,
     best_trial,
     calibrate,
     finished,
@@ -120,26 +120,34 @@ def cost_model(cfg: DictConfig, study: Any, target: Any) -> CostModel | None:
     return cost
 
 
-def run_study(cfg: DictConfig, name: str, sampler: str, storage: str, tracker: Tracker, prefix: str, **kw: Any) -> Any:
-    """Open (or resume) one study and run it to search.n_trials complete trials."""
+def run_study(
+    cfg: DictConfig,
+    study: Any,
+    sampler: str,
+    evaluator: Evaluator,
+    space: SearchSpace,
+    tracker: Tracker,
+    prefix: str,
+    step: Callable[[], int],
+) -> None:
+    """Run one study to search.n_trials complete trials, logging each under `prefix`/ at step()
+    (the trials finished in all studies: monotonic across studies and resumed runs)."""
     s = cfg.search
-    study = open_study(storage, name, sampler=sampler, seed=cfg.seed, n_startup=s.n_startup_trials, meta=kw["meta"])
-    evaluator: Evaluator = kw["make_evaluator"](study)
     best = [max((t.value for t in finished(study)), default=float("-inf"))]
 
     def on_trial(trial: Any) -> None:
         best[0] = max(best[0], trial.value)
         a = trial.user_attrs
-        metrics = {"value": trial.value, "best": best[0], "skipped": a.get("skipped")}
+        metrics = {"trial": trial.number + 1, "value": trial.value, "best": best[0], "skipped": a.get("skipped")}
         metrics |= {k: a[k] for k in ("tau", "speedup", "est_speedup", "acceptance") if k in a}
-        tracker.log({f"{prefix}/{k}": v for k, v in metrics.items() if v is not None}, trial.number + 1)
+        tracker.log({f"{prefix}/{k}": v for k, v in metrics.items() if v is not None}, step() + 1)
 
     def progress(done: int, total: int) -> Any:
-        return tqdm(total=total, initial=done, desc=f"{name} ({sampler}, {s.objective})", unit="trial")
+        return tqdm(total=total, initial=done, desc=f"{study.study_name} ({sampler}, {s.objective})", unit="trial")
 
     search(
         study,
-        kw["space"],
+        space,
         evaluator,
         n_trials=s.n_trials,
         sampler=sampler,
@@ -148,7 +156,6 @@ def run_study(cfg: DictConfig, name: str, sampler: str, storage: str, tracker: T
         on_trial=on_trial,
         progress=progress,
     )
-    return study
 
 
 def write_trials(path: Path, studies: dict[str, Any]) -> None:
@@ -217,21 +224,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             baseline_every=cfg.search.baseline_every,
         )
 
-    samplers = [cfg.search.sampler] + (["random"] if cfg.search.random_baseline and cfg.search.sampler != "random" else [])
-    studies = {}
-    for sampler in samplers:
-        name = cfg.search.study_name + ("" if sampler == cfg.search.sampler else f"-{sampler}")
-        studies[sampler] = run_study(
-            cfg,
-            name,
-            sampler,
+    samplers = [cfg.search.sampler]
+    if cfg.search.random_baseline and cfg.search.sampler != "random":
+        samplers.append("random")
+    studies = {  # all opened (or resumed) before any trial runs: a bad storage or setting fails now
+        sampler: open_study(
             storage,
-            tracker,
-            "search" if sampler == cfg.search.sampler else sampler,
+            cfg.search.study_name + ("" if sampler == cfg.search.sampler else f"-{sampler}"),
+            sampler=sampler,
+            seed=cfg.seed,
+            n_startup=cfg.search.n_startup_trials,
             meta=study_meta(cfg, space, sampler),
-            make_evaluator=make_evaluator,
-            space=space,
         )
+        for sampler in samplers
+    }
+    logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
+    for sampler, study in studies.items():
+        prefix = "search" if sampler == cfg.search.sampler else sampler
+        run_study(cfg, study, sampler, make_evaluator(study), space, tracker, prefix, logged)
     write_trials(out / "trials.jsonl", studies)
     ylabel = "speedup over autoregressive" if cfg.search.objective == "speedup" else "estimated speedup (proxy)"
     plot_traces(
@@ -255,7 +265,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         num_layers=dcfg.num_layers,
         target=cfg.model.name,
         hidden_size=dcfg.hidden_size,
-        draft={"threshold": d.threshold, "adaptive": d.adaptive, "target_acceptance": d.target_acceptance, "gamma": d.gamma},
+        draft=OmegaConf.to_container(d, resolve=True),
         search={
             "sampler": cfg.search.sampler,
             "objective": cfg.search.objective,
@@ -265,7 +275,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "calibration_tau": best.user_attrs.get("tau"),
         },
     )
-    result: dict[str, Any] = {"search": summary, "best": skipset.to_dict(), "calibration_ar_tokens_per_s": cal.ar_tokens_per_s}
+    result: dict[str, Any] = {"search": summary, "calibration_ar_tokens_per_s": cal.ar_tokens_per_s}
     if cfg.validate.enabled:
         val_prompts, cats = prompts_of(target.tokenizer, cfg.data.val, cfg.validate.num_prompts, cfg)
         metrics = validate(
@@ -279,13 +289,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
         metrics["device"] = str(target.model.device)
         skipset.tau, skipset.speedup = metrics["tau"], metrics["speedup"]
+        if metrics["speedup"] < 1:
+            print(
+                f"note: the best set is slower than autoregressive decoding here ({metrics['speedup']:.2f}x, tau "
+                f"{metrics['tau']:.2f}). Self-speculation pays only when a draft token is accepted more often than "
+                "its draft step plus its share of verification cost, relative to one decode step: skipping more "
+                "makes drafts cheaper but rarer to accept (see trials.jsonl: tau and acceptance per trial)."
+            )
         result["validation"] = metrics
-        tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, len(finished(study)))
+        tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, logged() + 1)
     skipset.save(out / "skipset.json")
     result["best"] = skipset.to_dict()
     export = export_skipset(cfg, out, skipset, result.get("validation"))
     tracker.finish()
-    finish(cfg, _Say(out), result, export, f"specdec generate --target {cfg.model.name} --drafter {out / 'skipset.json'}")
+    command = f"specdec generate --target {cfg.model.name} --drafter {out / 'skipset.json'} --baseline"
+    finish(cfg, _Say(out), result, export, command)
     return result
 
 

@@ -64,9 +64,9 @@ class DraftExit:
 
     With adaptive=True the threshold follows recent acceptance, as in Draft & Verify (Zhang et al.
     2023): after each verified draft the smoothed acceptance a <- beta1 * a + (1 - beta1) * accepted
-    / drafted is compared with `target_acceptance`; the threshold steps up by epsilon when a is
-    below it (drafts are too long) and down otherwise (too short), smoothed by beta2. A draft that
-    used the whole gamma budget leaves the threshold as it is.
+    / drafted is compared with `target_acceptance`, and the threshold moves by (1 - beta2) * epsilon
+    (epsilon, smoothed by beta2): up when a is below it (drafts run too long), down otherwise. A
+    draft that used the whole gamma budget leaves the threshold as it is.
     """
 
     def __init__(

@@ -81,7 +81,7 @@ class SkipSet:
         except json.JSONDecodeError as e:
             raise SpecdecError(f"skip set '{path}' is not valid JSON ({e})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise SpecdecError(f"'{path}' is not a layer-skip set (no \"format\": \"{FORMAT}\")")
+            raise SpecdecError(f'\'{path}\' is not a layer-skip set (no "format": "{FORMAT}")')
         missing = [k for k in ("attn", "mlp", "num_layers") if k not in d]
         if missing:
             raise SpecdecError(f"skip set '{path}' lacks {', '.join(missing)}")

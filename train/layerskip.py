@@ -8,7 +8,8 @@
     best = best_trial(study)
 
 The search space is 2L binary choices (skip layer i's attention, skip its MLP), minus the layers
-kept by keep_first / keep_last, with at most max_skip_fraction of all 2L sublayers skipped. Two
+kept by keep_first / keep_last, with at least one and at most max_skip_fraction of all 2L
+sublayers skipped. Two
 objectives:
 
 - speedup: self-speculative greedy decoding of the calibration prompts, timed, over the
@@ -29,8 +30,9 @@ objectives:
 Both samplers start with the same `n_startup` random feasible sets (a uniform number of skipped
 sublayers, then which ones uniformly; seeded), so BO and random search are compared on paired
 starts. Gaussian-process BO is optuna's GPSampler with the skipped-fraction bound as a
-constraint; random search keeps drawing feasible sets the same way. The study lives in an optuna RDB storage (SQLite in the run
-folder by default): a search resumes where it stopped, and several machines can share one study.
+constraint; random search keeps drawing feasible sets the same way. The study lives in an optuna
+RDB storage (SQLite in the run folder by default): a search resumes where it stopped, and several
+machines can share one study.
 """
 
 import math
@@ -76,7 +78,8 @@ class SearchSpace:
             out.append(f"search.max_skip_fraction={self.max_skip_fraction} must be in (0, 1]")
         elif self.max_skipped < 1:
             out.append(
-                f"search.max_skip_fraction={self.max_skip_fraction} allows no sublayer of {2 * self.num_layers}: raise it"
+                f"search.max_skip_fraction={self.max_skip_fraction} allows no sublayer of "
+                f"{2 * self.num_layers}: raise it"
             )
         return out
 
@@ -105,11 +108,17 @@ class SearchSpace:
     def skipped(self, skip: LayerSkip) -> int:
         return len(skip.attn) + len(skip.mlp)
 
+    def violation(self, skip: LayerSkip) -> int:
+        """How far a set is outside 1..max_skipped skipped sublayers (<= 0: feasible). Skipping
+        nothing is not a drafter: the target would draft for itself at full cost."""
+        k = self.skipped(skip)
+        return max(k - self.max_skipped, 1 - k)
+
     def random_params(self, rng: random.Random) -> dict[str, bool]:
-        """A random feasible set: a size k uniform in 0..max_skipped, then k sublayers uniformly.
+        """A random feasible set: a size k uniform in 1..max_skipped, then k sublayers uniformly.
         (Uniform over sets would put nearly every draw at the largest sizes, where drafts are
         rarely accepted; uniform sizes cover sparse and dense sets alike.)"""
-        k = rng.randint(0, self.max_skipped)
+        k = rng.randint(1, self.max_skipped)
         chosen = set(rng.sample(self.names, k))
         return {name: name in chosen for name in self.names}
 
@@ -225,7 +234,9 @@ def calibrate(
 ) -> Calibration:
     """The target's greedy outputs for the prompts, and its autoregressive speed on them."""
     generate(target, list(prompts[0]), None, max_new_tokens=min(8, max_new_tokens))  # warm-up
-    outputs = [generate(target, list(p), None, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens for p in prompts]
+    outputs = [
+        generate(target, list(p), None, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens for p in prompts
+    ]
     cal = Calibration([list(p) for p in prompts], outputs)
     cal.ar_tokens_per_s = time_autoregressive(target, cal, max_new_tokens, stop_ids)
     return cal
@@ -432,8 +443,8 @@ def search(
 
     def objective(trial: Any) -> float:
         skip = space.suggest(trial)
-        over = space.skipped(skip) - space.max_skipped
-        trial.set_constraint("skipped_over_bound", over)  # <= 0: feasible
+        over = space.violation(skip)
+        trial.set_constraint("skipped_outside_bounds", over)  # <= 0: feasible
         trial.set_user_attr("constraint", float(over))
         trial.set_user_attr("skipped", space.skipped(skip))
         trial.set_user_attr("key", key_of(skip))
@@ -501,7 +512,8 @@ def plot_traces(runs: dict[str, list[list[float]]], path: Any, *, ylabel: str, t
         x = np.arange(1, n + 1)
         for v in seeds:
             ax.scatter(x, v[:n], s=7, alpha=0.35, color=color)
-        ax.plot(x, np.median(curves, axis=0), color=color, label=f"{label} best so far" + (" (median)" * (len(seeds) > 1)))
+        label += " best so far" + (" (median)" if len(seeds) > 1 else "")
+        ax.plot(x, np.median(curves, axis=0), color=color, label=label)
         if len(seeds) > 1:
             ax.fill_between(x, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
