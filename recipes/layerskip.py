@@ -190,6 +190,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    samplers = [cfg.search.sampler]
+    if cfg.search.random_baseline and cfg.search.sampler != "random":
+        samplers.append("random")
+    studies = {  # opened (or resumed) before the model loads: a bad storage or setting fails now
+        sampler: open_study(
+            storage,
+            cfg.search.study_name + ("" if sampler == cfg.search.sampler else f"-{sampler}"),
+            sampler=sampler,
+            seed=cfg.seed,
+            n_startup=cfg.search.n_startup_trials,
+            meta=study_meta(cfg, space, sampler),
+        )
+        for sampler in samplers
+    }
+    logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
     target = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.dtype)
     print(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")
     cal_prompts, _ = prompts_of(target.tokenizer, cfg.data.train, cfg.calibration.num_prompts, cfg)
@@ -224,21 +239,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             baseline_every=cfg.search.baseline_every,
         )
 
-    samplers = [cfg.search.sampler]
-    if cfg.search.random_baseline and cfg.search.sampler != "random":
-        samplers.append("random")
-    studies = {  # all opened (or resumed) before any trial runs: a bad storage or setting fails now
-        sampler: open_study(
-            storage,
-            cfg.search.study_name + ("" if sampler == cfg.search.sampler else f"-{sampler}"),
-            sampler=sampler,
-            seed=cfg.seed,
-            n_startup=cfg.search.n_startup_trials,
-            meta=study_meta(cfg, space, sampler),
-        )
-        for sampler in samplers
-    }
-    logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
     for sampler, study in studies.items():
         prefix = "search" if sampler == cfg.search.sampler else sampler
         run_study(cfg, study, sampler, make_evaluator(study), space, tracker, prefix, logged)

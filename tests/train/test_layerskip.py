@@ -265,6 +265,7 @@ def test_recipe_with_the_measured_objective(tiny, tmp_path):
         ("search.keep_first=3", "leaves no layer to skip: the target has 4 layers"),
         ("search.max_skip_fraction=0", "search.max_skip_fraction=0"),
         ("model.name=no-such-model", "unknown model 'no-such-model'"),
+        ("search.storage=nosuchdb://host/db", "search.storage='nosuchdb://host/db': optuna cannot open it"),
     ],
 )
 def test_invalid_settings_are_refused_before_any_work(tiny, tmp_path, override, message):
