@@ -132,11 +132,13 @@ class Run:
 
 
 def open_run(cfg: DictConfig) -> tuple[Any, Path]:
-    """The accelerator and the run folder, with the resolved config.yaml (rank 0 writes it)."""
+    """The accelerator and the run folder, with the resolved config.yaml (rank 0 writes it).
+    A recipe without a `trainer` section (no training: layerskip) runs in full precision."""
     out = Path(cfg.output_dir)
+    trainer = cfg.get("trainer")
     accelerator = make_accelerator(
-        mixed_precision=cfg.trainer.mixed_precision,
-        grad_accum=cfg.trainer.grad_accum,
+        mixed_precision=trainer.mixed_precision if trainer is not None else "no",
+        grad_accum=trainer.grad_accum if trainer is not None else 1,
         seed=cfg.seed,
         log_with="wandb" if cfg.tracking.kind == "wandb" else None,
         project_dir=str(out),

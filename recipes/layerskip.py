@@ -24,7 +24,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.common import finish, refuse, run_or_exit, spread
+from recipes.common import Run, finish, make_tracker, open_run, refuse, run_or_exit, spread
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter
@@ -47,7 +47,6 @@ from train.layerskip import (
     plot_traces,
     search,
 )
-from train.loop import make_accelerator
 from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
 from train.validate import validate
@@ -99,8 +98,12 @@ def study_meta(cfg: DictConfig, space: SearchSpace, sampler: str) -> dict[str, A
     }
 
 
-def prompts_of(tokenizer: Any, source: str, n: int, cfg: DictConfig) -> tuple[list[list[int]], list[Any]]:
-    convs = spread(load_conversations(source, split=cfg.data.split, column=cfg.data.column), n)
+def prompts_of(
+    tokenizer: Any, source: str, n: int, split: str = "train", column: str | None = None
+) -> tuple[list[list[int]], list[Any]]:
+    """Token ids (chat template and generation prompt applied) and categories of n prompts from a
+    data source, spread over its categories (all when n is 0)."""
+    convs = spread(load_conversations(source, split=split, column=column), n)
     return [prompt_ids(tokenizer, c) for c in convs], [c.category for c in convs]
 
 
@@ -174,22 +177,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     dcfg = DecoderConfig.from_hf(load_hf_config(path))
     space = search_space(cfg, dcfg.num_layers)
     refuse(space.problems())
-    out = Path(cfg.output_dir)
-    storage = cfg.search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
-    accelerator = make_accelerator(
-        mixed_precision="no",
-        grad_accum=1,
-        seed=cfg.seed,
-        log_with="wandb" if cfg.tracking.kind == "wandb" else None,
-        project_dir=str(out),
-    )
+    accelerator, out = open_run(cfg)
     if accelerator.num_processes > 1:
         raise SpecdecError(
             "recipes.layerskip runs as one process: start it once per machine or GPU (python -m recipes.layerskip "
             "device=cuda:N) with the same search.storage URL, and the workers share one study"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    storage = cfg.search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     samplers = [cfg.search.sampler]
     if cfg.search.random_baseline and cfg.search.sampler != "random":
         samplers.append("random")
@@ -206,23 +200,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     }
     logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
     target = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.dtype)
-    print(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")
-    cal_prompts, _ = prompts_of(target.tokenizer, cfg.data.train, cfg.calibration.num_prompts, cfg)
-    print(f"calibration: {len(cal_prompts)} prompts from {cfg.data.train}, {cfg.calibration.max_new_tokens} tokens")
-    tracker = Tracker(
-        accelerator,
-        out,
-        kind=cfg.tracking.kind,
-        project=cfg.tracking.get("project", "specdec"),
-        run_name=cfg.tracking.get("run_name") or f"layerskip-{out.name}",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        entity=cfg.tracking.get("entity"),
-        tags=list(cfg.tracking.get("tags") or []),
-    )
+    tok = target.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    run = Run(accelerator, out, path, tok, pad_id, None, target.stop_ids)
+    run.say(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")
+    cal_prompts, _ = prompts_of(tok, cfg.data.train, cfg.calibration.num_prompts, cfg.data.split, cfg.data.column)
+    run.say(f"calibration: {len(cal_prompts)} prompts from {cfg.data.train}, {cfg.calibration.max_new_tokens} tokens")
+    tracker = make_tracker(cfg, run, "layerskip")
     cal: Calibration = calibrate(
         target.model, cal_prompts, max_new_tokens=cfg.calibration.max_new_tokens, stop_ids=target.stop_ids
     )
-    print(f"autoregressive on the calibration prompts: {cal.ar_tokens_per_s:.1f} tokens/s ({cal.tokens} tokens)")
+    run.say(f"autoregressive on the calibration prompts: {cal.ar_tokens_per_s:.1f} tokens/s ({cal.tokens} tokens)")
     d = cfg.draft
     exit_settings = ExitSettings(float(d.threshold), bool(d.adaptive), float(d.target_acceptance))
 
@@ -258,7 +246,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     summary = {
         s: {"best": max(t.value for t in finished(st)), "trials": len(finished(st))} for s, st in studies.items()
     }
-    print("best per sampler: " + ", ".join(f"{s} {v['best']:.3f}" for s, v in summary.items()))
+    run.say("best per sampler: " + ", ".join(f"{s} {v['best']:.3f}" for s, v in summary.items()))
     skipset = SkipSet(
         attn=sorted(skip.attn),
         mlp=sorted(skip.mlp),
@@ -277,7 +265,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     result: dict[str, Any] = {"search": summary, "calibration_ar_tokens_per_s": cal.ar_tokens_per_s}
     if cfg.validate.enabled:
-        val_prompts, cats = prompts_of(target.tokenizer, cfg.data.val, cfg.validate.num_prompts, cfg)
+        val_prompts, cats = prompts_of(tok, cfg.data.val, cfg.validate.num_prompts, cfg.data.split, cfg.data.column)
         metrics = validate(
             target.model,
             skip_drafter(target, skipset),
@@ -290,7 +278,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         metrics["device"] = str(target.model.device)
         skipset.tau, skipset.speedup = metrics["tau"], metrics["speedup"]
         if metrics["speedup"] < 1:
-            print(
+            run.say(
                 f"note: the best set is slower than autoregressive decoding here ({metrics['speedup']:.2f}x, tau "
                 f"{metrics['tau']:.2f}). Self-speculation pays only when a draft token is accepted more often than "
                 "its draft step plus its share of verification cost, relative to one decode step: skipping more "
@@ -303,18 +291,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     export = export_skipset(cfg, out, skipset, result.get("validation"))
     tracker.finish()
     command = f"specdec generate --target {cfg.model.name} --drafter {out / 'skipset.json'} --baseline"
-    finish(cfg, _Say(out), result, export, command)
+    finish(cfg, run, result, export, command)
     return result
-
-
-class _Say:
-    """The bits of recipes.common.Run that finish() uses (this recipe has no training run)."""
-
-    def __init__(self, out: Path):
-        self.out = out
-
-    def say(self, *args: Any) -> None:
-        print(*args)
 
 
 def export_skipset(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str, Any] | None) -> Path:

@@ -43,10 +43,9 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from recipes.common import spread
+    from recipes.layerskip import prompts_of
     from specdec_runtime.layerskip import SkipSet, skip_drafter
     from specdec_runtime.loading import load_model
-    from train.data import load_conversations, prompt_ids
     from train.layerskip import (
         CostModel,
         Evaluator,
@@ -67,12 +66,8 @@ def main() -> None:
     if space.problems():
         sys.exit("\n".join(space.problems()))
 
-    def prompts(source: str, k: int) -> tuple[list[list[int]], list]:
-        convs = spread(load_conversations(source), k)
-        return [prompt_ids(target.tokenizer, c) for c in convs], [c.category for c in convs]
-
-    cal_prompts, _ = prompts("builtin:train", args.calibration_prompts)
-    val_prompts, val_cats = prompts("builtin:val", args.val_prompts)
+    cal_prompts, _ = prompts_of(target.tokenizer, "builtin:train", args.calibration_prompts)
+    val_prompts, val_cats = prompts_of(target.tokenizer, "builtin:val", args.val_prompts)
     cal = calibrate(target.model, cal_prompts, max_new_tokens=args.calibration_tokens, stop_ids=target.stop_ids)
     cost = None
     if args.objective == "proxy":
