@@ -218,28 +218,26 @@ class Calibration:
         return sum(len(o) for o in self.outputs)
 
 
-def time_autoregressive(target: Decoder, cal: Calibration, max_new_tokens: int, stop_ids: frozenset[int]) -> float:
-    """Autoregressive tokens/s over the calibration prompts (outputs checked against cal's)."""
-    tokens, seconds = 0, 0.0
-    for p, expected in zip(cal.prompts, cal.outputs):
-        g = generate(target, p, None, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-        if g.tokens != expected:
-            raise RuntimeError("autoregressive decoding is not deterministic on this device")
+def decode_autoregressive(
+    target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: frozenset[int]
+) -> tuple[list[list[int]], float]:
+    """The target's greedy outputs for the prompts, and its tokens/s over them."""
+    outputs, tokens, seconds = [], 0, 0.0
+    for p in prompts:
+        g = generate(target, list(p), None, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        outputs.append(g.tokens)
         tokens, seconds = tokens + g.stats.new_tokens, seconds + g.stats.total_s
-    return tokens / seconds
+    return outputs, tokens / seconds
 
 
 def calibrate(
     target: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: frozenset[int]
 ) -> Calibration:
-    """The target's greedy outputs for the prompts, and its autoregressive speed on them."""
+    """The target's greedy outputs for the prompts, and its autoregressive speed on them (one
+    timed pass after a short warm-up)."""
     generate(target, list(prompts[0]), None, max_new_tokens=min(8, max_new_tokens))  # warm-up
-    outputs = [
-        generate(target, list(p), None, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens for p in prompts
-    ]
-    cal = Calibration([list(p) for p in prompts], outputs)
-    cal.ar_tokens_per_s = time_autoregressive(target, cal, max_new_tokens, stop_ids)
-    return cal
+    outputs, tokens_per_s = decode_autoregressive(target, prompts, max_new_tokens, stop_ids)
+    return Calibration([list(p) for p in prompts], outputs, tokens_per_s)
 
 
 @dataclass(frozen=True)
@@ -337,7 +335,11 @@ class Evaluator:
 
     def measured(self, skip: LayerSkip) -> dict[str, Any]:
         if self.baseline_every and self.evaluated % self.baseline_every == 0:  # the machine may have drifted
-            self.cal.ar_tokens_per_s = time_autoregressive(self.target, self.cal, self.max_new_tokens, self.stop_ids)
+            outputs, self.cal.ar_tokens_per_s = decode_autoregressive(
+                self.target, self.cal.prompts, self.max_new_tokens, self.stop_ids
+            )
+            if outputs != self.cal.outputs:
+                raise RuntimeError("autoregressive decoding is not deterministic on this device")
         drafter, counts, seconds, lossless = self.drafter(skip), RoundCounts(), 0.0, True
         for p, expected in zip(self.cal.prompts, self.cal.outputs):
             g = generate(
