@@ -58,6 +58,17 @@ def tiny_decoder(kind: str = "llama", seed: int = 0, **overrides) -> Decoder:
     return runtime_from_hf(tiny_hf_model(kind, seed, **overrides))
 
 
+def assert_cache_is_a_fresh_prefill(target: Decoder, hf_model, tokens: list[int], atol=1e-5, rtol=1e-5) -> None:
+    """The target's KV cache after generating `tokens` (prompt + output) holds exactly what a fresh
+    prefill of all but the newest token writes (the newest is not cached yet)."""
+    seq = torch.tensor([tokens[:-1]])
+    n = seq.shape[1]
+    fresh = runtime_from_hf(hf_model)
+    fresh.setup_cache(1, n)
+    fresh(seq, 0)
+    torch.testing.assert_close(target.cache.kv[..., :n, :], fresh.cache.kv[..., :n, :], atol=atol, rtol=rtol)
+
+
 class NoCache:
     """A stub's KV cache: a bigram model has no context to keep (tree branches need no moving)."""
 

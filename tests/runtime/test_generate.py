@@ -10,6 +10,7 @@ from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler
 from tests.conftest import (
     BigramStub,
+    assert_cache_is_a_fresh_prefill,
     assert_follows,
     assert_not_follows,
     bigram_greedy,
@@ -105,13 +106,7 @@ def test_kv_cache_after_rejections_equals_a_fresh_prefill(drafter_kind):
     prompt = [1, 2, 3, 4, 5]
     out = generate(target, prompt, drafter, Sampler(1.0, seed=0), max_new_tokens=37, gamma=5)
     assert out.stats.drafted > out.stats.accepted > 0  # there were rejections
-    seq = torch.tensor([prompt + out.tokens[:-1]])  # the cache holds all but the newest token
-    n = seq.shape[1]
-    fresh = runtime_from_hf(hf)
-    fresh.setup_cache(1, n)
-    fresh(seq, 0)
-    torch.testing.assert_close(target.cache.k[..., :n, :], fresh.cache.k[..., :n, :], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(target.cache.v[..., :n, :], fresh.cache.v[..., :n, :], atol=1e-5, rtol=1e-5)
+    assert_cache_is_a_fresh_prefill(target, hf, prompt + out.tokens)
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 0, 0.9), (1.5, 2, 1.0)])

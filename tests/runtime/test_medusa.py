@@ -20,7 +20,7 @@ from specdec_runtime.medusa import (
 )
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
-from tests.conftest import runtime_from_hf, save_tiny_model, tiny_hf_model
+from tests.conftest import assert_cache_is_a_fresh_prefill, runtime_from_hf, save_tiny_model, tiny_hf_model
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
 
@@ -56,12 +56,7 @@ def test_kv_cache_after_tree_rounds_equals_a_fresh_prefill():
     prompt = [1, 2, 3, 4, 5]
     out = generate(target, prompt, drafter, Sampler(1.5, seed=0), max_new_tokens=40, gamma=3)
     assert out.stats.drafted > out.stats.accepted > 0
-    seq = torch.tensor([prompt + out.tokens[:-1]])
-    n = seq.shape[1]
-    fresh = runtime_from_hf(hf)
-    fresh.setup_cache(1, n)
-    fresh(seq, 0)
-    torch.testing.assert_close(target.cache.kv[..., :n, :], fresh.cache.kv[..., :n, :], atol=1e-5, rtol=1e-5)
+    assert_cache_is_a_fresh_prefill(target, hf, prompt + out.tokens)
 
 
 def test_tree_accepts_more_than_its_chain_with_informative_heads():
