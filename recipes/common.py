@@ -30,7 +30,7 @@ from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype, re
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import Batches, Conversation, Example, encode_conversation, load_conversations, prompt_ids
 from train.export import push_to_hub
-from train.loop import MIXED_PRECISION, BackwardFn, LossFn, make_accelerator, optimizer_step
+from train.loop import MIXED_PRECISION, BackwardFn, LossFn, make_accelerator, make_optimizer, optimizer_step
 from train.responses import cache_key, generate_responses
 from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
@@ -248,6 +248,22 @@ def training_examples(cfg: DictConfig, run: Run, target: Any) -> tuple[list[Exam
     if cfg.responses.source == "target":
         return with_responses(prompts, target_responses(cfg, run, target, prompts), max_len), prompts
     return [], prompts
+
+
+def make_optimizer_from(cfg: DictConfig, params: Any) -> tuple[Any, Any]:
+    """AdamW and its schedule from cfg.optim over cfg.trainer.max_steps (params: parameters or
+    groups, see train.loop.make_optimizer)."""
+    o = cfg.optim
+    return make_optimizer(
+        params,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        warmup_steps=o.warmup_steps,
+        max_steps=cfg.trainer.max_steps,
+        schedule=o.schedule,
+        betas=tuple(o.betas),
+        min_lr_ratio=o.min_lr_ratio,
+    )
 
 
 def make_tracker(cfg: DictConfig, run: Run, recipe: str) -> Tracker:

@@ -21,6 +21,7 @@ from recipes.common import (
     finish,
     generation_kwargs,
     load_target,
+    make_optimizer_from,
     make_tracker,
     refuse,
     resume,
@@ -46,7 +47,6 @@ from train.draft_model import (
     use_draft_vocab,
 )
 from train.export import export_hf_drafter, model_card, write_model_card
-from train.loop import make_optimizer
 from train.responses import generate_responses
 from train.validate import runtime_decoder, validate
 
@@ -123,17 +123,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         drafter.get_input_embeddings().requires_grad_(False)
     vocab_dev = vocab_ids.to(device) if vocab_ids is not None else None
 
-    o = cfg.optim
-    optimizer, scheduler = make_optimizer(
-        [p for p in drafter.parameters() if p.requires_grad],
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        warmup_steps=o.warmup_steps,
-        max_steps=cfg.trainer.max_steps,
-        schedule=o.schedule,
-        betas=tuple(o.betas),
-        min_lr_ratio=o.min_lr_ratio,
-    )
+    optimizer, scheduler = make_optimizer_from(cfg, [p for p in drafter.parameters() if p.requires_grad])
     student, optimizer, scheduler = accelerator.prepare(SelectedLogits(drafter), optimizer, scheduler)
     teacher = SelectedLogits(target)
     tracker = make_tracker(cfg, run, "distill")

@@ -27,6 +27,7 @@ from recipes.common import (
     check_common,
     finish,
     load_target,
+    make_optimizer_from,
     make_tracker,
     refuse,
     resume,
@@ -46,7 +47,6 @@ from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids
 from train.export import export_hf_drafter, model_card, write_model_card
-from train.loop import make_optimizer
 from train.medusa import (
     MedusaTraining,
     cache_hidden_states,
@@ -176,17 +176,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             progress=lambda n: tqdm(total=n, desc="hidden states", unit="example", disable=not run.main),
         )
 
-    o = cfg.optim
-    optimizer, scheduler = make_optimizer(
-        groups,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        warmup_steps=o.warmup_steps,
-        max_steps=cfg.trainer.max_steps,
-        schedule=o.schedule,
-        betas=tuple(o.betas),
-        min_lr_ratio=o.min_lr_ratio,
-    )
+    optimizer, scheduler = make_optimizer_from(cfg, groups)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     tracker = make_tracker(cfg, run, "medusa")
     start_step, _ = resume(cfg, run)

@@ -29,6 +29,7 @@ from recipes.common import (
     check_trainer,
     finish,
     load_tokenizer,
+    make_optimizer_from,
     make_tracker,
     open_run,
     refuse,
@@ -41,7 +42,6 @@ from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype
 from specdec_runtime.mtp import MTP_CONFIG, MTP_WEIGHTS, MTPDrafter, MTPHeads
 from train.corpus import corpus_documents, packed_corpus, train_tokenizer
 from train.export import export_hf_drafter, model_card, write_model_card
-from train.loop import make_optimizer
 from train.mtp import TRAINABLE, MTPModel, PackedSequence, average_gradients, evaluate, heads_state_dict, mtp_step
 from train.validate import runtime_decoder, validate
 
@@ -224,14 +224,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         f"model: {model.trunk_layers}-layer trunk + {n} heads, {total / 1e6:.1f}M parameters "
         f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {m.trainable}), {m.backward} backward"
     )
-    optimizer, scheduler = make_optimizer(
-        trainable,
-        lr=cfg.optim.lr,
-        weight_decay=cfg.optim.weight_decay,
-        warmup_steps=cfg.optim.warmup_steps,
-        max_steps=T.max_steps,
-        schedule=cfg.optim.schedule,
-    )
+    optimizer, scheduler = make_optimizer_from(cfg, trainable)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     model = accelerator.unwrap_model(wrapped)
     tracker = make_tracker(cfg, run, "mtp")
