@@ -135,11 +135,10 @@ class ModelDrafter:
         self.seen = 0  # own cache: leading positions that hold the current sequence
         self.vocab_ids = getattr(model, "vocab_ids", None)  # [N] a draft vocabulary's ids, if any
         self.last: tuple[int, int, bool] | None = None  # (L, drafted, full) of the previous draft
-        n = model.config.num_layers
-        skipped = (skip.attn | skip.mlp) if skip is not None else frozenset()
-        self.resume_layer = min([n, *skipped] + ([exit_layer] if exit_layer is not None else []))
-        if not shares_target_cache:
-            self.resume_layer = 0
+        # Layers run exactly as the target runs them: up to the first exit or skipped sublayer.
+        stops = [model.config.num_layers, *(skip.attn | skip.mlp if skip is not None else ())]
+        stops += [exit_layer] if exit_layer is not None else []
+        self.resume_layer = min(stops) if shares_target_cache else 0
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         self.last = None
