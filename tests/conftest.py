@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models from configs, a bigram stub with fixed logits, a tiny
 offline tokenizer, and the bundled SmolLM2-135M (converted once by scripts/setup.sh)."""
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a hub
@@ -199,6 +200,18 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
     tok = save_tiny_tokenizer(path)
     model = tiny_hf_model(kind, seed, **{"vocab_size": len(tok), "bos_token_id": 1, "eos_token_id": 2, **overrides})
     model.save_pretrained(path)
+    return path
+
+
+WORDS = "apple river stone cloud green quick lazy small brave happy quiet north".split()
+
+
+def write_prompt_file(path: Path, n: int, *, stride: int, suffix: str) -> Path:
+    """n MT-Bench-form prompts "<word i> <word stride*i><suffix>" in categories a and b, words
+    a character-level tiny tokenizer covers."""
+    texts = [f"{WORDS[i % 12]} {WORDS[(stride * i) % 12]}{suffix}" for i in range(n)]
+    rows = [{"question_id": f"p{i}", "category": "ab"[i % 2], "turns": [t]} for i, t in enumerate(texts)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
 
 

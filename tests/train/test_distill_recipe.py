@@ -9,11 +9,10 @@ from hydra import compose, initialize_config_dir
 
 from recipes import distill
 from specdec_runtime.errors import SpecdecError
-from tests.conftest import save_tiny_model
+from tests.conftest import WORDS, save_tiny_model, write_prompt_file
 from train import checkpoint
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-WORDS = "apple river stone cloud green quick lazy small brave happy quiet north".split()
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +20,7 @@ def tiny(tmp_path_factory):
     """A tiny target folder and a prompt file its character-level tokenizer covers."""
     root = tmp_path_factory.mktemp("distill")
     target = save_tiny_model(root / "target", num_hidden_layers=2, tie_word_embeddings=True)
-    rows = [
-        {
-            "question_id": f"p{i}",
-            "category": ["a", "b"][i % 2],
-            "turns": [f"{WORDS[i % 12]} {WORDS[(3 * i) % 12]}, say more."],
-        }
-        for i in range(16)
-    ]
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
+    data = write_prompt_file(root / "prompts.jsonl", 16, stride=3, suffix=", say more.")
     return target, data, root / "cache"
 
 

@@ -15,7 +15,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
 from specdec_runtime.model import LayerSkip
-from tests.conftest import BigramStub, bigram_table, save_tiny_model, tiny_decoder
+from tests.conftest import BigramStub, bigram_table, save_tiny_model, tiny_decoder, write_prompt_file
 from train.layerskip import (
     Calibration,
     CostModel,
@@ -30,7 +30,6 @@ from train.layerskip import (
 )
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-WORDS = "apple river stone cloud green quick lazy small brave happy quiet north".split()
 
 
 def test_search_space_names_bounds_and_feasible_random_draws():
@@ -177,12 +176,7 @@ def test_gp_and_random_share_their_start_then_gp_proposes(tmp_path):
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("layerskip")
     target = save_tiny_model(root / "target", num_hidden_layers=4, initializer_range=0.05)
-    rows = [
-        {"question_id": f"p{i}", "category": "ab"[i % 2], "turns": [f"{WORDS[i % 12]} {WORDS[(5 * i) % 12]} again"]}
-        for i in range(8)
-    ]
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
+    data = write_prompt_file(root / "prompts.jsonl", 8, stride=5, suffix=" again")
     return target, data
 
 

@@ -13,24 +13,18 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
 from specdec_runtime.medusa import MedusaHeads, load_medusa, read_layout
-from tests.conftest import save_tiny_model, tiny_hf_model
+from tests.conftest import save_tiny_model, tiny_hf_model, write_prompt_file
 from train import checkpoint
 from train.medusa import MedusaTraining
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-WORDS = "apple river stone cloud green quick lazy small brave happy quiet north".split()
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("medusa")
     target = save_tiny_model(root / "target", num_hidden_layers=2, tie_word_embeddings=True)
-    rows = [
-        {"question_id": f"p{i}", "category": ["a", "b"][i % 2], "turns": [f"{WORDS[i % 12]} {WORDS[(5 * i) % 12]}."]}
-        for i in range(24)
-    ]
-    data = root / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
+    data = write_prompt_file(root / "prompts.jsonl", 24, stride=5, suffix=".")
     return target, data, root / "cache"
 
 
