@@ -13,9 +13,11 @@ here: the train/ modules below receive plain arguments.
 """
 
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,15 @@ from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype, re
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import Batches, Conversation, Example, encode_conversation, load_conversations, prompt_ids
 from train.export import push_to_hub
-from train.loop import MIXED_PRECISION, BackwardFn, LossFn, make_accelerator, make_optimizer, optimizer_step
+from train.loop import (
+    MIXED_PRECISION,
+    BackwardFn,
+    LossFn,
+    launcher,
+    make_accelerator,
+    make_optimizer,
+    optimizer_step,
+)
 from train.responses import cache_key, generate_responses
 from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
@@ -52,8 +62,8 @@ def check_trainer(cfg: DictConfig) -> list[str]:
     problems = []
     if cfg.tracking.kind not in TRACKING_KINDS:
         problems.append(f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb")
-    if cfg.trainer.mixed_precision not in MIXED_PRECISION:
-        problems.append(f"trainer.mixed_precision='{cfg.trainer.mixed_precision}': use no, bf16 or fp16")
+    if cfg.trainer.mixed_precision not in ("auto", *MIXED_PRECISION):
+        problems.append(f"trainer.mixed_precision='{cfg.trainer.mixed_precision}': use auto, no, bf16 or fp16")
     for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
         if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
             problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
@@ -137,8 +147,10 @@ def open_run(cfg: DictConfig) -> tuple[Any, Path]:
     out = Path(cfg.output_dir)
     trainer = cfg.get("trainer")
     accelerator = make_accelerator(
-        mixed_precision=trainer.mixed_precision if trainer is not None else "no",
+        mixed_precision=mixed_precision(trainer.mixed_precision) if trainer is not None else "no",
         grad_accum=trainer.grad_accum if trainer is not None else 1,
+        micro_batch=trainer.micro_batch if trainer is not None else 1,
+        max_grad_norm=trainer.max_grad_norm if trainer is not None else None,
         seed=cfg.seed,
         log_with="wandb" if cfg.tracking.kind == "wandb" else None,
         project_dir=str(out),
@@ -148,6 +160,82 @@ def open_run(cfg: DictConfig) -> tuple[Any, Path]:
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     accelerator.wait_for_everyone()
     return accelerator, out
+
+
+def mixed_precision(setting: str) -> str:
+    """trainer.mixed_precision: auto takes the accelerate config's (`accelerate launch`), else no."""
+    if setting == "auto":
+        return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    return setting
+
+
+def launch_kind(accelerator: Any) -> str:
+    """How the run was launched: "single", "ddp", "zero1"/"zero2"/"zero3" (DeepSpeed) or "fsdp"."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    if kind == DistributedType.FSDP:
+        return "fsdp"
+    return "single" if accelerator.num_processes == 1 else "ddp"
+
+
+def check_launch(accelerator: Any, recipe: str, fits: tuple[str, ...], why: str = "") -> str:
+    """Refuse, before any model loads, a launcher config the recipe does not fit; returns the kind.
+    fits: the kinds of launch_kind() the recipe runs under ("single" and "ddp" always fit)."""
+    asked, kind = launcher(), launch_kind(accelerator)
+    if asked == "fsdp" and kind != "fsdp":
+        raise SpecdecError(
+            "the accelerate config asks for FSDP, which accelerate runs on GPUs only: on this machine use "
+            "conf/accelerate/multi_cpu.yaml (DDP over gloo) or a DeepSpeed config"
+        )
+    if kind not in ("single", "ddp", *fits):
+        ok = ", ".join(["DDP (conf/accelerate/multi_gpu.yaml)", *(FITS_NAMES[f] for f in fits)])
+        raise SpecdecError(
+            f"recipes.{recipe} does not run under {FITS_NAMES[kind]}{': ' + why if why else ''}. Use {ok}"
+        )
+    return kind
+
+
+FITS_NAMES = {
+    "single": "one process",
+    "ddp": "DDP",
+    "zero1": "DeepSpeed ZeRO-1",
+    "zero2": "DeepSpeed ZeRO-2 (conf/accelerate/deepspeed_zero2.yaml)",
+    "zero3": "DeepSpeed ZeRO-3 (conf/accelerate/deepspeed_zero3*.yaml)",
+    "fsdp": "FSDP (conf/accelerate/fsdp.yaml)",
+}
+
+
+def sharded(accelerator: Any) -> bool:
+    """Parameters are split across processes (ZeRO-3, FSDP): reading the weights needs a gather."""
+    return launch_kind(accelerator) in ("zero3", "fsdp")
+
+
+@contextmanager
+def whole(accelerator: Any) -> Iterator[None]:
+    """Models created inside stay whole on every process. Under ZeRO-3, transformers would otherwise
+    partition every model at creation (zero.Init); a frozen target must stay whole, and the trained
+    model is partitioned when accelerator.prepare() wraps it."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def gathered_state_dict(accelerator: Any, wrapped: Any) -> dict[str, torch.Tensor] | None:
+    """The prepared model's whole state dict on rank 0 (None elsewhere). Every process must call it:
+    under ZeRO-3 and FSDP it gathers the shards."""
+    sd = accelerator.get_state_dict(wrapped)
+    return {k: v.detach() for k, v in sd.items()} if accelerator.is_main_process else None
 
 
 def load_tokenizer(name: str) -> tuple[Path, Any, int, Any, frozenset[int]]:
@@ -192,7 +280,9 @@ def load_target(cfg: DictConfig, run: Run) -> Any:
     """The HF target on the run's device, frozen, in model.dtype."""
     dtype = resolve_dtype(cfg.model.dtype, run.device)
     run.say(f"target {cfg.model.name} ({run.target_path}) on {run.device} in {dtype}")
-    return load_hf_model(cfg.model.name, dtype=dtype).to(run.device).eval().requires_grad_(False)
+    with whole(run.accelerator):
+        model = load_hf_model(cfg.model.name, dtype=dtype)
+    return model.to(run.device).eval().requires_grad_(False)
 
 
 def generation_kwargs(cfg: DictConfig, run: Run) -> dict[str, Any]:

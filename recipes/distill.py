@@ -18,7 +18,9 @@ from omegaconf import DictConfig
 
 from recipes.common import (
     check_common,
+    check_launch,
     finish,
+    gathered_state_dict,
     generation_kwargs,
     load_target,
     make_optimizer_from,
@@ -26,9 +28,11 @@ from recipes.common import (
     refuse,
     resume,
     run_or_exit,
+    sharded,
     start,
     train_loop,
     training_examples,
+    whole,
     with_responses,
 )
 from specdec_runtime.drafters import ModelDrafter
@@ -99,8 +103,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     run = start(cfg)
     accelerator, device, say = run.accelerator, run.device, run.say
+    check_launch(
+        accelerator,
+        "distill",
+        ("zero1", "zero2", "zero3", "fsdp") if cfg.responses.source != "drafter" else ("zero1", "zero2"),
+        "on-policy responses (responses.source=drafter) generate with the drafter, whose weights ZeRO-3 and FSDP split",
+    )
     target = load_target(cfg, run)
-    drafter = build_drafter(cfg, target, run.tokenizer)
+    with whole(accelerator):
+        drafter = build_drafter(cfg, target, run.tokenizer)
     if drafter.config.vocab_size != target.config.vocab_size:
         raise SpecdecError(
             f"the drafter's vocabulary ({drafter.config.vocab_size}) differs from the target's "
@@ -165,13 +176,31 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     runtime: list[Decoder] = []  # the target as a runtime Decoder, built at the first validation
 
+    def trained() -> Any:
+        """The drafter, whole, on rank 0 (None elsewhere). Under ZeRO-3 and FSDP every process
+        takes part in gathering it into a fresh copy."""
+        model = accelerator.unwrap_model(student).model
+        if not sharded(accelerator):
+            return model
+        sd = gathered_state_dict(accelerator, student)
+        if not run.main:
+            return None
+        with whole(accelerator):
+            copy = type(model)(model.config)
+        if vocab_ids is not None:
+            use_draft_vocab(copy, vocab_ids)
+        copy.load_state_dict({k.removeprefix("model."): v for k, v in sd.items()}, strict=False)
+        copy.tie_weights()
+        return copy.float().to(device).eval()
+
     def validate_now(step: int) -> dict[str, Any]:
         """Validation on the runtime (rank 0; the other processes wait)."""
         metrics: dict[str, Any] = {}
+        model = trained() if cfg.validate.enabled else None
         if cfg.validate.enabled and run.main:
             dtype = resolve_dtype("auto", device)
             runtime[:] = runtime or [runtime_decoder(target, None, device, dtype)]
-            decoder = runtime_decoder(accelerator.unwrap_model(student).model, vocab_ids, device, dtype)
+            decoder = runtime_decoder(model, vocab_ids, device, dtype)
             metrics = validate(
                 runtime[0],
                 ModelDrafter(decoder, vocab_size=target.config.vocab_size, name="distilled"),
@@ -211,8 +240,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result = {"validation": metrics, "train": stats, "history": history, "step": final}
 
     # ---------------------------------------------------------------- export
+    model = trained()
     if run.main:
-        model = accelerator.unwrap_model(student).model
         export = export_hf_drafter(
             model, run.tokenizer, run.out / "export", vocab_ids=vocab_ids, generation_config=run.gen_cfg
         )

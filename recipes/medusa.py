@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from recipes.common import (
     check_common,
+    check_launch,
     finish,
     load_target,
     make_optimizer_from,
@@ -125,6 +126,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     accelerator, device, say = run.accelerator, run.device, run.say
     m, m2 = cfg.medusa, cfg.medusa2
     joint = m.mode == "medusa2"
+    check_launch(
+        accelerator,
+        "medusa",
+        ("zero1", "zero2"),
+        "the heads are small and the frozen target is not sharded (Medusa-1); the jointly trained target "
+        "(Medusa-2) is not gathered for validation and export yet",
+    )
     if joint and cfg.model.dtype not in ("auto", "float32"):
         say(f"medusa2 trains the target: loading it in float32 (not {cfg.model.dtype}); autocast does the rest")
         cfg.model.dtype = "float32"

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from recipes.common import (
     Run,
+    check_launch,
     check_trainer,
     finish,
     load_tokenizer,
@@ -129,16 +130,6 @@ def no_sync(model: Any) -> Any:
     return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
 
 
-def check_distributed(accelerator: Any) -> None:
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        raise SpecdecError(
-            f"the mtp recipe runs its own per-head backward and gradient reduction, which supports one process "
-            f"or DDP (conf/accelerate/multi_gpu.yaml, multi_cpu.yaml), not {accelerator.distributed_type.value}"
-        )
-
-
 def own_tokenizer(cfg: DictConfig, out: Path) -> Any:
     """The run's BPE tokenizer (data.train_tokenizer tokens) trained on the training documents."""
     from transformers import AutoTokenizer
@@ -188,7 +179,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
     accelerator, out = open_run(cfg)
-    check_distributed(accelerator)
+    check_launch(
+        accelerator,
+        "mtp",
+        (),
+        "it runs its own per-head backward and gradient reduction, which DeepSpeed and FSDP would bypass",
+    )
     path, tokenizer, pad_id, gen_cfg, stop_ids = load_tokenizer(cfg.model.name)
     m, T, d = cfg.mtp, cfg.trainer, cfg.data
     if d.train_tokenizer:

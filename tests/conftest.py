@@ -228,3 +228,25 @@ def bundled_hf():
     from specdec_runtime.loading import load_hf_model
 
     return load_hf_model("smollm2-135m-instruct").eval()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def accelerate_launch(config: str, args: list[str], processes: int = 2, timeout: int = 300):
+    """`accelerate launch --config_file conf/accelerate/<config>.yaml` of `args` (e.g. ["-m", "recipes.distill",
+    ...]) with `processes` CPU processes in full precision (the flags override the file's GPU values)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port, so launches of parallel test runs do not collide
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(ROOT / "conf" / "accelerate" / f"{config}.yaml"),
+        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(port),
+        *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

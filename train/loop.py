@@ -16,6 +16,7 @@ accumulation steps and DDP averages over processes; both are undone here).
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,28 +28,67 @@ LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
 BackwardFn = Callable[[Any, float], tuple[Tensor, dict[str, Tensor]]]
 
 
+def launcher() -> str:
+    """What `accelerate launch` asked for: "deepspeed", "fsdp", or "" (DDP or a plain process)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp"
+    return ""
+
+
 def make_accelerator(
-    *, mixed_precision: str, grad_accum: int, seed: int, log_with: str | None, project_dir: str, cpu: bool | None = None
+    *,
+    mixed_precision: str,
+    grad_accum: int,
+    seed: int,
+    log_with: str | None,
+    project_dir: str,
+    micro_batch: int = 1,
+    max_grad_norm: float | None = None,
+    cpu: bool | None = None,
 ) -> Any:
     """An Accelerator for one run; the scheduler is stepped by hand, once per optimizer step.
 
     cpu=None: CPU when there is no GPU. Then torchrun-style launches (WORLD_SIZE > 1, e.g.
-    conf/accelerate/multi_cpu.yaml) form a gloo process group instead of silently running alone.
+    conf/accelerate/multi_cpu.yaml) form a gloo process group instead of silently running alone,
+    and a DeepSpeed launch runs DeepSpeed on its CPU accelerator (gloo). DeepSpeed's own batch
+    settings are taken from the trainer's (micro_batch, grad_accum, max_grad_norm), so a launcher
+    config can never disagree with the recipe's.
     """
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file "saved ..." lines
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"trainer.mixed_precision='{mixed_precision}': use no, bf16 or fp16")
+    handlers = []
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    if cpu and launcher() == "deepspeed":
+        # accelerate's cpu=True would silently turn a DeepSpeed launch into plain DDP: run
+        # DeepSpeed on its CPU accelerator over gloo instead.
+        cpu = False
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    if launcher() == "deepspeed":
+        # accelerate launch exports the config file's values, which the Accelerator prefers to its
+        # arguments: the recipe's trainer settings win instead.
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(grad_accum)
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(float(max_grad_norm or 0.0))
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=grad_accum,
         step_scheduler_with_optimizer=False,
         log_with=log_with,
         project_dir=project_dir,
-        cpu=not torch.cuda.is_available() if cpu is None else cpu,
+        cpu=cpu,
+        kwargs_handlers=handlers,
     )
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch  # no dataloader is prepared
+        if plugin.zero_stage == 3:  # validation and export read whole weights (accelerator.get_state_dict)
+            plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     set_seed(seed, device_specific=False)
     return accelerator
 

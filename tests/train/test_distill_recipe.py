@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from recipes import distill
 from specdec_runtime.errors import SpecdecError
-from tests.conftest import WORDS, save_tiny_model, write_prompt_file
+from tests.conftest import WORDS, accelerate_launch, save_tiny_model, write_prompt_file
 from train import checkpoint
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -122,55 +122,38 @@ def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, overr
         distill.run(cfg)
 
 
-def test_two_processes_match_one_on_the_same_global_batch(tiny, tmp_path):
-    """accelerate launch with 2 CPU processes (gloo): same losses, same weights, one run folder."""
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def one_process_run(tiny, tmp_path_factory):
+    """The 4-step reference run in one process: global batch 8 as 4 x 2 accumulation steps."""
+    out = tmp_path_factory.mktemp("distill-one") / "run"
+    steps = ("trainer.micro_batch=4", "trainer.grad_accum=2", "trainer.max_steps=4")
+    distill.run(config(tiny, out, *steps, "validate.enabled=false"))
+    return out
 
+
+@pytest.mark.parametrize("launcher", ["multi_cpu", "deepspeed_zero2", "deepspeed_zero3"])
+def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_process_run, tmp_path):
+    """accelerate launch with 2 CPU processes (gloo; DDP, or DeepSpeed on its CPU accelerator) and the
+    same global batch: same losses, same exported weights (gathered from the shards under ZeRO-3),
+    one run folder written by rank 0."""
     from safetensors.torch import load_file
 
-    root = CONF.parent
     target, data, cache = tiny
-    common = [
-        f"model.name={target}",
-        f"data.train={data}",
-        f"data.val={data}",
-        f"responses.cache_dir={cache}",
-        "responses.max_new_tokens=12",
-        "drafter.num_layers=1",
-        "trainer.max_steps=4",
-        "trainer.log_every=1",
-        "optim.lr=1e-2",
-        "optim.warmup_steps=1",
-        "validate.enabled=false",
-    ]
-    one, two = tmp_path / "one", tmp_path / "two"
-    distill.run(
-        config(
-            tiny, one, "trainer.micro_batch=4", "trainer.grad_accum=2", "validate.enabled=false", "trainer.max_steps=4"
-        )
-    )
-    accelerate = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(CONF / "accelerate/multi_cpu.yaml"),
-    ]
-    launch = [
-        *accelerate,
-        "-m",
-        "recipes.distill",
-        f"output_dir={two}",
-        "trainer.micro_batch=2",
-        "trainer.grad_accum=2",
-        *common,
-    ]
-    proc = subprocess.run(launch, cwd=root, capture_output=True, text=True, timeout=300)
+    two = tmp_path / "two"
+    proc = accelerate_launch(
+        launcher,
+        [
+            "-m", "recipes.distill", f"output_dir={two}", f"model.name={target}", f"data.train={data}",
+            f"data.val={data}", f"responses.cache_dir={cache}", "responses.max_new_tokens=12", "drafter.num_layers=1",
+            "trainer.max_steps=4", "trainer.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=1",
+            "validate.enabled=false", "trainer.micro_batch=2", "trainer.grad_accum=2",
+        ],
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes, global batch 8" in proc.stdout
-    assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-6)
-    w1, w2 = (load_file(d / "export/model.safetensors") for d in (one, two))
+    assert losses(two) == pytest.approx(losses(one_process_run), rel=1e-5, abs=1e-6)
+    w1, w2 = (load_file(d / "export/model.safetensors") for d in (one_process_run, two))
+    assert set(w1) == set(w2)
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
     assert sorted(p.name for p in two.iterdir()) == [

@@ -13,7 +13,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
 from specdec_runtime.medusa import MedusaHeads, load_medusa, read_layout
-from tests.conftest import save_tiny_model, tiny_hf_model, write_prompt_file
+from tests.conftest import accelerate_launch, save_tiny_model, tiny_hf_model, write_prompt_file
 from train import checkpoint
 from train.medusa import MedusaTraining
 
@@ -184,23 +184,23 @@ def test_head_losses_match_a_naive_per_position_computation():
     assert [metrics[f"head{k}/count"].item() for k in (1, 2)] == counts == [7, 7]
 
 
-def test_two_processes_match_one_on_the_same_global_batch(tiny, tmp_path):
-    """accelerate launch with 2 CPU processes (gloo, DDP over the heads): same losses, same heads."""
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("launcher", ["multi_cpu", "deepspeed_zero2"])
+def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, tmp_path):
+    """accelerate launch with 2 CPU processes (gloo; DDP over the heads, or DeepSpeed ZeRO-2 on its CPU
+    accelerator): same losses, same heads."""
     one, two = tmp_path / "one", tmp_path / "two"
     medusa.run(config(tiny, one, "validate.enabled=false", "trainer.max_steps=4"))
     target, data, cache = tiny
-    launch = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONF / "accelerate/multi_cpu.yaml"),
-        "-m", "recipes.medusa", f"output_dir={two}", f"model.name={target}", f"data.train={data}", f"data.val={data}",
-        f"responses.cache_dir={cache}", "responses.max_new_tokens=16", "responses.batch_size=8", "medusa.num_heads=3",
-        "trainer.micro_batch=2", "trainer.grad_accum=2", "trainer.max_steps=4", "trainer.log_every=1",
-        "optim.warmup_steps=1", "optim.lr=1e-2", "tree.budget=6", "tree.calibration_prompts=8",
-        "validate.enabled=false",
-    ]  # fmt: skip
-    proc = subprocess.run(launch, cwd=CONF.parent, capture_output=True, text=True, timeout=300)
+    proc = accelerate_launch(
+        launcher,
+        [
+            "-m", "recipes.medusa", f"output_dir={two}", f"model.name={target}", f"data.train={data}",
+            f"data.val={data}", f"responses.cache_dir={cache}", "responses.max_new_tokens=16", "responses.batch_size=8",
+            "medusa.num_heads=3", "trainer.micro_batch=2", "trainer.grad_accum=2", "trainer.max_steps=4",
+            "trainer.log_every=1", "optim.warmup_steps=1", "optim.lr=1e-2", "tree.budget=6",
+            "tree.calibration_prompts=8", "validate.enabled=false",
+        ],
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes, global batch 8" in proc.stdout
     assert logged(two) == pytest.approx(logged(one), rel=1e-5, abs=1e-6)

@@ -18,7 +18,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
 from specdec_runtime.sampling import Sampler
-from tests.conftest import assert_follows, save_tiny_model
+from tests.conftest import accelerate_launch, assert_follows, save_tiny_model
 from tests.train.mtp_grad_worker import global_batch, tiny_mtp
 from train.corpus import Document, corpus_documents, pack, packed_corpus
 from train.mtp import MTPModel, head_loss, mtp_step
@@ -170,37 +170,38 @@ def tiny(tmp_path_factory):
     return model, corpus, root / "cache"
 
 
-def config(tiny, out: Path, *overrides: str):
+def overrides(tiny, out: Path, *extra: str) -> list[str]:
     model, corpus, cache = tiny
+    return [
+        f"output_dir={out}",
+        f"model.name={model}",
+        f"data.corpus={corpus}",
+        f"data.cache_dir={cache}",
+        "data.val_fraction=0.1",
+        "mtp.num_heads=3",
+        "mtp.architecture.trunk_layers=2",
+        "mtp.architecture.hidden_size=32",
+        "mtp.architecture.intermediate_size=64",
+        "mtp.architecture.max_position_embeddings=128",
+        "trainer.max_seq_len=32",
+        "trainer.micro_batch=4",
+        "trainer.grad_accum=2",
+        "trainer.max_steps=12",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=6",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=2",
+        "validate.num_prompts=4",
+        "validate.prompt_tokens=8",
+        "validate.max_new_tokens=24",
+        "validate.eval_sequences=8",
+        *extra,
+    ]
+
+
+def config(tiny, out: Path, *extra: str):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(
-            "mtp",
-            overrides=[
-                f"output_dir={out}",
-                f"model.name={model}",
-                f"data.corpus={corpus}",
-                f"data.cache_dir={cache}",
-                "data.val_fraction=0.1",
-                "mtp.num_heads=3",
-                "mtp.architecture.trunk_layers=2",
-                "mtp.architecture.hidden_size=32",
-                "mtp.architecture.intermediate_size=64",
-                "mtp.architecture.max_position_embeddings=128",
-                "trainer.max_seq_len=32",
-                "trainer.micro_batch=4",
-                "trainer.grad_accum=2",
-                "trainer.max_steps=12",
-                "trainer.log_every=1",
-                "trainer.checkpoint_every=6",
-                "optim.lr=1e-2",
-                "optim.warmup_steps=2",
-                "validate.num_prompts=4",
-                "validate.prompt_tokens=8",
-                "validate.max_new_tokens=24",
-                "validate.eval_sequences=8",
-                *overrides,
-            ],
-        )
+        return compose("mtp", overrides=overrides(tiny, out, *extra))
 
 
 def logged(out: Path, key: str = "train/loss") -> list[float]:
@@ -393,3 +394,28 @@ def test_heads_on_a_pretrained_model_leave_it_unchanged(tiny, tmp_path):
     start = {k[len(last) :]: v for k, v in before.items() if k.startswith(last)}
     assert heads and {k.split(".", 2)[2] for k in heads} == set(start)
     assert [k for k, v in heads.items() if not torch.equal(v, start[k.split(".", 2)[2]])]  # trained
+
+
+def test_two_processes_match_one_and_deepspeed_is_refused_at_start_up(tiny, tmp_path):
+    """accelerate launch with 2 gloo processes on the same global batch: same losses (all heads), same
+    exported weights, one run folder. Under DeepSpeed the recipe stops before any work, saying why."""
+    from safetensors.torch import load_file
+
+    short = ("trainer.max_steps=4", "validate.enabled=false")
+    one, two = tmp_path / "one", tmp_path / "two"
+    recipe.run(config(tiny, one, *short))
+    proc = accelerate_launch("multi_cpu", ["-m", "recipes.mtp", *overrides(tiny, two, *short, "trainer.micro_batch=2")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 processes, global batch 8" in proc.stdout
+    for key in ("train/loss", "train/loss_0", "train/loss_2"):
+        assert logged(two, key) == pytest.approx(logged(one, key), rel=1e-5, abs=1e-6)
+    w1, w2 = (load_file(d / "export/model.safetensors") for d in (one, two))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+
+    refused = tmp_path / "zero2"
+    proc = accelerate_launch("deepspeed_zero2", ["-m", "recipes.mtp", *overrides(tiny, refused, *short)])
+    assert proc.returncode != 0
+    assert "recipes.mtp does not run under DeepSpeed ZeRO-2" in proc.stderr and "per-head backward" in proc.stderr
+    assert not (refused / "checkpoints").exists() and not (refused / "log.jsonl").exists()
