@@ -6,7 +6,7 @@ self-distilled responses, the tracker, the training loop, and the end of a run.
     examples, prompts, gen_kw = training_examples(cfg, run, target)
     tracker = make_tracker(cfg, run, "medusa")
     stats, history = train_loop(cfg, run, tracker, model=..., optimizer=..., scheduler=..., loss_fn=..., ...)
-    finish(cfg, run, result, export)            # metrics.json, Hub push, the closing lines
+    finish(cfg, run, result, export, cmd, tracker, "medusa")  # metrics.json, Hub push, W&B artifact, closing lines
 
 Recipe files keep what is particular to them (models, losses, validation, export); configs stop
 here: the train/ modules below receive plain arguments.
@@ -463,14 +463,19 @@ def train_loop(
     return stats, history
 
 
-def finish(cfg: DictConfig, run: Run, result: dict[str, Any], export: Path, generate_cmd: str) -> None:
-    """Rank 0: optional Hub push, metrics.json, and the closing lines (tau, speedup, how to use it)."""
+def finish(
+    cfg: DictConfig, run: Run, result: dict[str, Any], export: Path, generate_cmd: str, tracker: Tracker, recipe: str
+) -> None:
+    """Rank 0: optional Hub push, metrics.json, the export as a W&B artifact, and the closing lines
+    (tau, speedup, how to use it)."""
     result["export"] = str(export)
     if cfg.hub.repo_id:
         result["hub"] = push_to_hub(export, cfg.hub.repo_id, private=cfg.hub.private, revision=cfg.hub.revision)
         run.say(f"pushed to {result['hub']}")
     (run.out / "metrics.json").write_text(json.dumps(result, indent=2))
     m = result.get("validation") or {}
+    summary = {"recipe": recipe, "target": cfg.model.name} | {k: m[k] for k in ("tau", "speedup", "lossless") if k in m}
+    tracker.log_artifact(export, f"{recipe}-{run.out.name}", metadata=summary)
     if m:
         run.say(
             f"\ntau {m['tau']:.2f}, speedup {m['speedup']:.2f}x over autoregressive, "

@@ -271,7 +271,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
         write_model_card(export, card, metrics)
         cmd = f"specdec generate --target {cfg.model.name} --drafter {export} --gamma {cfg.validate.gamma} --baseline"
-        finish(cfg, run, result, export, cmd)
+        finish(cfg, run, result, export, cmd, tracker, "distill")
     tracker.finish()
     accelerator.wait_for_everyone()
     return result

@@ -289,9 +289,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     skipset.save(out / "skipset.json")
     result["best"] = skipset.to_dict()
     export = export_skipset(cfg, out, skipset, result.get("validation"))
-    tracker.finish()
     command = f"specdec generate --target {cfg.model.name} --drafter {out / 'skipset.json'} --baseline"
-    finish(cfg, run, result, export, command)
+    finish(cfg, run, result, export, command, tracker, "layerskip")
+    tracker.finish()
     return result
 
 

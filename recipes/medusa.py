@@ -251,7 +251,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if run.main:
         export = export_medusa(cfg, run, trained_model, tree, served, result)
         cmd = f"specdec generate --target {result.get('export_target', cfg.model.name)} --drafter {export} --baseline"
-        finish(cfg, run, result, export, cmd)
+        finish(cfg, run, result, export, cmd, tracker, "medusa")
     tracker.finish()
     accelerator.wait_for_everyone()
     return result

@@ -262,7 +262,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if cfg.validate.enabled and n > 1:
             result["validation"] = validate_mtp(cfg, run, model, val_seqs)
         export = export_mtp(cfg, run, model, info, result)
-        finish(cfg, run, result, export, f"specdec generate --target {export} --drafter mtp --no-chat-template")
+        cmd = f"specdec generate --target {export} --drafter mtp --no-chat-template"
+        finish(cfg, run, result, export, cmd, tracker, "mtp")
     accelerator.wait_for_everyone()
     tracker.finish()
     return result

@@ -2,6 +2,7 @@
 
     tracker = Tracker(accelerator, out, kind="wandb", project="specdec", run_name="distill", config=resolved)
     tracker.log({"train/loss": 1.2}, step=10)
+    tracker.log_artifact(out / "export", "distill-drafter", metadata={"tau": 2.1})
     tracker.finish()
 
 W&B goes through accelerate's tracker; WANDB_MODE=offline writes the run under out/wandb with no
@@ -11,6 +12,7 @@ resumed run continues the same W&B run.
 
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,16 @@ class Tracker:
             f.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
         if self.kind != "none":
             self.accelerator.log(metrics, step=step)
+
+    def log_artifact(self, folder: Path, name: str, kind: str = "model", metadata: dict[str, Any] | None = None):
+        """Rank 0: upload a folder (the exported drafter) as a W&B artifact of this run."""
+        if not self.main or self.kind != "wandb":
+            return
+        import wandb
+
+        artifact = wandb.Artifact(re.sub(r"[^\w.-]", "-", name), type=kind, metadata=metadata)
+        artifact.add_dir(str(folder))
+        self.accelerator.get_tracker("wandb", unwrap=True).log_artifact(artifact)
 
     def finish(self) -> None:
         if self.kind != "none":

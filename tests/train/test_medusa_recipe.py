@@ -207,3 +207,22 @@ def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, tmp_pa
     h1, h2 = (read_layout(d / "export")[0].state_dict() for d in (one, two))
     for k in h1:
         torch.testing.assert_close(h2[k], h1[k], rtol=1e-4, atol=1e-5)
+
+
+def test_wandb_offline_run_has_per_head_metrics_and_the_heads(tiny, tmp_path, monkeypatch):
+    from tests.train.test_tracking_and_hub import offline_run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    medusa.run(config(tiny, out, "tracking=wandb", "trainer.max_steps=2"))
+    history, config_keys, artifacts = offline_run(out)
+    assert {"medusa", "tree", "trainer"} <= config_keys
+    steps = [h for h in history if "train/loss" in h]
+    assert len(steps) == 2
+    for h in steps:
+        assert all(f"train/head{k}/{m}" in h for k in (1, 2, 3) for m in ("ce", "top1", "top5"))
+    assert [h["val/tau"] for h in history if "val/tau" in h] == [
+        json.loads((out / "metrics.json").read_text())["validation"]["tau"]
+    ]
+    (artifact,) = artifacts
+    assert {"medusa_lm_head.safetensors", "README.md"} <= {e.path for e in artifact.manifest.contents}

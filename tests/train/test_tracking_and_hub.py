@@ -31,26 +31,40 @@ def wandb_records(path: Path) -> list:
     return out
 
 
-def test_wandb_offline_run_has_config_losses_and_validation(tiny, tmp_path, monkeypatch):  # noqa: F811
+def offline_run(out: Path) -> tuple[list[dict], set[str], list]:
+    """(history rows, config keys, artifact records) of the one offline W&B run under out/wandb."""
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    history = [
+        {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in r.history.item}
+        for r, k in zip(records, kinds)
+        if k == "history"
+    ]
+    config_keys = {i.key for r, k in zip(records, kinds) if k == "config" for i in r.config.update}
+    return history, config_keys, [r.artifact for r, k in zip(records, kinds) if k == "artifact"]
+
+
+def test_wandb_offline_run_has_config_losses_throughput_validation_and_the_drafter(tiny, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     distill.run(config(tiny, out, "tracking=wandb", "validate.num_prompts=1"))
-    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
-    records = wandb_records(run_file)
-    history = [
-        {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in r.history.item}
-        for r in records
-        if r.WhichOneof("record_type") == "history"
-    ]
-    config_keys = {i.key for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    history, config_keys, artifacts = offline_run(out)
     assert {"loss", "trainer", "drafter", "model"} <= config_keys
     logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     losses = [h["train/loss"] for h in history if "train/loss" in h]
     assert losses == [x["train/loss"] for x in logged if "train/loss" in x] and len(losses) == 6
-    assert all("train/lr" in h and "train/acceptance_est" in h for h in history if "train/loss" in h)
-    assert [h["val/tau"] for h in history if "val/tau" in h] == [
-        json.loads((out / "metrics.json").read_text())["validation"]["tau"]
-    ]
+    for h in history:
+        if "train/loss" in h:
+            assert h["train/lr"] > 0 and h["train/tokens_per_s"] > 0 and "train/acceptance_est" in h
+    metrics = json.loads((out / "metrics.json").read_text())["validation"]
+    assert [h["val/tau"] for h in history if "val/tau" in h] == [metrics["tau"]]
+    assert [h["val/speedup"] for h in history if "val/speedup" in h] == [metrics["speedup"]]
+    (artifact,) = artifacts
+    assert artifact.type == "model" and artifact.name == "distill-run"
+    files = {entry.path for entry in artifact.manifest.contents}
+    assert files == {p.name for p in (out / "export").iterdir()} and "model.safetensors" in files
+    assert json.loads(artifact.metadata)["tau"] == metrics["tau"]
 
 
 class FakeApi:
