@@ -9,7 +9,6 @@ the drafter's and the target's next-token distributions on response tokens), val
 speedup, losslessness on the runtime), export (HF folder + model card, optional Hub push).
 """
 
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -50,7 +49,7 @@ from train.draft_model import (
     drafter_from_target_layers,
     use_draft_vocab,
 )
-from train.export import export_hf_drafter, model_card, write_model_card
+from train.export import Card, export_standalone
 from train.responses import generate_responses
 from train.validate import runtime_decoder, validate
 
@@ -103,7 +102,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     run = start(cfg)
     accelerator, device, say = run.accelerator, run.device, run.say
-    check_launch(
+    launch = check_launch(
         accelerator,
         "distill",
         ("zero1", "zero2", "zero3", "fsdp") if cfg.responses.source != "drafter" else ("zero1", "zero2"),
@@ -242,34 +241,37 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- export
     model = trained()
     if run.main:
-        export = export_hf_drafter(
-            model, run.tokenizer, run.out / "export", vocab_ids=vocab_ids, generation_config=run.gen_cfg
-        )
         d = model.config
-        setup = {
-            "target": cfg.model.name,
-            "drafter": f"{cfg.drafter.source}: {d.num_hidden_layers} layers, hidden {d.hidden_size}",
-            "draft vocabulary": len(vocab_ids) if vocab_ids is not None else "full",
-            "loss": _loss_name(L),
-            "responses": r.source,
-            "data": cfg.data.train,
-            "examples": len(examples),
-            "steps": final,
-            "global batch": cfg.trainer.micro_batch * cfg.trainer.grad_accum * accelerator.num_processes,
-            "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
-            "processes": accelerator.num_processes,
-        }
-        card = model_card(
-            title=f"Distilled drafter for {cfg.model.name}",
+        card = Card(
             target=cfg.model.name,
             recipe="distill",
-            setup=setup,
+            data=cfg.data.train,
+            setup={
+                "drafter": f"{cfg.drafter.source}: {d.num_hidden_layers} layers, hidden {d.hidden_size}",
+                "draft vocabulary": len(vocab_ids) if vocab_ids is not None else "full",
+                "loss": _loss_name(L),
+                "responses": r.source,
+                "examples": len(examples),
+                "steps": final,
+                "global batch": cfg.trainer.micro_batch * cfg.trainer.grad_accum * accelerator.num_processes,
+                "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
+                "processes": f"{accelerator.num_processes} ({launch})",
+            },
             metrics=metrics,
-            usage=_usage(cfg.model.name, export, cfg.validate.gamma),
-            base_model=cfg.model.name if "/" in cfg.model.name else None,
+            title=f"Distilled drafter for {cfg.model.name}",
             tags=["distillspec", "draft-model"],
+            base_model=cfg.model.name if "/" in cfg.model.name else None,
+            hub_id=cfg.hub.repo_id,
         )
-        write_model_card(export, card, metrics)
+        export = export_standalone(
+            model,
+            run.tokenizer,
+            run.out / "export",
+            card,
+            vocab_ids=vocab_ids,
+            generation_config=run.gen_cfg,
+            gamma=cfg.validate.gamma,
+        )
         cmd = f"specdec generate --target {cfg.model.name} --drafter {export} --gamma {cfg.validate.gamma} --baseline"
         finish(cfg, run, result, export, cmd, tracker, "distill")
     tracker.finish()
@@ -295,25 +297,6 @@ def _loss_name(L: DictConfig) -> str:
     return (
         name + (f", T={L.temperature}" if L.temperature != 1 else "") + (f", teacher top-{L.top_k}" if L.top_k else "")
     )
-
-
-def _usage(target: str, export: Path, gamma: int) -> str:
-    return f"""With specdec's runtime (lossless speculative decoding):
-
-```bash
-specdec generate --target {target} --drafter {export} --gamma {gamma} --prompt "Write a haiku about the sea."
-```
-
-With transformers' assisted generation:
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-target = AutoModelForCausalLM.from_pretrained("{target}")
-drafter = AutoModelForCausalLM.from_pretrained("{export}")
-tok = AutoTokenizer.from_pretrained("{export}")
-ids = tok.apply_chat_template([{{"role": "user", "content": "Hi!"}}], add_generation_prompt=True, return_tensors="pt")
-out = target.generate(ids, assistant_model=drafter, max_new_tokens=128, do_sample=False)
-```"""
 
 
 @hydra.main(config_path="../conf", config_name="distill", version_base=None)

@@ -30,7 +30,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter
 from specdec_runtime.loading import load_hf_config, load_model, resolve_model
 from train.data import load_conversations, prompt_ids
-from train.export import model_card, write_model_card
+from train.export import Card, export_skipset
 from train.layerskip import (
     COST_MODELS,
     OBJECTIVES,
@@ -288,48 +288,39 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, logged() + 1)
     skipset.save(out / "skipset.json")
     result["best"] = skipset.to_dict()
-    export = export_skipset(cfg, out, skipset, result.get("validation"))
+    export = write_export(cfg, out, skipset, result.get("validation"))
     command = f"specdec generate --target {cfg.model.name} --drafter {out / 'skipset.json'} --baseline"
     finish(cfg, run, result, export, command, tracker, "layerskip")
     tracker.finish()
     return result
 
 
-def export_skipset(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str, Any] | None) -> Path:
+def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str, Any] | None) -> Path:
     """export/: skipset.json and a model card (what a Hub repo of the set holds)."""
-    export = out / "export"
-    skipset.save(export / "skipset.json")
     s = cfg.search
-    setup = {
-        "skipped attention layers": skipset.attn or "none",
-        "skipped MLP layers": skipset.mlp or "none",
-        "skipped fraction of sublayers": f"{skipset.skipped_fraction:.2f}",
-        "search": f"{s.sampler}, {skipset.search['trials']} trials, objective {s.objective}",
-        "draft exit": f"threshold {cfg.draft.threshold}, adaptive {cfg.draft.adaptive}, gamma {cfg.draft.gamma}",
-    }
-    usage = f"""
-```bash
-specdec generate --target {cfg.model.name} --drafter skipset.json --baseline
-```
-"""
-    summary = (
-        f"A layer-skip set for self-speculative decoding of **{cfg.model.name}** (Draft & Verify), found by "
-        "specdec's `layerskip` recipe: the target drafts for itself with the listed sublayers skipped and "
-        "verifies with all of them, so the output is exactly the target's."
-    )
-    card = model_card(
-        title=f"Layer-skip set for {cfg.model.name}",
+    card = Card(
         target=cfg.model.name,
         recipe="layerskip",
-        setup=setup,
+        data=f"{cfg.data.train} (calibration: {cfg.calibration.num_prompts} prompts)",
+        setup={
+            "skipped attention layers": skipset.attn or "none",
+            "skipped MLP layers": skipset.mlp or "none",
+            "skipped fraction of sublayers": f"{skipset.skipped_fraction:.2f}",
+            "search": f"{s.sampler}, {skipset.search['trials']} trials, objective {s.objective}",
+            "draft exit": f"threshold {cfg.draft.threshold}, adaptive {cfg.draft.adaptive}, gamma {cfg.draft.gamma}",
+        },
         metrics=metrics,
-        usage=usage,
+        title=f"Layer-skip set for {cfg.model.name}",
+        summary=(
+            f"A layer-skip set for self-speculative decoding of **{cfg.model.name}** (Draft & Verify), found by "
+            "specdec's `layerskip` recipe: the target drafts for itself with the listed sublayers skipped and "
+            "verifies with all of them, so the output is exactly the target's."
+        ),
         tags=["self-speculative-decoding", "layer-skip"],
-        base_model=cfg.model.name,
-        summary=summary,
+        base_model=cfg.model.name if "/" in cfg.model.name else None,
+        hub_id=cfg.hub.repo_id,
     )
-    write_model_card(export, card, metrics)
-    return export
+    return export_skipset(skipset, out / "export", card)
 
 
 @hydra.main(config_path="../conf", config_name="layerskip", version_base="1.3")

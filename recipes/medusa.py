@@ -14,7 +14,6 @@ Medusa-2 adds the adapted target and its LoRA adapter).
 """
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +41,12 @@ from recipes.common import (
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import cache_root, resolve_dtype
 from specdec_runtime.measure import measure
-from specdec_runtime.medusa import TREE_FILE, MedusaDrafter, MedusaHeads, write_layout
+from specdec_runtime.medusa import MedusaDrafter, MedusaHeads
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids
-from train.export import export_hf_drafter, model_card, write_model_card
+from train.export import Card, export_medusa
 from train.medusa import (
     MedusaTraining,
     cache_hidden_states,
@@ -249,7 +248,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     # ---------------------------------------------------------------- export
     if run.main:
-        export = export_medusa(cfg, run, trained_model, tree, served, result)
+        export = write_export(cfg, run, trained_model, tree, served, result)
         cmd = f"specdec generate --target {result.get('export_target', cfg.model.name)} --drafter {export} --baseline"
         finish(cfg, run, result, export, cmd, tracker, "medusa")
     tracker.finish()
@@ -308,68 +307,47 @@ def original_target(model: MedusaTraining) -> Any:
     return copy.deepcopy(model.base).unload()  # peft: the base model without adapters
 
 
-def export_medusa(
+def write_export(
     cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree | None, served: Any, result: dict
 ) -> Path:
     """export/ = FasterDecoding layout (+ tree, card), export/vllm/ = vLLM layout; Medusa-2 adds
     export/target/ (`served`: the adapted target, merged) and export/lora/ (the adapter alone)."""
-    import shutil
-
     out = run.out / "export"
-    tmp = out.with_name("export.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     joint = cfg.medusa.mode == "medusa2"
-    base = cfg.model.name
     if joint:
-        export_hf_drafter(served, run.tokenizer, tmp / "target", vocab_ids=None, generation_config=run.gen_cfg)
-        if hasattr(model.base, "peft_config"):
-            model.base.save_pretrained(tmp / "lora")
-        base = result["export_target"] = str(out / "target")
-    lm_head = causal_lm(model.base).get_output_embeddings().weight.float()
-    heads = copy.deepcopy(model.heads).float()
-    write_layout(heads, tmp, "faster_decoding", base, lm_head_weight=lm_head)
-    write_layout(heads, tmp / "vllm", "vllm", base, lm_head_weight=lm_head)
-    if tree is not None:
-        (tmp / TREE_FILE).write_text(json.dumps(result.get("calibration", {"paths": [list(p) for p in tree.paths]})))
-    metrics = result.get("validation") or None
-    setup = {
-        "target": cfg.model.name,
-        "mode": "Medusa-2 (" + cfg.medusa2.target + ")" if joint else "Medusa-1 (target frozen)",
-        "heads": f"{cfg.medusa.num_heads} x {cfg.medusa.num_layers} residual block(s)"
-        + (", shared lm_head" if cfg.medusa.share_lm_head else ""),
-        "tree": f"{len(tree)} nodes, depth {tree.depth}" if tree is not None else "-",
-        "responses": cfg.responses.source,
-        "data": cfg.data.train,
-        "steps": cfg.trainer.max_steps,
-        "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
-    }
-    card = model_card(
-        title=f"Medusa heads for {cfg.model.name}",
-        target=cfg.model.name if not joint else f"{cfg.model.name} (adapted by Medusa-2, in target/)",
+        result["export_target"] = str(out / "target")
+    m = cfg.medusa
+    card = Card(
+        target=cfg.model.name,
         recipe="medusa",
-        setup=setup,
-        metrics=metrics,
-        usage=_usage(result.get("export_target", cfg.model.name), out),
-        base_model=cfg.model.name if "/" in cfg.model.name else None,
+        data=cfg.data.train,
+        setup={
+            "mode": "Medusa-2 (" + cfg.medusa2.target + "), adapted target in target/" if joint else "Medusa-1",
+            "heads": f"{m.num_heads} x {m.num_layers} residual block(s)" + (", shared lm_head" * m.share_lm_head),
+            "tree": f"{len(tree)} nodes, depth {tree.depth}" if tree is not None else "-",
+            "responses": cfg.responses.source,
+            "steps": cfg.trainer.max_steps,
+            "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
+        },
+        metrics=result.get("validation") or None,
+        title=f"Medusa heads for {cfg.model.name}",
         tags=["medusa"],
+        base_model=cfg.model.name if "/" in cfg.model.name else None,
+        hub_id=cfg.hub.repo_id,
     )
-    write_model_card(tmp, card, metrics)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def _usage(target: str, export: Path) -> str:
-    return f"""With specdec's runtime (tree decoding; greedy output identical to the target's):
-
-```bash
-specdec generate --target {target} --drafter {export} --prompt "Write a haiku about the sea." --baseline
-```
-
-`{export}` is the FasterDecoding layout (`medusa_lm_head.safetensors`, `config.json` with
-`medusa_num_heads`); `{export}/vllm` is vLLM's Medusa layout (`model_type: medusa`), usable as
-`speculative_config={{"model": "{export}/vllm", "method": "medusa"}}`. `medusa_tree.json` holds the
-calibrated tree (`medusa_choices`) and the measured per-head top-k accuracies."""
+    calibration = result.get("calibration")
+    return export_medusa(
+        copy.deepcopy(model.heads).float(),
+        out,
+        card,
+        base=result.get("export_target", cfg.model.name),
+        lm_head=causal_lm(model.base).get_output_embeddings().weight.float(),
+        tree=calibration or ({"paths": [list(p) for p in tree.paths]} if tree is not None else None),
+        target_model=served if joint else None,
+        tokenizer=run.tokenizer,
+        generation_config=run.gen_cfg,
+        lora=model.base if joint and hasattr(model.base, "peft_config") else None,
+    )
 
 
 @hydra.main(config_path="../conf", config_name="medusa", version_base=None)

@@ -15,7 +15,6 @@ mtp_heads.safetensors with mtp_config.json; a model card).
 """
 
 import copy
-import json
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,9 @@ from recipes.common import (
 )
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype
-from specdec_runtime.mtp import MTP_CONFIG, MTP_WEIGHTS, MTPDrafter, MTPHeads
+from specdec_runtime.mtp import MTP_WEIGHTS, MTPDrafter, MTPHeads
 from train.corpus import corpus_documents, packed_corpus, train_tokenizer
-from train.export import export_hf_drafter, model_card, write_model_card
+from train.export import Card, export_mtp
 from train.mtp import TRAINABLE, MTPModel, PackedSequence, average_gradients, evaluate, heads_state_dict, mtp_step
 from train.validate import runtime_decoder, validate
 
@@ -261,7 +260,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if run.main:
         if cfg.validate.enabled and n > 1:
             result["validation"] = validate_mtp(cfg, run, model, val_seqs)
-        export = export_mtp(cfg, run, model, info, result)
+        export = write_export(cfg, run, model, info, result)
         cmd = f"specdec generate --target {export} --drafter mtp --no-chat-template"
         finish(cfg, run, result, export, cmd, tracker, "mtp")
     accelerator.wait_for_everyone()
@@ -297,9 +296,8 @@ def validate_mtp(cfg: DictConfig, run: Run, model: MTPModel, val_seqs: torch.Ten
     return metrics
 
 
-def export_mtp(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any], result: dict[str, Any]) -> Path:
+def write_export(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any], result: dict[str, Any]) -> Path:
     """export/: the causal LM (trunk + head 0), mtp_heads.safetensors + mtp_config.json, a model card."""
-    from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     m, n = cfg.mtp, model.num_heads
@@ -320,60 +318,37 @@ def export_mtp(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any],
         "loss_weights": loss_weights(cfg),
         "keys": "heads.{i}.<decoder layer keys>, i = 1..num_heads-1; head 0 is the model's last layer",
     }
-
-    def add_heads(folder: Path) -> None:
-        sd = {k: v.to("cpu").contiguous() for k, v in heads_state_dict(model).items()}
-        save_file(sd, str(folder / MTP_WEIGHTS), metadata={"format": "pt"})
-        (folder / MTP_CONFIG).write_text(json.dumps(meta, indent=2))
-
-    export = export_hf_drafter(
-        model.lm, tokenizer, run.out / "export", vocab_ids=None, generation_config=gen_cfg, extra=add_heads
-    )
-    val = result.get("validation")
     heldout = result["heldout"]
-    setup = {
-        "init": m.init if m.init == "scratch" else f"pretrained {cfg.model.name}",
-        "heads": n,
-        "trunk layers": model.trunk_layers,
-        "trainable": m.trainable,
-        "loss weights": loss_weights(cfg),
-        "corpus": f"{cfg.data.corpus} ({info['train_documents']} documents)",
-        "steps": cfg.trainer.max_steps,
-        "sequence length": cfg.trainer.max_seq_len,
-        "held-out loss per head": [heldout[f"loss_{i}"] for i in range(n)],
-        "held-out top-1 per head": [heldout[f"acc_{i}"] for i in range(n)],
-    }
-    usage = f"""
-```python
-from transformers import AutoModelForCausalLM     # trunk + head 0: an ordinary causal LM
-model = AutoModelForCausalLM.from_pretrained("{export.name}")
-```
-
-MTP self-speculation (heads 1..{n - 1} draft, the model verifies; output identical to its own):
-
-```bash
-specdec generate --target {export.name} --drafter mtp --no-chat-template --prompt "def parse_args("
-```
-"""
-    summary = (
-        f"A causal LM trained with multi-token prediction ({n} heads, Gloeckle et al. 2024) by specdec's "
-        "`mtp` recipe. The model folder is an ordinary transformers model (trunk + next-token head); "
-        f"heads 1..{n - 1} are in `{MTP_WEIGHTS}` and let specdec_runtime decode it self-speculatively, "
-        "with exactly its own output."
-    )
-    card = model_card(
-        title=f"{export.name}: {n}-head multi-token prediction",
+    card = Card(
         target="itself",
         recipe="mtp",
-        setup=setup,
-        metrics=val,
-        usage=usage,
+        data=f"{cfg.data.corpus} ({info['train_documents']} documents)",
+        setup={
+            "init": m.init if m.init == "scratch" else f"pretrained {cfg.model.name}",
+            "heads": n,
+            "trunk layers": model.trunk_layers,
+            "trainable": m.trainable,
+            "loss weights": loss_weights(cfg),
+            "steps": cfg.trainer.max_steps,
+            "sequence length": cfg.trainer.max_seq_len,
+            "held-out loss per head": [heldout[f"loss_{i}"] for i in range(n)],
+            "held-out top-1 per head": [heldout[f"acc_{i}"] for i in range(n)],
+        },
+        metrics=result.get("validation"),
+        title=f"{run.out.name}: {n}-head multi-token prediction",
+        summary=(
+            f"A causal LM trained with multi-token prediction ({n} heads, Gloeckle et al. 2024) by specdec's "
+            "`mtp` recipe. The model folder is an ordinary transformers model (trunk + next-token head); "
+            f"heads 1..{n - 1} are in `{MTP_WEIGHTS}` and let specdec_runtime decode it self-speculatively, "
+            "with exactly its own output."
+        ),
         tags=["multi-token-prediction"],
         base_model=None if m.init == "scratch" else cfg.model.name,
-        summary=summary,
+        hub_id=cfg.hub.repo_id,
     )
-    write_model_card(export, card, val)
-    return export
+    return export_mtp(
+        model.lm, heads_state_dict(model), meta, tokenizer, run.out / "export", card, generation_config=gen_cfg
+    )
 
 
 @hydra.main(config_path="../conf", config_name="mtp", version_base="1.3")

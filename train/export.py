@@ -1,20 +1,30 @@
-"""Exporting drafters in the formats serving stacks load, with a model card, and pushing them to the Hub.
+"""Exporting every drafter type in the formats serving stacks load, with a model card, and pushing
+it to the Hub. One module for all four recipes:
 
-    export_hf_drafter(model, tokenizer, out / "export", vocab_ids=ids, generation_config=target_gen_cfg)
-    write_model_card(out / "export", model_card(title=..., target=..., recipe="distill", setup={...}, metrics={...}))
-    push_to_hub(out / "export", "me/smollm2-drafter", private=True)      # token from HF_TOKEN
+    card = Card(target="HuggingFaceTB/SmolLM2-135M-Instruct", recipe="distill", data="builtin", setup={...},
+                metrics=validation)
+    export_standalone(model, tokenizer, out / "export", card, vocab_ids=ids, generation_config=gen_cfg, gamma=4)
+    export_medusa(heads, out / "export", card, base=target_name, lm_head=w, tree=calibration)
+    export_mtp(model.lm, heads_sd, meta, tokenizer, out / "export", card, generation_config=gen_cfg)
+    export_skipset(skipset, out / "export", card)
+    push_to_hub(out / "export", "me/smollm2-drafter", private=True, revision="v1")   # token: $HF_TOKEN
 
-A stand-alone drafter is a plain transformers folder (config, model.safetensors, tokenizer,
+Formats: a stand-alone drafter is a plain transformers folder (config, model.safetensors, tokenizer,
 generation config): AutoModelForCausalLM loads it and transformers' assisted generation takes it as
 assistant_model. With a draft vocabulary, lm_head is saved full-size with zero rows outside it
 (transformers sees ordinary logits there, 0) and the vocabulary ids go to draft_vocab.safetensors,
-from which the runtime builds the small head. Folders are written to NAME.tmp and renamed.
+from which the runtime builds the small head. Medusa heads are written in the FasterDecoding layout
+(folder root) and vLLM's (vllm/); MTP as the causal LM (trunk + head 0) plus mtp_heads.safetensors;
+a layer-skip set as skipset.json. Every folder gets a README.md model card (target, recipe, data,
+measured tau and speedup, usage with specdec, transformers and vLLM where they apply) and
+specdec_metrics.json, and is written to NAME.tmp and renamed, so a reader never sees half of one.
 """
 
 import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,38 +33,28 @@ import torch
 from specdec_runtime.loading import DRAFT_VOCAB_FILE
 from train.draft_model import full_state_dict
 
+KINDS = ("standalone", "medusa", "mtp", "layerskip")
 
-def export_hf_drafter(
-    model: Any,
-    tokenizer: Any,
-    out: Path,
-    *,
-    vocab_ids: torch.Tensor | None,
-    generation_config: Any | None = None,
-    extra: Callable[[Path], None] | None = None,
+
+def write_hf_model(
+    model: Any, tokenizer: Any, folder: Path, *, vocab_ids: torch.Tensor | None, generation_config: Any | None
 ) -> Path:
-    """Write the drafter as a transformers model folder at `out` (atomically); extra(folder) adds
-    files of its own (MTP heads) before the folder takes its name."""
+    """Write a causal LM as a transformers model folder (the export functions make it atomic)."""
     from safetensors.torch import save_file
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.to("cpu").contiguous() for k, v in full_state_dict(model, vocab_ids).items()}
     # A draft vocabulary has untied the config already (use_draft_vocab); a tied head is stored once.
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    model.config.save_pretrained(tmp)
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
+    model.config.save_pretrained(folder)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
     if generation_config is not None:
-        generation_config.save_pretrained(tmp)
+        generation_config.save_pretrained(folder)
     if vocab_ids is not None:
-        save_file({"ids": vocab_ids.to("cpu", torch.long).contiguous()}, str(tmp / DRAFT_VOCAB_FILE))
-    if extra is not None:
-        extra(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+        save_file({"ids": vocab_ids.to("cpu", torch.long).contiguous()}, str(folder / DRAFT_VOCAB_FILE))
+    return folder
 
 
 def _fmt(v: Any) -> str:
@@ -65,61 +65,249 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def model_card(
-    *,
-    title: str,
-    target: str,
-    recipe: str,
-    setup: dict[str, Any],
-    metrics: dict[str, Any] | None,
-    usage: str,
-    tags: list[str] | None = None,
-    base_model: str | None = None,
-    summary: str | None = None,
-) -> str:
-    """A README.md with YAML front matter, the training setup and the measured numbers."""
-    front = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
-    if base_model:
-        front.append(f"base_model: {base_model}")
-    front += ["tags:"] + [f"- {t}" for t in ["speculative-decoding", "specdec", *(tags or [])]] + ["---", ""]
-    lines = [
-        *front,
-        f"# {title}",
-        "",
-        summary
-        or f"A drafter for speculative decoding of **{target}**, trained with specdec's "
-        f"`{recipe}` recipe. Speculative decoding with it produces exactly the target's output.",
-        "",
-    ]
-    if metrics:
+@dataclass
+class Card:
+    """What a model card says about a drafter besides its format: the target it drafts for, how it
+    was trained, and what specdec_runtime measured (validation: tau, speedup, lossless, ...)."""
+
+    target: str
+    recipe: str
+    data: str
+    setup: dict[str, Any]
+    metrics: dict[str, Any] | None = None
+    title: str | None = None
+    summary: str | None = None
+    tags: list[str] = field(default_factory=list)
+    base_model: str | None = None
+    hub_id: str | None = None  # where it will be pushed: usage then downloads it from there
+
+
+METRIC_NAMES = {
+    "tau": "tau (tokens per target forward)",
+    "speedup": "speedup over autoregressive",
+    "lossless": "greedy outputs identical to the target's",
+    "tokens_per_s": "tokens/s (speculative)",
+    "ar_tokens_per_s": "tokens/s (autoregressive)",
+    "acceptance_per_position": "acceptance per draft position",
+    "gamma": "gamma (draft length)",
+    "nodes": "tree nodes",
+    "max_new_tokens": "max new tokens",
+    "prompts": "validation prompts",
+    "device": "device",
+}
+
+SUMMARIES = {
+    "standalone": "A stand-alone drafter (a small causal LM) for speculative decoding of **{target}**",
+    "medusa": "Medusa heads for speculative decoding of **{target}** (tree decoding)",
+    "mtp": "A model with multi-token-prediction heads that drafts for itself (blockwise parallel decoding)",
+    "layerskip": "A layer-skip set for self-speculative decoding of **{target}** (Draft & Verify)",
+}
+
+
+def model_card(kind: str, card: Card, usage: str) -> str:
+    """A README.md with YAML front matter, the measured numbers, the training setup and the usage."""
+    if kind not in KINDS:
+        raise ValueError(f"drafter kind '{kind}': use one of {', '.join(KINDS)}")
+    front = ["---", "library_name: transformers" if kind in ("standalone", "mtp") else "library_name: specdec"]
+    if card.base_model:
+        front.append(f"base_model: {card.base_model}")
+    tags = ["speculative-decoding", "specdec", f"specdec-{kind}", *card.tags]
+    front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
+    summary = card.summary or (
+        SUMMARIES[kind].format(target=card.target) + f", trained with specdec's `{card.recipe}` recipe. "
+        "Speculative decoding with it produces exactly the target's output."
+    )
+    lines = [*front, f"# {card.title or SUMMARIES[kind].format(target=card.target).split(' (')[0]}", "", summary, ""]
+    m = card.metrics
+    if m:
         lines += ["## Measured on specdec_runtime", "", "| metric | value |", "|---|---|"]
-        names = {
-            "tau": "tau (tokens per target forward)",
-            "speedup": "speedup over autoregressive",
-            "lossless": "greedy outputs identical to the target's",
-            "tokens_per_s": "tokens/s (speculative)",
-            "ar_tokens_per_s": "tokens/s (autoregressive)",
-            "acceptance_per_position": "acceptance per draft position",
-            "gamma": "gamma (draft length)",
-            "max_new_tokens": "max new tokens",
-            "prompts": "validation prompts",
-            "device": "device",
-        }
-        lines += [f"| {label} | {_fmt(metrics[k])} |" for k, label in names.items() if metrics.get(k) is not None]
-        if metrics.get("per_category"):
+        lines += [f"| {label} | {_fmt(m[k])} |" for k, label in METRIC_NAMES.items() if m.get(k) is not None]
+        if m.get("per_category"):
             lines += ["", "| category | tau | speedup |", "|---|---|---|"]
-            lines += [f"| {c} | {_fmt(m['tau'])} | {_fmt(m['speedup'])} |" for c, m in metrics["per_category"].items()]
+            lines += [f"| {c} | {_fmt(v['tau'])} | {_fmt(v['speedup'])} |" for c, v in m["per_category"].items()]
         lines.append("")
+    setup = {"target": card.target, "recipe": card.recipe, "data": card.data, **card.setup}
     lines += ["## Training setup", "", "| setting | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in setup.items()]
     lines += ["", "## Usage", "", usage.strip(), ""]
     return "\n".join(lines)
 
 
-def write_model_card(folder: Path, card: str, metrics: dict[str, Any] | None = None) -> None:
-    (folder / "README.md").write_text(card)
-    if metrics is not None:
-        (folder / "specdec_metrics.json").write_text(json.dumps(metrics, indent=2))
+def write_card(folder: Path, kind: str, card: Card, usage: str) -> None:
+    (folder / "README.md").write_text(model_card(kind, card, usage))
+    if card.metrics is not None:
+        (folder / "specdec_metrics.json").write_text(json.dumps(card.metrics, indent=2))
+
+
+def _fetch(card: Card, local: Path) -> tuple[str, str]:
+    """(shell lines that fetch the drafter, the folder to use): the Hub repo when it is pushed there."""
+    if not card.hub_id:
+        return "", str(local)
+    name = card.hub_id.split("/")[-1]
+    return f"hf download {card.hub_id} --local-dir {name}\n", name
+
+
+def _atomic(out: Path, write: Callable[[Path], None]) -> Path:
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def export_standalone(
+    model: Any,
+    tokenizer: Any,
+    out: Path,
+    card: Card,
+    *,
+    vocab_ids: torch.Tensor | None,
+    generation_config: Any | None,
+    gamma: int,
+) -> Path:
+    """A distilled drafter: a transformers folder + card (specdec, transformers assisted generation, vLLM)."""
+    get, folder = _fetch(card, out)
+    usage = f"""With specdec's runtime (lossless speculative decoding):
+
+```bash
+{get}specdec generate --target {card.target} --drafter {folder} --gamma {gamma} --prompt "Write a haiku about the sea."
+```
+
+With transformers' assisted generation:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+target = AutoModelForCausalLM.from_pretrained("{card.target}")
+drafter = AutoModelForCausalLM.from_pretrained("{folder}")
+tok = AutoTokenizer.from_pretrained("{folder}")
+ids = tok.apply_chat_template([{{"role": "user", "content": "Hi!"}}], add_generation_prompt=True, return_tensors="pt")
+out = target.generate(ids, assistant_model=drafter, max_new_tokens=128, do_sample=False)
+```
+
+With vLLM (draft-model speculation; not run by specdec's tests):
+
+```python
+from vllm import LLM
+llm = LLM(model="{card.target}", speculative_config={{"model": "{folder}", "num_speculative_tokens": {gamma}}})
+```"""
+
+    def write(tmp: Path) -> None:
+        write_hf_model(model, tokenizer, tmp, vocab_ids=vocab_ids, generation_config=generation_config)
+        write_card(tmp, "standalone", card, usage)
+
+    return _atomic(out, write)
+
+
+def export_medusa(
+    heads: Any,
+    out: Path,
+    card: Card,
+    *,
+    base: str,
+    lm_head: torch.Tensor,
+    tree: dict[str, Any] | None,
+    target_model: Any | None = None,
+    tokenizer: Any | None = None,
+    generation_config: Any | None = None,
+    lora: Any | None = None,
+) -> Path:
+    """Medusa heads: the FasterDecoding layout at the root, vLLM's in vllm/, the calibrated tree;
+    Medusa-2 adds target/ (the adapted target, merged) and lora/ (the adapter alone)."""
+    from specdec_runtime.medusa import TREE_FILE, write_layout
+
+    get, folder = _fetch(card, out)
+    target = f"{folder}/target" if target_model is not None else card.target
+    usage = f"""With specdec's runtime (tree decoding; greedy output identical to the target's):
+
+```bash
+{get}specdec generate --target {target} --drafter {folder} --prompt "Write a haiku about the sea." --baseline
+```
+
+`{folder}` is the FasterDecoding layout (`medusa_lm_head.safetensors`, `config.json` with
+`medusa_num_heads`); `{folder}/vllm` is vLLM's Medusa layout (`model_type: medusa`; not run by
+specdec's tests):
+
+```python
+from vllm import LLM
+spec = {{"method": "medusa", "model": "{folder}/vllm", "num_speculative_tokens": {heads.num_heads}}}
+llm = LLM(model="{target}", speculative_config=spec)
+```
+
+transformers has no Medusa decoding. `{TREE_FILE}` holds the calibrated tree (`medusa_choices`) and
+the measured per-head top-k accuracies."""
+
+    def write(tmp: Path) -> None:
+        if target_model is not None:
+            write_hf_model(target_model, tokenizer, tmp / "target", vocab_ids=None, generation_config=generation_config)
+            if lora is not None:
+                lora.save_pretrained(tmp / "lora")
+        write_layout(heads, tmp, "faster_decoding", base, lm_head_weight=lm_head)
+        write_layout(heads, tmp / "vllm", "vllm", base, lm_head_weight=lm_head)
+        if tree is not None:
+            (tmp / TREE_FILE).write_text(json.dumps(tree))
+        write_card(tmp, "medusa", card, usage)
+
+    return _atomic(out, write)
+
+
+def export_mtp(
+    lm: Any,
+    heads_sd: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    tokenizer: Any,
+    out: Path,
+    card: Card,
+    *,
+    generation_config: Any | None,
+) -> Path:
+    """An MTP model: the causal LM (trunk + head 0) that transformers loads, plus the extra heads
+    (mtp_heads.safetensors, described by mtp_config.json)."""
+    from safetensors.torch import save_file
+
+    from specdec_runtime.mtp import MTP_CONFIG, MTP_WEIGHTS
+
+    get, folder = _fetch(card, out)
+    n = meta["num_heads"]
+    usage = f"""{get}```python
+from transformers import AutoModelForCausalLM     # trunk + head 0: an ordinary causal LM
+model = AutoModelForCausalLM.from_pretrained("{folder}")
+```
+
+MTP self-speculation (heads 1..{n - 1} draft, the model verifies; output identical to its own):
+
+```bash
+specdec generate --target {folder} --drafter mtp --no-chat-template --prompt "def parse_args("
+```
+
+vLLM's `mtp` speculation loads the MTP modules of DeepSeek-V3-style checkpoints, not this layout."""
+
+    def write(tmp: Path) -> None:
+        write_hf_model(lm, tokenizer, tmp, vocab_ids=None, generation_config=generation_config)
+        sd = {k: v.to("cpu").contiguous() for k, v in heads_sd.items()}
+        save_file(sd, str(tmp / MTP_WEIGHTS), metadata={"format": "pt"})
+        (tmp / MTP_CONFIG).write_text(json.dumps(meta, indent=2))
+        write_card(tmp, "mtp", card, usage)
+
+    return _atomic(out, write)
+
+
+def export_skipset(skipset: Any, out: Path, card: Card) -> Path:
+    """A layer-skip set: skipset.json (what the runtime loads) and its card."""
+    get, folder = _fetch(card, out)
+    usage = f"""```bash
+{get}specdec generate --target {card.target} --drafter {folder}/skipset.json --baseline
+```
+
+The set is a list of sublayers of {card.target}; transformers and vLLM have no layer-skip
+self-speculation that reads it."""
+
+    def write(tmp: Path) -> None:
+        skipset.save(tmp / "skipset.json")
+        write_card(tmp, "layerskip", card, usage)
+
+    return _atomic(out, write)
 
 
 def push_to_hub(

@@ -17,7 +17,7 @@ from train.draft_model import (
     drafter_from_target_layers,
     use_draft_vocab,
 )
-from train.export import export_hf_drafter
+from train.export import write_hf_model
 from train.validate import runtime_decoder
 
 
@@ -81,7 +81,7 @@ def test_draft_vocab_export_round_trips(tmp_path, tied):
     select = torch.arange(6)
     with torch.no_grad():
         small = SelectedLogits(draft)(ids, torch.ones_like(ids), select)  # [6, 7]
-    out = export_hf_drafter(draft, tok, tmp_path / "export", vocab_ids=vocab, generation_config=None)
+    out = write_hf_model(draft, tok, tmp_path / "export", vocab_ids=vocab, generation_config=None)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         full = hf(ids).logits[0]  # [6, V]

@@ -4,6 +4,8 @@ import json
 import struct
 from pathlib import Path
 
+import torch
+
 from recipes import distill
 from tests.train.test_distill_recipe import config, tiny  # noqa: F401  (the module fixture)
 from train.export import push_to_hub
@@ -111,3 +113,81 @@ def test_recipe_pushes_its_export_when_a_repo_is_set(tiny, tmp_path, monkeypatch
     assert upload and upload[0][2] == "me/tiny-drafter"
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= set(upload[0][1])
     assert result["hub"].endswith("/commit/1")
+
+
+def test_every_drafter_type_exports_a_card_and_pushes_through_the_hub_client(tmp_path, monkeypatch):
+    """One export module for the four drafter types: each folder loads back, carries a model card
+    (target, recipe, data, measured tau and speedup, usage per serving stack) and is uploaded whole."""
+    import huggingface_hub
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec_runtime.layerskip import SkipSet
+    from specdec_runtime.medusa import MedusaHeads, read_layout
+    from tests.conftest import save_tiny_model
+    from tests.train.mtp_grad_worker import tiny_mtp
+    from train.export import Card, export_medusa, export_mtp, export_skipset, export_standalone
+    from train.mtp import heads_state_dict
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_env_token")
+    path = save_tiny_model(tmp_path / "tiny", num_hidden_layers=2)
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    metrics = {"tau": 2.345, "speedup": 1.789, "lossless": 1.0, "prompts": 4}
+
+    def card(kind: str) -> Card:
+        return Card(target="org/target", recipe=kind, data="builtin", setup={"steps": 3}, metrics=metrics,
+                    hub_id=f"me/{kind}")  # fmt: skip
+
+    heads = MedusaHeads(64, model.config.vocab_size, num_heads=2, num_layers=1)
+    mtp = tiny_mtp()
+    exports = {
+        "standalone": export_standalone(
+            model, tok, tmp_path / "standalone", card("distill"), vocab_ids=None, generation_config=None, gamma=5
+        ),
+        "medusa": export_medusa(
+            heads, tmp_path / "medusa", card("medusa"), base="org/target", lm_head=model.lm_head.weight, tree=None
+        ),
+        "mtp": export_mtp(
+            mtp.lm, heads_state_dict(mtp), {"num_heads": 3}, tok, tmp_path / "mtp", card("mtp"), generation_config=None
+        ),  # fmt: skip
+        "layerskip": export_skipset(SkipSet([1], [0], 2, target="org/target"), tmp_path / "skip", card("layerskip")),
+    }
+    # each format loads back as what was exported
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(exports["standalone"]).eval()
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+    for layout in (exports["medusa"], exports["medusa"] / "vllm"):
+        got = read_layout(layout)[0].state_dict()
+        for k, v in heads.state_dict().items():
+            torch.testing.assert_close(got[k], v)
+    assert set(load_file(exports["mtp"] / "mtp_heads.safetensors")) == set(heads_state_dict(mtp))
+    assert SkipSet.load(exports["layerskip"] / "skipset.json").attn == [1]
+
+    usage = {  # what each card must show how to use (transformers/vLLM only where they apply)
+        "standalone": ["specdec generate", "assistant_model=drafter", "speculative_config", "hf download me/distill"],
+        "medusa": ["specdec generate", '"method": "medusa"', '"model": "medusa/vllm"', "has no Medusa"],
+        "mtp": ["--drafter mtp", "AutoModelForCausalLM.from_pretrained", "vLLM's `mtp`"],
+        "layerskip": ["--drafter layerskip/skipset.json", "transformers and vLLM have no"],
+    }
+    for kind, folder in exports.items():
+        text = (folder / "README.md").read_text()
+        assert text.startswith("---\n") and f"- specdec-{kind}" in text
+        for needle in ["org/target", "| data | builtin |", "| tau (tokens per target forward) | 2.35 |",
+                       "| speedup over autoregressive | 1.79 |", *usage[kind]]:  # fmt: skip
+            assert needle in text, (kind, needle)
+        assert json.loads((folder / "specdec_metrics.json").read_text()) == metrics
+        assert not folder.with_name(folder.name + ".tmp").exists()
+
+        FakeApi.calls = []
+        url = push_to_hub(folder, f"me/{kind}", private=False, revision="main")
+        assert url == f"https://hub.invalid/me/{kind}/commit/1"
+        assert FakeApi.calls[0] == ("init", "hf_env_token")
+        assert FakeApi.calls[1] == (
+            "create_repo",
+            f"me/{kind}",
+            {"private": False, "exist_ok": True, "repo_type": "model"},
+        )
+        (upload,) = [c for c in FakeApi.calls if c[0] == "upload_folder"]
+        assert upload[1] == sorted(p.name for p in folder.iterdir()) and upload[3] == "main"
