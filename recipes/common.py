@@ -201,6 +201,7 @@ def check_launch(accelerator: Any, recipe: str, fits: tuple[str, ...], why: str 
 FITS_NAMES = {
     "single": "one process",
     "ddp": "DDP",
+    "zero0": "DeepSpeed ZeRO-0",
     "zero1": "DeepSpeed ZeRO-1",
     "zero2": "DeepSpeed ZeRO-2 (conf/accelerate/deepspeed_zero2.yaml)",
     "zero3": "DeepSpeed ZeRO-3 (conf/accelerate/deepspeed_zero3*.yaml)",
