@@ -35,15 +35,24 @@ def wandb_records(path: Path) -> list:
 
 def offline_run(out: Path) -> tuple[list[dict], set[str], list]:
     """(history rows, config keys, artifact records) of the one offline W&B run under out/wandb."""
+    import time
+
     (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
-    records = wandb_records(run_file)
-    kinds = [r.WhichOneof("record_type") for r in records]
+    for _ in range(100):  # W&B's service process may still be writing the file after run.finish()
+        records = wandb_records(run_file)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            break
+        time.sleep(0.2)
     history = [
         {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in r.history.item}
         for r, k in zip(records, kinds)
         if k == "history"
     ]
-    config_keys = {i.key for r, k in zip(records, kinds) if k == "config" for i in r.config.update}
+    # The config arrives with the run record (wandb.init) or as later config records, depending on timing.
+    configs = [r.config for r, k in zip(records, kinds) if k == "config"]
+    configs += [r.run.config for r, k in zip(records, kinds) if k == "run"]
+    config_keys = {i.key for c in configs for i in c.update}
     return history, config_keys, [r.artifact for r, k in zip(records, kinds) if k == "artifact"]
 
 
