@@ -24,32 +24,34 @@ def tiny(tmp_path_factory):
     return target, data, root / "cache"
 
 
-def config(tiny, out: Path, *overrides: str):
+def overrides(tiny, out: Path, *extra: str) -> list[str]:
+    """The tiny run's Hydra overrides (for compose() and for `accelerate launch` command lines)."""
     target, data, cache = tiny
+    return [
+        f"output_dir={out}",
+        f"model.name={target}",
+        f"data.train={data}",
+        f"data.val={data}",
+        f"responses.cache_dir={cache}",
+        "responses.max_new_tokens=12",
+        "responses.batch_size=8",
+        "drafter.num_layers=1",
+        "trainer.micro_batch=4",
+        "trainer.grad_accum=2",
+        "trainer.max_steps=6",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=3",
+        "optim.warmup_steps=1",
+        "optim.lr=1e-2",
+        "validate.num_prompts=2",
+        "validate.max_new_tokens=8",
+        *extra,
+    ]
+
+
+def config(tiny, out: Path, *extra: str):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(
-            "distill",
-            overrides=[
-                f"output_dir={out}",
-                f"model.name={target}",
-                f"data.train={data}",
-                f"data.val={data}",
-                f"responses.cache_dir={cache}",
-                "responses.max_new_tokens=12",
-                "responses.batch_size=8",
-                "drafter.num_layers=1",
-                "trainer.micro_batch=4",
-                "trainer.grad_accum=2",
-                "trainer.max_steps=6",
-                "trainer.log_every=1",
-                "trainer.checkpoint_every=3",
-                "optim.warmup_steps=1",
-                "optim.lr=1e-2",
-                "validate.num_prompts=2",
-                "validate.max_new_tokens=8",
-                *overrides,
-            ],
-        )
+        return compose("distill", overrides=overrides(tiny, out, *extra))
 
 
 def losses(out: Path) -> list[float]:
@@ -126,8 +128,7 @@ def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, overr
 def one_process_run(tiny, tmp_path_factory):
     """The 4-step reference run in one process: global batch 8 as 4 x 2 accumulation steps."""
     out = tmp_path_factory.mktemp("distill-one") / "run"
-    steps = ("trainer.micro_batch=4", "trainer.grad_accum=2", "trainer.max_steps=4")
-    distill.run(config(tiny, out, *steps, "validate.enabled=false"))
+    distill.run(config(tiny, out, "trainer.max_steps=4", "validate.enabled=false"))
     return out
 
 
@@ -138,17 +139,9 @@ def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_pr
     one run folder written by rank 0."""
     from safetensors.torch import load_file
 
-    target, data, cache = tiny
     two = tmp_path / "two"
-    proc = accelerate_launch(
-        launcher,
-        [
-            "-m", "recipes.distill", f"output_dir={two}", f"model.name={target}", f"data.train={data}",
-            f"data.val={data}", f"responses.cache_dir={cache}", "responses.max_new_tokens=12", "drafter.num_layers=1",
-            "trainer.max_steps=4", "trainer.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=1",
-            "validate.enabled=false", "trainer.micro_batch=2", "trainer.grad_accum=2",
-        ],
-    )  # fmt: skip
+    short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.enabled=false")
+    proc = accelerate_launch(launcher, ["-m", "recipes.distill", *overrides(tiny, two, *short)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes, global batch 8" in proc.stdout
     assert losses(two) == pytest.approx(losses(one_process_run), rel=1e-5, abs=1e-6)

@@ -28,34 +28,36 @@ def tiny(tmp_path_factory):
     return target, data, root / "cache"
 
 
-def config(tiny, out: Path, *overrides: str):
+def overrides(tiny, out: Path, *extra: str) -> list[str]:
+    """The tiny run's Hydra overrides (for compose() and for `accelerate launch` command lines)."""
     target, data, cache = tiny
+    return [
+        f"output_dir={out}",
+        f"model.name={target}",
+        f"data.train={data}",
+        f"data.val={data}",
+        f"responses.cache_dir={cache}",
+        "responses.max_new_tokens=16",
+        "responses.batch_size=8",
+        "medusa.num_heads=3",
+        "trainer.micro_batch=4",
+        "trainer.grad_accum=2",
+        "trainer.max_steps=6",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=3",
+        "optim.warmup_steps=1",
+        "optim.lr=1e-2",
+        "tree.budget=6",
+        "tree.calibration_prompts=8",
+        "validate.num_prompts=4",
+        "validate.max_new_tokens=10",
+        *extra,
+    ]
+
+
+def config(tiny, out: Path, *extra: str):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(
-            "medusa",
-            overrides=[
-                f"output_dir={out}",
-                f"model.name={target}",
-                f"data.train={data}",
-                f"data.val={data}",
-                f"responses.cache_dir={cache}",
-                "responses.max_new_tokens=16",
-                "responses.batch_size=8",
-                "medusa.num_heads=3",
-                "trainer.micro_batch=4",
-                "trainer.grad_accum=2",
-                "trainer.max_steps=6",
-                "trainer.log_every=1",
-                "trainer.checkpoint_every=3",
-                "optim.warmup_steps=1",
-                "optim.lr=1e-2",
-                "tree.budget=6",
-                "tree.calibration_prompts=8",
-                "validate.num_prompts=4",
-                "validate.max_new_tokens=10",
-                *overrides,
-            ],
-        )
+        return compose("medusa", overrides=overrides(tiny, out, *extra))
 
 
 def logged(out: Path, key: str = "train/loss") -> list[float]:
@@ -184,23 +186,21 @@ def test_head_losses_match_a_naive_per_position_computation():
     assert [metrics[f"head{k}/count"].item() for k in (1, 2)] == counts == [7, 7]
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tiny, tmp_path_factory):
+    """The 4-step reference run in one process: global batch 8 as 4 x 2 accumulation steps."""
+    out = tmp_path_factory.mktemp("medusa-one") / "run"
+    medusa.run(config(tiny, out, "trainer.max_steps=4", "validate.enabled=false"))
+    return out
+
+
 @pytest.mark.parametrize("launcher", ["multi_cpu", "deepspeed_zero2"])
-def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, tmp_path):
+def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_process_run, tmp_path):
     """accelerate launch with 2 CPU processes (gloo; DDP over the heads, or DeepSpeed ZeRO-2 on its CPU
     accelerator): same losses, same heads."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    medusa.run(config(tiny, one, "validate.enabled=false", "trainer.max_steps=4"))
-    target, data, cache = tiny
-    proc = accelerate_launch(
-        launcher,
-        [
-            "-m", "recipes.medusa", f"output_dir={two}", f"model.name={target}", f"data.train={data}",
-            f"data.val={data}", f"responses.cache_dir={cache}", "responses.max_new_tokens=16", "responses.batch_size=8",
-            "medusa.num_heads=3", "trainer.micro_batch=2", "trainer.grad_accum=2", "trainer.max_steps=4",
-            "trainer.log_every=1", "optim.warmup_steps=1", "optim.lr=1e-2", "tree.budget=6",
-            "tree.calibration_prompts=8", "validate.enabled=false",
-        ],
-    )  # fmt: skip
+    one, two = one_process_run, tmp_path / "two"
+    short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.enabled=false")
+    proc = accelerate_launch(launcher, ["-m", "recipes.medusa", *overrides(tiny, two, *short)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes, global batch 8" in proc.stdout
     assert logged(two) == pytest.approx(logged(one), rel=1e-5, abs=1e-6)
