@@ -104,17 +104,9 @@ def test_recipe_backward_fn_gradients_match_naive_across_processes(processes, tm
     out = tmp_path / "grads.pt"
     worker = ["-m", "tests.train.mtp_grad_worker", str(out)]
     if processes == 1:
-        cmd = [sys.executable, *worker]
+        proc = subprocess.run([sys.executable, *worker], cwd=ROOT, capture_output=True, text=True, timeout=300)
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(CONF / "accelerate/multi_cpu.yaml"),
-            *worker,
-        ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = accelerate_launch("multi_cpu", worker)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out)
     want = naive_grads(tiny_mtp(), global_batch())
