@@ -311,11 +311,6 @@ def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str
         },
         metrics=metrics,
         title=f"Layer-skip set for {cfg.model.name}",
-        summary=(
-            f"A layer-skip set for self-speculative decoding of **{cfg.model.name}** (Draft & Verify), found by "
-            "specdec's `layerskip` recipe: the target drafts for itself with the listed sublayers skipped and "
-            "verifies with all of them, so the output is exactly the target's."
-        ),
         tags=["self-speculative-decoding", "layer-skip"],
         base_model=cfg.model.name if "/" in cfg.model.name else None,
         hub_id=cfg.hub.repo_id,

@@ -96,11 +96,17 @@ METRIC_NAMES = {
     "device": "device",
 }
 
-SUMMARIES = {
-    "standalone": "A stand-alone drafter (a small causal LM) for speculative decoding of **{target}**",
-    "medusa": "Medusa heads for speculative decoding of **{target}** (tree decoding)",
-    "mtp": "A model with multi-token-prediction heads that drafts for itself (blockwise parallel decoding)",
-    "layerskip": "A layer-skip set for self-speculative decoding of **{target}** (Draft & Verify)",
+LOSSLESS = "Speculative decoding with it produces exactly the target's output."
+SUMMARIES = {  # {target}, {recipe}: a card's opening paragraph unless it brings its own
+    "standalone": "A stand-alone drafter (a small causal LM) for speculative decoding of **{target}**, trained "
+    "with specdec's `{recipe}` recipe. " + LOSSLESS,
+    "medusa": "Medusa heads for speculative decoding of **{target}** (tree decoding), trained with specdec's "
+    "`{recipe}` recipe. " + LOSSLESS,
+    "mtp": "A model with multi-token-prediction heads that drafts for itself (blockwise parallel decoding), "
+    "trained with specdec's `{recipe}` recipe. " + LOSSLESS,
+    "layerskip": "A layer-skip set for self-speculative decoding of **{target}** (Draft & Verify), found by "
+    "specdec's `{recipe}` recipe: the target drafts for itself with the listed sublayers skipped and "
+    "verifies with all of them, so the output is exactly the target's.",
 }
 
 
@@ -113,11 +119,9 @@ def model_card(kind: str, card: Card, usage: str) -> str:
         front.append(f"base_model: {card.base_model}")
     tags = ["speculative-decoding", "specdec", f"specdec-{kind}", *card.tags]
     front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
-    summary = card.summary or (
-        SUMMARIES[kind].format(target=card.target) + f", trained with specdec's `{card.recipe}` recipe. "
-        "Speculative decoding with it produces exactly the target's output."
-    )
-    lines = [*front, f"# {card.title or SUMMARIES[kind].format(target=card.target).split(' (')[0]}", "", summary, ""]
+    summary = card.summary or SUMMARIES[kind].format(target=card.target, recipe=card.recipe)
+    title = card.title or f"{card.recipe} drafter for {card.target}"
+    lines = [*front, f"# {title}", "", summary, ""]
     m = card.metrics
     if m:
         lines += ["## Measured on specdec_runtime", "", "| metric | value |", "|---|---|"]
