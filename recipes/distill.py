@@ -102,12 +102,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     run = start(cfg)
     accelerator, device, say = run.accelerator, run.device, run.say
-    launch = check_launch(
-        accelerator,
-        "distill",
-        ("zero1", "zero2", "zero3", "fsdp") if cfg.responses.source != "drafter" else ("zero1", "zero2"),
-        "on-policy responses (responses.source=drafter) generate with the drafter, whose weights ZeRO-3 and FSDP split",
-    )
+    if cfg.responses.source != "drafter":
+        launch = check_launch(accelerator, "distill", ("zero1", "zero2", "zero3", "fsdp"))
+    else:
+        why = "on-policy responses (responses.source=drafter) generate with the drafter, which ZeRO-3 and FSDP split"
+        launch = check_launch(accelerator, "distill", ("zero1", "zero2"), why)
     target = load_target(cfg, run)
     with whole(accelerator):
         drafter = build_drafter(cfg, target, run.tokenizer)
