@@ -20,25 +20,26 @@ from pathlib import Path
 from specdec_runtime.errors import SpecdecError
 
 
-def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that decodes (generate now, bench later)."""
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The target and where it runs (every command that decodes)."""
     p.add_argument("--target", default="smollm2-135m-instruct", help="bundled alias, local HF folder or Hub id")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
     p.add_argument(
-        "--drafter",
-        default="none",
-        help="none | ngram[:N] | truncate:K | mtp (the target's own heads) | draft model | Medusa folder "
-        "| layer-skip set (skipset.json)",
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile the fixed-shape decode and verify steps with CUDA graphs (auto: on CUDA only)",
     )
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
+    """Options of the speculative loop and the sampler (generate and bench)."""
     p.add_argument("--tree", help="Medusa: a JSON file of tree paths, or 'chain' (default: the export's tree)")
-    p.add_argument(
-        "--typical",
-        action="store_true",
-        help="typical acceptance for sampling (Medusa; LOSSY: output no longer follows the target exactly)",
-    )
-    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance: epsilon")
-    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance: delta, scales exp(-entropy)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument(
@@ -52,42 +53,98 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="stop drafting below this draft probability (0 = off; a layer-skip set's own threshold adapts)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
-    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
+
+
+DRAFTERS_HELP = (
+    "none | ngram[:N] | truncate:K | mtp (the target's own heads) | draft model | Medusa folder "
+    "| layer-skip set (skipset.json)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding: run and measure drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts and report tau, acceptance and speed")
+    add_model_args(gen)
+    gen.add_argument("--drafter", default="none", help=DRAFTERS_HELP)
     add_decoding_args(gen)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)")
+    gen.add_argument(
+        "--typical",
+        action="store_true",
+        help="typical acceptance for sampling (Medusa; LOSSY: output no longer follows the target exactly)",
+    )
+    gen.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance: epsilon")
+    gen.add_argument(
+        "--posterior-alpha", type=float, default=0.3, help="typical acceptance: delta, scales exp(-entropy)"
+    )
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompts", type=Path, help="JSON lines: {'prompt': ...} or {'question_id', 'category', 'turns'}")
     src.add_argument("--prompt", help="a single prompt")
     gen.add_argument("--output", type=Path, help="write one JSON line per prompt here")
     gen.add_argument("--baseline", action="store_true", help="also decode autoregressively: speedup and losslessness")
     gen.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up generation")
+
+    bench = sub.add_parser("bench", help="compare drafters side by side: tables, JSON and plots in --output-dir")
+    add_model_args(bench)
+    bench.add_argument(
+        "--drafters",
+        default="none,ngram",
+        help=f"comma-separated: {DRAFTERS_HELP}; SPEC@G fixes that drafter's gamma (e.g. truncate:28@1)",
+    )
+    add_decoding_args(bench, max_new_tokens=128)
+    bench.add_argument("--temperature", type=float, default=0.7, help="of the sampled mode")
+    bench.add_argument("--modes", default="greedy,sampled", help="greedy, sampled or both")
+    bench.add_argument(
+        "--prompts", type=Path, help="JSON lines (MT-Bench / Spec-Bench form); default: the 64 validation prompts"
+    )
+    bench.add_argument("--per-category", type=int, default=0, help="only the first N prompts of each category")
+    bench.add_argument("--output-dir", type=Path, default=Path("runs/bench"))
+    bench.add_argument("--fresh", action="store_true", help="discard the results already in --output-dir")
+    bench.add_argument(
+        "--no-reference", action="store_true", help="skip transformers' (assisted) generation as the outside reference"
+    )
+    bench.add_argument("--wandb", action="store_true", help="log to Weights & Biases (WANDB_MODE=offline works)")
+    bench.add_argument("--wandb-project", default="specdec")
+
     prep = sub.add_parser("prepare", help="download or convert models once; print their local folders")
     prep.add_argument("models", nargs="*", default=["smollm2-135m-instruct"])
     return parser
 
 
-def run_generate(args: argparse.Namespace) -> None:
+def load_target(args: argparse.Namespace) -> "LoadedModel":  # noqa: F821
+    """The target on its device, compiled for CUDA graphs when --compile asks (auto: on CUDA)."""
     import torch
-    from tqdm import tqdm
 
-    from specdec_runtime.drafters import build_drafter
-    from specdec_runtime.generate import check_fits
     from specdec_runtime.loading import load_model
-    from specdec_runtime.measure import measure
-    from specdec_runtime.prompts import Prompt, builtin_prompts, encode_prompt, read_prompts
-    from specdec_runtime.sampling import Sampler
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    if args.compile == "on" or (args.compile == "auto" and target.model.device.type == "cuda"):
+        target.model.compile()
+    return target
+
+
+def encode_all(target: "LoadedModel", prompts: list, args: argparse.Namespace) -> list[list[int]]:  # noqa: F821
+    """Token ids of every prompt; all must fit the context before any work starts."""
+    from specdec_runtime.generate import check_fits
+    from specdec_runtime.prompts import encode_prompt
+
+    encoded = [encode_prompt(target.tokenizer, p.text, chat=not args.no_chat_template) for p in prompts]
+    for p, ids in zip(prompts, encoded):
+        check_fits(len(ids), args.max_new_tokens, target.context, f"prompt '{p.id}'")
+    return encoded
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specdec_runtime.drafters import build_drafter
+    from specdec_runtime.measure import measure
+    from specdec_runtime.prompts import Prompt, builtin_prompts, read_prompts
+    from specdec_runtime.sampling import Sampler
+
     if args.prompt is not None:
         prompts = [Prompt("0", args.prompt)]
     else:
@@ -95,10 +152,8 @@ def run_generate(args: argparse.Namespace) -> None:
     Sampler(args.temperature, args.top_k, args.top_p)  # bad sampling options fail before loading anything
     if args.typical and not (0 < args.posterior_threshold < 1 and args.posterior_alpha > 0):
         raise SpecdecError("--typical needs 0 < --posterior-threshold < 1 and --posterior-alpha > 0")
-    target = load_model(args.target, device=args.device, dtype=args.dtype)
-    encoded = [encode_prompt(target.tokenizer, p.text, chat=not args.no_chat_template) for p in prompts]
-    for p, ids in zip(prompts, encoded):  # every prompt must fit before any work starts
-        check_fits(len(ids), args.max_new_tokens, target.context, f"prompt '{p.id}'")
+    target = load_target(args)
+    encoded = encode_all(target, prompts, args)
     drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
     if args.gamma is None:
         args.gamma = getattr(drafter, "gamma", None) or 4
@@ -157,6 +212,64 @@ def run_generate(args: argparse.Namespace) -> None:
     print_summary(title, prompts, report)
 
 
+def run_bench(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specdec_runtime import bench
+    from specdec_runtime.loading import load_hf_model
+    from specdec_runtime.prompts import builtin_prompts, first_per_category, read_prompts
+    from specdec_runtime.sampling import Sampler
+
+    # Everything a user can get wrong fails here, before a model loads.
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(bench.MODES):
+        raise SpecdecError(f"--modes {args.modes!r}: use greedy, sampled or greedy,sampled")
+    if "sampled" in modes and args.temperature <= 0:
+        raise SpecdecError("the sampled mode needs --temperature > 0 (or --modes greedy)")
+    Sampler(args.temperature, args.top_k, args.top_p)
+    specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
+    if not specs or len(set(specs)) != len(specs):
+        raise SpecdecError(f"--drafters {args.drafters!r}: give a comma-separated list without repeats")
+    if args.gamma is not None and args.gamma < 1:
+        raise SpecdecError(f"--gamma must be >= 1, got {args.gamma}")
+    prompts = read_prompts(args.prompts or builtin_prompts("prompts-val"))
+    if args.per_category > 0:
+        prompts = first_per_category(prompts, args.per_category)
+
+    target = load_target(args)
+    encoded = encode_all(target, prompts, args)
+    m = target.model
+    settings = bench.BenchSettings(
+        target=args.target,
+        prompts=bench.prompts_digest(prompts, encoded),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        gamma=args.gamma,
+        adaptive_gamma=args.adaptive_gamma,
+        max_gamma=args.max_gamma,
+        confidence=args.confidence,
+        tree=args.tree,
+        device=m.device.type,
+        dtype=str(m.dtype).removeprefix("torch."),
+        chat=not args.no_chat_template,
+        reference=not args.no_reference,
+    )
+    bench.check_settings(args.output_dir, settings, args.fresh)
+    hf = None if args.no_reference else load_hf_model(args.target, dtype=m.dtype).to(m.device).eval()
+    bar = lambda xs, desc: tqdm(xs, desc=desc, unit="prompt", file=sys.stderr)  # noqa: E731
+    results = bench.run_bench(
+        target, prompts, encoded, specs, settings, args.output_dir, modes=modes, hf=hf, progress=bar
+    )
+    table, rows, plots = bench.write_report(args.output_dir, settings, results)
+    print(table)
+    if args.wandb:
+        bench.log_wandb(args.output_dir, settings, rows, plots, args.wandb_project)
+    print(f"wrote {args.output_dir}/results.md, results.json, " + ", ".join(p.name for p in plots), file=sys.stderr)
+
+
 def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa: F821
     """A rich table: one row per category, and a total row when there are several."""
     from rich.console import Console
@@ -201,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "generate":
             run_generate(args)
+        elif args.command == "bench":
+            run_bench(args)
         elif args.command == "prepare":
             from specdec_runtime.loading import resolve_model
 

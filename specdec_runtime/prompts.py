@@ -64,6 +64,17 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+def first_per_category(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """The first n prompts of each category, in file order."""
+    counts: dict[str | None, int] = {}
+    kept = []
+    for p in prompts:
+        counts[p.category] = counts.get(p.category, 0) + 1
+        if counts[p.category] <= n:
+            kept.append(p)
+    return kept
+
+
 def builtin_prompts(name: str = "smoke") -> Path:
     """Path of a prompt file shipped with the package (specdec_runtime/data/<name>.jsonl)."""
     return Path(str(resources.files("specdec_runtime") / "data" / f"{name}.jsonl"))

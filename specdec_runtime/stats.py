@@ -5,7 +5,7 @@ stats.tau, stats.acceptance_per_position, stats.tokens_per_s
 total = GenerationStats.total([g.stats for g in generations])
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -73,6 +73,11 @@ class GenerationStats:
         for name in ("tau", "acceptance_rate", "acceptance_per_position", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GenerationStats":
+        """The inverse of to_dict (derived fields are recomputed)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
     @classmethod
     def total(cls, parts: list["GenerationStats"]) -> "GenerationStats":
