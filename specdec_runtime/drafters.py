@@ -157,10 +157,12 @@ class ModelDrafter:
     def _residual(self, x: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
         """The drafter's residual stream [1, T, H] for x [1, T] fed at `start` (before its head),
         and the stream after its first resume_layer layers (None when nothing is handed over)."""
-        h = self.model.embed_tokens(x)
+        h, start = self.model.embed_tokens(x), self.model.slot(start)
         if not self.resume_layer:
             return self.model.run_layers(h, start, 0, self.exit_layer, skip=self.skip), None
         tapped = self.model.run_layers(h, start, 0, self.resume_layer)
+        if self.model.compiled:  # a CUDA graph's output is overwritten when the graph runs again
+            tapped = tapped.clone()
         return self.model.run_layers(tapped, start, self.resume_layer, self.exit_layer, skip=self.skip), tapped
 
     def _logits(self, residual: Tensor) -> Tensor:
@@ -211,7 +213,8 @@ class ModelDrafter:
         if not self.resume_layer:
             return Draft(drafted, q)
         # The last draft token's first layers, which verification would otherwise recompute.
-        last = self.model.run_layers(self.model.embed_tokens(drafted[-1:][None]), pos, 0, self.resume_layer)
+        last_x = self.model.embed_tokens(drafted[-1:][None])
+        last = self.model.run_layers(last_x, self.model.slot(pos), 0, self.resume_layer)
         return Draft(drafted, q, torch.cat(handed + [last], dim=1), self.resume_layer)
 
 
@@ -272,6 +275,8 @@ def build_drafter(
         raise SpecdecError(f"--tree applies to Medusa heads; '{spec}' is not a Medusa export")
     drafter = load_model(spec, device=target.model.device, dtype=dtype if dtype != "auto" else target.model.dtype)
     check_same_vocab(target, drafter)
+    if target.model.compiled:  # a compiled target gets a compiled draft model
+        drafter.model.compile()
     return ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)
 
 

@@ -10,7 +10,8 @@ token of the target's own, and the target's KV cache is rolled back by position 
 are overwritten next round). A tree draft (Medusa) is verified the same way with tree attention;
 its accepted branch's KV entries are moved to the slots after the prefix. With no drafter, or
 an empty draft, a round is a plain decode step.
-There is one host sync per round: the accepted count and the new tokens come back together.
+There is one host sync per round: the accepted count and the new tokens come back together. On
+the fixed-shape path (a compiled target, see model.py) positions stay on the device as well.
 """
 
 import time
@@ -53,16 +54,17 @@ def verify_forward(
     logits [g + 1, V] (hidden [g + 1, H] when asked: final-norm, or after layer hidden_layer - 1),
     for a chain or a token tree."""
     kw = dict(return_hidden=hidden, hidden_layer=hidden_layer)
+    start = target.slot(L - 1)  # an int, or a device tensor on the fixed-shape (compiled) path
     if draft is None or not draft.tokens.numel():
-        out = target(ids[None, L - 1 : L], L - 1, **kw)
+        out = target(ids[None, L - 1 : L], start, **kw)
     elif draft.tree is not None:
         t = draft.tree.on(ids.device)
         nodes = torch.cat([ids[L - 1 : L], draft.tokens])[None]
-        out = target(nodes, L - 1, positions=t["depth"] + (L - 1), tree_mask=t["ancestor"], **kw)
+        out = target(nodes, start, positions=t["depth"] + start, tree_mask=t["ancestor"], **kw)
     elif draft.residual is not None:  # resume where an early-exit drafter stopped
-        out = target.head(target.run_layers(draft.residual, L - 1, draft.resume_layer), return_hidden=hidden)
+        out = target.head(target.run_layers(draft.residual, start, draft.resume_layer), return_hidden=hidden)
     else:
-        out = target(torch.cat([ids[L - 1 : L], draft.tokens])[None], L - 1, **kw)
+        out = target(torch.cat([ids[L - 1 : L], draft.tokens])[None], start, **kw)
     return DecoderOutput(out.logits[0], out.hidden[0] if hidden else None)
 
 

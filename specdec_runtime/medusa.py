@@ -266,7 +266,7 @@ class MedusaDrafter:
 
     def observe(self, hidden: Tensor) -> None:
         """The target's final-norm hidden states [k, H]; the last produced the newest token."""
-        self.hidden = hidden[-1]
+        self.hidden = hidden[-1].clone()  # held until the next draft (a CUDA graph's output may be reused)
 
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:

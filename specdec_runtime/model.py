@@ -12,6 +12,12 @@ Cache rows are slots; a forward of T tokens at `start` writes slots start..start
 to slots 0..start+T-1. Rolling back is free: slots past the accepted length are overwritten by
 the next forward. Logits match transformers' on the same weights (tests/runtime/test_model.py).
 
+Fixed shapes (GPU): with `start` a 0-dim device tensor (`model.slot(n)`), a forward writes its
+K/V with index_copy_ and attends over the whole cache under a mask, so its shapes depend on T
+only and no Python int crosses from the device: what torch.compile with CUDA graphs needs.
+`model.compile()` turns this on (specdec generate/bench --compile, on by default on CUDA);
+`model.fixed_shapes = True` runs the same path eagerly (the CPU tests check it equals the default).
+
 Batch-1 decoding on a CPU is bound by weight reads plus per-op dispatch, so the layout is chosen
 for few, large ops: q/k/v and gate/up fused, weights stored [in, out] so the residual add folds
 into addmm(x, h, W), RoPE as one complex multiply (q/k head dims interleaved at load time, which
@@ -19,6 +25,8 @@ leaves q.k unchanged), RMSNorm as one fused kernel, one K/V write per layer, GQA
 groups into the sequence axis instead of repeating keys, no nn.Module calls in the layer loop.
 """
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -97,8 +105,14 @@ def interleave_rope_dims(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
 
 
 def apply_rope_(x: Tensor, cis: Tensor) -> None:
-    """Rotate adjacent dim pairs of x [B, T, heads, D] by cis [T, 1, D/2] (complex), in place."""
-    if x.dtype == torch.float32:
+    """Rotate adjacent dim pairs of x [B, T, heads, D] by cis [T, 1, D/2] (complex, or its real
+    view [T, 1, D/2, 2] on the fixed-shape path: compilers do not take complex tensors), in place."""
+    if not cis.is_complex():
+        xs = x.float().unflatten(-1, (-1, 2))  # [B, T, h, D/2, 2]
+        cos, sin = cis[..., 0], cis[..., 1]
+        x0, x1 = xs[..., 0], xs[..., 1]
+        x.copy_(torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2))
+    elif x.dtype == torch.float32:
         torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(cis)  # one kernel
     else:  # no complex bf16/fp16 kernels: rotate in fp32 and write back
         xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
@@ -134,19 +148,26 @@ class Block(nn.Module):
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
-    def attention(self, x: Tensor, B: int, cis: Tensor, kv_cache: Tensor, start: int, mask: Tensor | None) -> Tensor:
-        """x + attention(norm(x)) for x [B*T, H]; writes this layer's K/V [B, 2Hkv, S, D] at slots start.. ."""
+    def attention(
+        self, x: Tensor, B: int, cis: Tensor, kv_cache: Tensor, start: int | Tensor, mask: Tensor | None
+    ) -> Tensor:
+        """x + attention(norm(x)) for x [B*T, H]; writes this layer's K/V [B, 2Hkv, S, D] at slots
+        start.. (an int), or at the slots [T] of a tensor (fixed shapes: attends over the whole cache)."""
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         T = x.shape[0] // B
         h = rms_norm(x, self.attn_norm, self.eps)
         qkv = h @ self.qkv.weight if self.qkv.bias is None else torch.addmm(self.qkv.bias, h, self.qkv.weight)
         qkv = qkv.view(B, T, H + 2 * Hkv, D)
         apply_rope_(qkv[:, :, : H + Hkv], cis)  # q and k heads at once
-        end = start + T
-        kv_cache[:, :, start:end] = qkv[:, :, H:].transpose(1, 2)  # keys and values: [B, 2Hkv, T, D]
+        new_kv = qkv[:, :, H:].transpose(1, 2)  # keys and values: [B, 2Hkv, T, D]
+        if isinstance(start, int):
+            kv_cache[:, :, start : start + T] = new_kv
+            kv_cache = kv_cache[:, :, : start + T]
+        else:
+            kv_cache.index_copy_(2, start, new_kv)
         # GQA without repeating keys: each kv head's query group is folded into the sequence axis.
         q = qkv[:, :, :H].transpose(1, 2).reshape(B, Hkv, self.group * T, D)
-        k, v = kv_cache[:, :, :end].split(Hkv, dim=1)
+        k, v = kv_cache.split(Hkv, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
         y = torch.addmm(x, out, self.o.weight)  # residual folded into the matmul
@@ -182,6 +203,10 @@ class Decoder(nn.Module):
         self.cache: KVCache | None = None
         self.kv_layers: list[Tensor] = []  # per-layer views of the cache
         self.cis: Tensor | None = None  # [S, 1, D/2] complex rope table, built with the cache
+        self.cos_sin: Tensor | None = None  # [S, 1, D/2, 2] its real view (fixed-shape path)
+        self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device: slot(n) is a view, no copy
+        self.fixed_shapes = False  # decode / verify with tensor starts (see the module docstring)
+        self.compiled: dict[str, Callable] = {}  # torch.compile'd run_layers and head (compile())
 
     @property
     def device(self) -> torch.device:
@@ -196,14 +221,57 @@ class Decoder(nn.Module):
         """Allocate the KV cache and rope table for `size` slots (kept if already big enough)."""
         if self.cache is not None and self.cache.size >= size and self.cache.kv.shape[1] == batch:
             return
+        if self.fixed_shapes:  # every cache size is a new graph for the compiler: grow in steps of 256
+            size = -(-size // 256) * 256
         self.cache, self.kv_layers = None, []  # free the old one before allocating
         self.cache = KVCache(self.config, batch, size, self.device, self.dtype)
         self.kv_layers = list(self.cache.kv.unbind(0))
-        pos = torch.arange(size, device=self.device, dtype=torch.float)
-        freqs = pos[:, None] * rope_inv_freq(self.config).to(self.device)[None, :]  # [S, D/2]
+        self.slots = torch.arange(size, device=self.device)
+        freqs = self.slots[:, None].float() * rope_inv_freq(self.config).to(self.device)[None, :]  # [S, D/2]
         # cos/sin rounded to the model dtype first, as transformers does.
         cos, sin = freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
         self.cis = torch.complex(cos, sin)[:, None, :]
+        self.cos_sin = torch.stack([cos, sin], dim=-1)[:, None]
+        if self.compiled:  # CUDA graphs keep the cache's address and write into it
+            for t in (self.cache.kv, *self.kv_layers, self.slots, self.cos_sin):
+                torch._dynamo.mark_static_address(t)
+
+    def slot(self, n: int) -> int | Tensor:
+        """What forward() takes as `start` for cache slot n: n, or on the fixed-shape path a 0-dim
+        view of the device's slot table (no host-to-device copy, no sync)."""
+        return self.slots[n] if self.fixed_shapes else n
+
+    def compile(self, mode: str | None = "reduce-overhead", backend: str = "inductor") -> None:
+        """torch.compile the layers and the head for the fixed-shape path (mode reduce-overhead:
+        CUDA graphs). Each (T, layer range, skip set) is one graph, compiled on first use; if
+        compiling fails the model warns once and runs eagerly. The CPU tests trace it with
+        backend='aot_eager'."""
+        for name in ("recompile_limit", "cache_size_limit"):  # many (T, range) graphs per model
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+        self.fixed_shapes = True
+        opts = dict(fullgraph=True, dynamic=False, backend=backend) | ({"mode": mode} if backend == "inductor" else {})
+        self.compiled = {
+            "run_layers": torch.compile(self._run_layers, **opts),
+            "head": torch.compile(self._head, **opts),
+        }
+        if self.cache is not None:  # mark the existing cache as static: allocate it again
+            batch, size = self.cache.kv.shape[1], self.cache.size
+            self.cache = None
+            self.setup_cache(batch, size)
+
+    def _call(self, name: str, *args) -> Tensor | DecoderOutput:
+        """The compiled `name` (if any) on the fixed-shape path, else the eager one."""
+        fn = self.compiled.get(name)
+        if fn is not None:
+            try:
+                return fn(*args)
+            except Exception as e:  # a compiler failure must not cost the user their run
+                warnings.warn(
+                    f"torch.compile of Decoder.{name} failed ({type(e).__name__}: {e}); running eagerly", stacklevel=3
+                )
+                self.compiled.pop(name)
+        return getattr(self, "_" + name)(*args)
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """Token embeddings [B, T, H]."""
@@ -214,7 +282,7 @@ class Decoder(nn.Module):
     def forward(
         self,
         ids: Tensor,
-        start: int,
+        start: int | Tensor,
         *,
         positions: Tensor | None = None,
         tree_mask: Tensor | None = None,
@@ -224,7 +292,8 @@ class Decoder(nn.Module):
         return_hidden: bool = False,
         hidden_layer: int | None = None,
     ) -> DecoderOutput:
-        """Run `ids` [B, T] at cache slots start..start+T-1.
+        """Run `ids` [B, T] at cache slots start..start+T-1 (start: an int, or model.slot(n) on the
+        fixed-shape path).
 
         positions: rope positions [T] (default: the slots); a token tree passes start + depths.
         tree_mask: [T, T] bool, which new tokens each new token sees (the prefix is always seen).
@@ -245,7 +314,7 @@ class Decoder(nn.Module):
     def run_layers(
         self,
         x: Tensor,
-        start: int,
+        start: int | Tensor,
         first: int = 0,
         last: int | None = None,
         *,
@@ -258,11 +327,31 @@ class Decoder(nn.Module):
         forward() is embed -> run_layers(0, N) -> head. Starting at first > 0 resumes from a
         residual stream computed earlier, e.g. an early-exit drafter's (see generate.py).
         """
+        T = x.shape[1]
+        if isinstance(start, int):
+            if self.cache is None or start + T > self.cache.size:
+                raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
+            return self._run_layers(x, start, first, last, positions, tree_mask, skip)
+        return self._call("run_layers", x, start, first, last, positions, tree_mask, skip)
+
+    def _run_layers(
+        self,
+        x: Tensor,
+        start: int | Tensor,
+        first: int,
+        last: int | None,
+        positions: Tensor | None,
+        tree_mask: Tensor | None,
+        skip: LayerSkip | None,
+    ) -> Tensor:
         B, T, _ = x.shape
-        if self.cache is None or start + T > self.cache.size:
-            raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
-        cis = self.cis[start : start + T] if positions is None else self.cis[positions]
-        mask = self._mask(start, T, positions, tree_mask)
+        if isinstance(start, int):
+            cis = self.cis[start : start + T] if positions is None else self.cis[positions]
+            mask = self._mask(start, T, positions, tree_mask)
+        else:  # fixed shapes: start becomes the slots [T]
+            start = start + self.slots[:T]
+            cis = self.cos_sin[start if positions is None else positions]
+            mask = self._fixed_mask(start, positions, tree_mask)
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()
         x = x.reshape(B * T, -1)  # the layers work on [B*T, H]
@@ -277,6 +366,11 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def head(self, x: Tensor, logits_to_keep: int = 0, return_hidden: bool = False) -> DecoderOutput:
         """Final norm + lm_head on the residual stream x [B, T, H] (its last logits_to_keep positions)."""
+        if self.fixed_shapes and self.compiled:
+            return self._call("head", x, logits_to_keep, return_hidden)
+        return self._head(x, logits_to_keep, return_hidden)
+
+    def _head(self, x: Tensor, logits_to_keep: int = 0, return_hidden: bool = False) -> DecoderOutput:
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         h = rms_norm(x, self.norm, self.config.rms_norm_eps)
@@ -299,6 +393,23 @@ class Decoder(nn.Module):
             k_pos = slots.clone()
             if positions is not None:
                 k_pos[start:] = positions
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        group = self.config.num_heads // self.config.num_kv_heads
+        return mask.repeat(group, 1) if group > 1 else mask
+
+    def _fixed_mask(self, slots: Tensor, positions: Tensor | None, tree_mask: Tensor | None) -> Tensor:
+        """_mask for the fixed-shape path: [group * T, S] over the whole cache, from slot tensors [T].
+        Slots past the newest are stale (rejected drafts, earlier prompts) and masked out."""
+        T, k_slot = slots.shape[0], self.slots
+        if tree_mask is None:
+            mask = k_slot[None, :] <= slots[:, None]  # causal
+        else:  # the prefix, then the tree's own pattern on the new slots
+            mask = (k_slot[None, :] < slots[:1, None]).expand(T, -1).clone()
+            mask.index_copy_(1, slots, tree_mask)
+        window = self.config.sliding_window
+        if window is not None:
+            q_pos = slots if positions is None else positions
+            k_pos = k_slot if positions is None else k_slot.index_copy(0, slots, positions)
             mask &= k_pos[None, :] > q_pos[:, None] - window
         group = self.config.num_heads // self.config.num_kv_heads
         return mask.repeat(group, 1) if group > 1 else mask

@@ -81,7 +81,7 @@ def hf_generate(
     **assist: Any,
 ) -> list[int]:
     """transformers' generate for one prompt: the new tokens (a stop token, when hit, is the last)."""
-    stop = sorted(stop_ids)
+    stop = sorted(stop_ids) or None
     sampling = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
@@ -91,7 +91,7 @@ def hf_generate(
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
         max_new_tokens=max_new_tokens,
         eos_token_id=stop,
-        pad_token_id=stop[0],
+        pad_token_id=stop[0] if stop else hf.generation_config.pad_token_id,
         **sampling,
         **assist,
     )

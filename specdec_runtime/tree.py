@@ -106,7 +106,8 @@ class Tree:
         """Index tensors (CPU) for the N + 1 nodes, root first.
 
         parent [N+1] (root: 0), depth [N+1], rank [N+1], ancestor [N+1, N+1] (ancestor-or-self,
-        the attention mask), earlier [N+1, N+1] (j is a sibling ranked before i).
+        the attention mask), earlier [N+1, N+1] (j is a sibling ranked before i), levels [D+1]
+        (0..D, so that no depth has to come back from the device).
         """
         index = {p: i + 1 for i, p in enumerate(self.paths)}
         n = len(self.paths) + 1
@@ -122,7 +123,15 @@ class Tree:
                 ancestor[i, index[p[:d]]] = True
         earlier = (parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])
         earlier[0], earlier[:, 0] = False, False  # the root is nobody's sibling
-        return {"parent": parent, "depth": depth, "rank": rank, "ancestor": ancestor, "earlier": earlier}
+        levels = torch.arange(self.depth + 1)
+        return {
+            "parent": parent,
+            "depth": depth,
+            "rank": rank,
+            "ancestor": ancestor,
+            "earlier": earlier,
+            "levels": levels,
+        }
 
     def on(self, device: torch.device) -> dict[str, Tensor]:
         """`tensors` on a device (cached per device)."""
@@ -154,7 +163,7 @@ def _walk(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
     last = score.argmax()
     n = t["depth"][last]
     on_path = t["ancestor"][last]  # [N+1] the branch root..last
-    by_depth = on_path[:, None] & (t["depth"][:, None] == torch.arange(int(t["depth"].max()) + 1, device=n.device))
+    by_depth = on_path[:, None] & (t["depth"][:, None] == t["levels"][None, :])  # [N+1, D+1]
     return by_depth.to(torch.uint8).argmax(dim=0), n  # [D+1]; entries past n point at the root
 
 

@@ -210,7 +210,7 @@ def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_pr
 
 
 def test_wandb_offline_run_has_per_head_metrics_and_the_heads(tiny, tmp_path, monkeypatch):
-    from tests.train.test_tracking_and_hub import offline_run
+    from tests.conftest import offline_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"

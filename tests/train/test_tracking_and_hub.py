@@ -1,59 +1,14 @@
 """W&B offline runs carry the metrics (read back from the run file); Hub pushes go through HfApi."""
 
 import json
-import struct
 from pathlib import Path
 
 import torch
 
 from recipes import distill
+from tests.conftest import offline_run
 from tests.train.test_distill_recipe import config, tiny  # noqa: F401  (the module fixture)
 from train.export import push_to_hub
-
-
-def wandb_records(path: Path) -> list:
-    """Records of an offline .wandb file: a 7-byte W&B header, then LevelDB-log records in 32 KiB blocks."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, out, part = path.read_bytes(), 7, [], b""
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's zero trailer
-            pos += 32768 - pos % 32768
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
-        if kind == 0 and length == 0:
-            break
-        part += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST fragment
-            record = pb.Record()
-            record.ParseFromString(part)
-            out.append(record)
-            part = b""
-    return out
-
-
-def offline_run(out: Path) -> tuple[list[dict], set[str], list]:
-    """(history rows, config keys, artifact records) of the one offline W&B run under out/wandb."""
-    import time
-
-    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
-    for _ in range(100):  # W&B's service process may still be writing the file after run.finish()
-        records = wandb_records(run_file)
-        kinds = [r.WhichOneof("record_type") for r in records]
-        if "exit" in kinds:
-            break
-        time.sleep(0.2)
-    history = [
-        {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in r.history.item}
-        for r, k in zip(records, kinds)
-        if k == "history"
-    ]
-    # The config arrives with the run record (wandb.init) or as later config records, depending on timing.
-    configs = [r.config for r, k in zip(records, kinds) if k == "config"]
-    configs += [r.run.config for r, k in zip(records, kinds) if k == "run"]
-    config_keys = {i.key for c in configs for i in c.update}
-    return history, config_keys, [r.artifact for r, k in zip(records, kinds) if k == "artifact"]
 
 
 def test_wandb_offline_run_has_config_losses_throughput_validation_and_the_drafter(tiny, tmp_path, monkeypatch):  # noqa: F811

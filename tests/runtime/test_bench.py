@@ -1,0 +1,127 @@
+"""`specdec bench` end to end on a tiny model: every number against the per-prompt records and
+the autoregressive oracle, transformers' reference outputs, failures, resume, W&B, user errors."""
+
+import json
+
+import pytest
+
+from specdec_runtime import bench
+from specdec_runtime.cli import main
+from specdec_runtime.stats import GenerationStats
+from tests.conftest import offline_run, save_tiny_model, write_prompt_file
+
+DRAFTERS = "none,ngram,truncate:2@2,/no/such/drafter"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("bench") / "tiny", "llama", seed=0, num_hidden_layers=3)
+
+
+def argv(tiny_dir, tmp_path, out, drafters=DRAFTERS, *extra):
+    prompts = write_prompt_file(tmp_path / "p.jsonl", 4, stride=5, suffix=" and")
+    return ["bench", "--target", str(tiny_dir), "--prompts", str(prompts), "--drafters", drafters,
+            "--max-new-tokens", "20", "--output-dir", str(out), *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def benched(tiny_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    out = tmp / "out"
+    main(argv(tiny_dir, tmp, out))
+    return out
+
+
+def test_outputs_and_numbers_follow_from_the_records(benched):
+    results = json.loads((benched / "results.json").read_text())
+    rows = {(r["drafter"], r["mode"]): r for r in results["summary"]}
+    assert set(rows) == {(d, m) for d in DRAFTERS.split(",") for m in ("greedy", "sampled")}
+    for (spec, mode), row in rows.items():
+        if spec.startswith("/no"):
+            assert row["error"].startswith("failed to load: unknown model '/no/such/drafter'")
+            continue
+        records = json.loads((benched / "drafters" / f"{bench.slug(spec)}.json").read_text())["modes"][mode]
+        records = records["records"]
+        assert set(row["categories"]) == {"a", "b", "all"}
+        for cat, c in row["categories"].items():
+            mine = [r for r in records if cat in ("all", r["category"])]
+            stats = [GenerationStats.from_dict(r["stats"]) for r in mine]
+            ar = [GenerationStats.from_dict(r["ar_stats"]) for r in mine]
+            tokens = sum(s.new_tokens for s in stats)
+            assert c["tau"] == pytest.approx(tokens / sum(s.target_forwards for s in stats))
+            tok_s = tokens / sum(s.total_s for s in stats)
+            ar_tok_s = sum(s.new_tokens for s in ar) / sum(s.total_s for s in ar)
+            assert c["speedup"] == pytest.approx(tok_s / ar_tok_s)
+            refs = [r["reference"] for r in mine]
+            ref_tok_s = sum(r["new_tokens"] for r in refs) / sum(r["seconds"] for r in refs)
+            assert c["vs_ref"] == pytest.approx(tok_s / ref_tok_s)
+            if mode == "greedy":  # the oracle: the target's own greedy output
+                assert c["lossless"] == 1.0 and all(r["tokens"] == r["ar_tokens"] for r in mine)
+                assert all(r["same_as_ar"] for r in refs)  # transformers' (assisted) greedy output, too
+            else:
+                assert c["lossless"] is None
+        drafted = [sum(GenerationStats.from_dict(r["stats"]).drafted_at[:1]) for r in records]
+        assert (sum(drafted) > 0) == (spec != "none")
+        assert row["gamma"] == {"none": 0, "ngram": 4, "truncate:2@2": 2}[spec]
+    assert rows[("none", "greedy")]["categories"]["all"]["tau"] == 1.0
+    table = (benched / "results.md").read_text()
+    assert "| truncate:2@2 | greedy | 2 |" in table and "failed to load: unknown model" in table
+    assert "tau / speedup by category" in table
+    for png in ("speedup_tau.png", "acceptance.png"):
+        assert (benched / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reruns_resume_per_drafter_and_refuse_other_settings(benched, tiny_dir, tmp_path, monkeypatch, capsys):
+    before = (benched / "drafters" / "ngram.json").read_text()
+    assert not (benched / "drafters" / "no_such_drafter.json").exists()  # failures are retried, not stored
+    calls = []
+    real = bench.bench_drafter
+    monkeypatch.setattr(bench, "bench_drafter", lambda *a: calls.append((a[3], a[4])) or real(*a))
+    main(argv(tiny_dir, tmp_path, benched, "none,ngram,truncate:1"))
+    assert calls == [("truncate:1", "greedy"), ("truncate:1", "sampled")]
+    assert (benched / "drafters" / "ngram.json").read_text() == before
+    with pytest.raises(SystemExit):
+        main(argv(tiny_dir, tmp_path, benched, "none", "--max-new-tokens", "21"))
+    assert "max_new_tokens: 20 -> 21" in capsys.readouterr().err
+
+
+def test_a_drafter_that_fails_to_decode_is_reported_and_the_rest_run(tiny_dir, tmp_path, monkeypatch):
+    from specdec_runtime.drafters import NgramDrafter
+
+    monkeypatch.setattr(NgramDrafter, "draft", lambda *a: 1 / 0)
+    out = tmp_path / "out"
+    main(argv(tiny_dir, tmp_path, out, "ngram,truncate:2", "--modes", "greedy", "--no-reference"))
+    rows = json.loads((out / "results.json").read_text())["summary"]
+    assert rows[0]["error"] == "failed to decode: ZeroDivisionError: division by zero"
+    assert rows[1]["categories"]["all"]["lossless"] == 1.0 and rows[1]["categories"]["all"]["ref_tok_s"] is None
+
+
+def test_wandb_offline_run_has_the_summary_metrics_and_plots(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "out"
+    main(argv(tiny_dir, tmp_path, out, "none,ngram", "--modes", "greedy", "--no-reference", "--wandb"))
+    history, config_keys, _ = offline_run(out)
+    logged = {k for h in history for k in h}
+    assert {"greedy/ngram/tau", "greedy/ngram/speedup", "greedy/ngram/lossless", "greedy/none/tok_s"} <= logged
+    media = next(h for h in history if "bench/summary/_type" in h)
+    assert media["bench/summary/_type"] == "table-file" and media["bench/summary/nrows"] == 2 * 3  # x (a, b, all)
+    assert media["bench/speedup_tau/_type"] == media["bench/acceptance/_type"] == "image-file"
+    assert {"target", "max_new_tokens", "temperature"} <= config_keys
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    ngram = next(h for h in history if "greedy/ngram/tau" in h)
+    assert ngram["greedy/ngram/tau"] == pytest.approx(summary[1]["categories"]["all"]["tau"])
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--modes", "greedy,beam"], "--modes 'greedy,beam'"),
+        (["--temperature", "0"], "the sampled mode needs --temperature > 0"),
+        (["--drafters", "ngram,ngram"], "without repeats"),
+        (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    ],
+)
+def test_user_errors_stop_before_any_model_loads(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--target", "/no/such/model", "--output-dir", str(tmp_path), *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
