@@ -24,18 +24,7 @@ from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_hf_model, load_model
 from specdec_runtime.prompts import builtin_prompts, encode_prompt, read_prompts
-
-
-def truncated_hf(hf, k: int):
-    """An HF model made of the target's first k layers + its final norm and lm_head."""
-    from transformers import AutoModelForCausalLM
-
-    config = hf.config.__class__.from_dict({**hf.config.to_dict(), "num_hidden_layers": k})
-    small = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    sd = {n: w for n, w in hf.state_dict().items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < k}
-    small.load_state_dict(sd, strict=False)  # tied lm_head may be absent from sd
-    small.generation_config = hf.generation_config
-    return small
+from specdec_runtime.reference import hf_generate, truncated_hf
 
 
 def timed(fn, *args):
@@ -44,31 +33,15 @@ def timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-def hf_generate(hf, ids, max_new, stop, assistant=None, gamma=None, hf_defaults=False):
-    if assistant is not None:
-        g = assistant.generation_config
-        if hf_defaults:
-            g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = (
-                20,
-                "constant",
-                0.4,
-            )
-        else:
-            g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = (
-                gamma,
-                "constant",
-                0.0,
-            )
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]),
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=stop,
-            pad_token_id=stop[0],
-            assistant_model=assistant,
-        )
-    return out[0, len(ids) :].tolist()
+def hf_run(hf, ids, max_new, stop, assistant=None, gamma=None, hf_defaults=False):
+    """transformers' generate, assisted by `assistant` with a constant gamma (or HF's defaults)."""
+    if assistant is None:
+        return hf_generate(hf, ids, max_new_tokens=max_new, stop_ids=stop)
+    g = assistant.generation_config
+    g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = (
+        (20, "constant", 0.4) if hf_defaults else (gamma, "constant", 0.0)
+    )
+    return hf_generate(hf, ids, max_new_tokens=max_new, stop_ids=stop, assistant_model=assistant)
 
 
 def scan(target, encoded, ks, gammas, max_new):
@@ -124,9 +97,9 @@ def main() -> None:
     hf = load_hf_model("smollm2-135m-instruct").eval()
     prompts = read_prompts(args.prompts or builtin_prompts("smoke"))
     encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
-    stop, N = sorted(target.stop_ids), args.max_new_tokens
+    stop, N = target.stop_ids, args.max_new_tokens
     generate(target.model, encoded[0], max_new_tokens=8)  # warm-up
-    hf_generate(hf, encoded[0], 8, stop)
+    hf_run(hf, encoded[0], 8, stop)
 
     scan_rows, scan_ar = [], None
     k, gamma = args.k, args.gamma or 2
@@ -140,19 +113,17 @@ def main() -> None:
 
     assistant = truncated_hf(hf, k)
     drafter = ModelDrafter(target.model, exit_layer=k, shares_target_cache=True)
-    hf_generate(hf, encoded[0], 8, stop, assistant, gamma)  # warm-up
+    hf_run(hf, encoded[0], 8, stop, assistant, gamma)  # warm-up
     methods = {
         "ours autoregressive": lambda ids: (
             generate(target.model, ids, max_new_tokens=N, stop_ids=target.stop_ids).tokens
         ),
-        "transformers generate": lambda ids: hf_generate(hf, ids, N, stop),
-        f"transformers assisted (truncate:{k}, gamma {gamma})": lambda ids: hf_generate(
-            hf, ids, N, stop, assistant, gamma
-        ),
+        "transformers generate": lambda ids: hf_run(hf, ids, N, stop),
+        f"transformers assisted (truncate:{k}, gamma {gamma})": lambda ids: hf_run(hf, ids, N, stop, assistant, gamma),
         f"ours speculative (truncate:{k}, gamma {gamma})": lambda ids: (
             generate(target.model, ids, drafter, max_new_tokens=N, gamma=gamma, stop_ids=target.stop_ids).tokens
         ),
-        f"transformers assisted (truncate:{k}, HF defaults)": lambda ids: hf_generate(
+        f"transformers assisted (truncate:{k}, HF defaults)": lambda ids: hf_run(
             hf, ids, N, stop, assistant, hf_defaults=True
         ),
     }

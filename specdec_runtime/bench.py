@@ -159,21 +159,7 @@ def bench_drafter(
         return failure(spec, "load", e)
     gamma = gamma or settings.gamma or getattr(drafter, "gamma", None) or 4
     temperature = settings.temperature if mode == "sampled" else 0.0
-    assist, why_not = None, "off (--no-reference)"
-    if hf is not None:
-        try:
-            standalone = isinstance(drafter, ModelDrafter) and not drafter.shares_target_cache
-            path = resolve_model(name) if standalone else None
-            assist, why_not = assisted_kwargs(
-                hf,
-                drafter,
-                gamma=gamma,
-                adaptive_gamma=settings.adaptive_gamma,
-                confidence=settings.confidence,
-                drafter_path=path,
-            )
-        except Exception as e:
-            assist, why_not = None, f"failed: {type(e).__name__}: {e}"
+    assist, why_not = reference_kwargs(hf, drafter, name, gamma, settings)
 
     sampling = dict(temperature=temperature, top_k=settings.top_k, top_p=settings.top_p)
     kw = dict(max_new_tokens=settings.max_new_tokens, stop_ids=target.stop_ids)
@@ -183,16 +169,17 @@ def bench_drafter(
 
     def reference(ids: list[int], i: int, max_new_tokens: int) -> tuple[list[int], float]:
         t0 = perf_counter(device)
-        tokens = hf_generate(hf, ids, **{**kw, "max_new_tokens": max_new_tokens}, **sampling, seed=i, **assist)
+        seed = settings.seed + i
+        tokens = hf_generate(hf, ids, **{**kw, "max_new_tokens": max_new_tokens}, **sampling, seed=seed, **assist)
         return tokens, perf_counter(device) - t0
 
     try:  # warm-up: first calls pay for allocations, lazy init and compilation
-        warm = {**spec_kw, "max_new_tokens": min(8, settings.max_new_tokens)}
-        generate(target.model, encoded[0], None, sampler(0), **kw | {"max_new_tokens": warm["max_new_tokens"]})
+        short = min(8, settings.max_new_tokens)
+        generate(target.model, encoded[0], None, sampler(0), **{**kw, "max_new_tokens": short})
         if drafter is not None:
-            generate(target.model, encoded[0], drafter, sampler(0), **warm)
+            generate(target.model, encoded[0], drafter, sampler(0), **{**spec_kw, "max_new_tokens": short})
         if assist is not None:
-            reference(encoded[0], 0, warm["max_new_tokens"])
+            reference(encoded[0], 0, short)
         records = []
         bar = progress(list(enumerate(encoded)), f"{spec} ({mode})") if progress else enumerate(encoded)
         for i, ids in bar:
@@ -213,6 +200,26 @@ def bench_drafter(
     except Exception as e:
         return failure(spec, "decode", e)
     return {"gamma": gamma if drafter is not None else 0, "reference": why_not or "yes", "records": records}
+
+
+def reference_kwargs(
+    hf: Any, drafter: Any, name: str, gamma: int, settings: BenchSettings
+) -> tuple[dict | None, str | None]:
+    """transformers' generate() arguments for the reference run of this drafter, or (None, why not)."""
+    if hf is None:
+        return None, "off (--no-reference)"
+    try:
+        standalone = isinstance(drafter, ModelDrafter) and not drafter.shares_target_cache
+        return assisted_kwargs(
+            hf,
+            drafter,
+            gamma=gamma,
+            adaptive_gamma=settings.adaptive_gamma,
+            confidence=settings.confidence,
+            drafter_path=resolve_model(name) if standalone else None,
+        )
+    except Exception as e:  # the drafter itself still runs
+        return None, f"failed: {type(e).__name__}: {e}"
 
 
 def failure(spec: str, stage: str, e: Exception) -> dict:
