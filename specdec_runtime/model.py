@@ -366,13 +366,13 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def head(self, x: Tensor, logits_to_keep: int = 0, return_hidden: bool = False) -> DecoderOutput:
         """Final norm + lm_head on the residual stream x [B, T, H] (its last logits_to_keep positions)."""
-        if self.fixed_shapes and self.compiled:
-            return self._call("head", x, logits_to_keep, return_hidden)
-        return self._head(x, logits_to_keep, return_hidden)
-
-    def _head(self, x: Tensor, logits_to_keep: int = 0, return_hidden: bool = False) -> DecoderOutput:
-        if logits_to_keep:
+        if logits_to_keep:  # before the compiled call: a prefill's length must not make a new graph
             x = x[:, -logits_to_keep:]
+        if self.compiled:
+            return self._call("head", x, return_hidden)
+        return self._head(x, return_hidden)
+
+    def _head(self, x: Tensor, return_hidden: bool = False) -> DecoderOutput:
         h = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return DecoderOutput(self.lm_head(h), h if return_hidden else None)  # logits [B, T', V]
 
