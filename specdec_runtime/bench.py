@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -233,8 +234,6 @@ def failure(spec: str, stage: str, e: Exception) -> dict:
 
 def perf_counter(device: torch.device) -> float:
     """Wall time, after the device's queued work is done (a host sync, outside the timed loops)."""
-    import time
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

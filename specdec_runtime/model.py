@@ -203,7 +203,7 @@ class Decoder(nn.Module):
         self.cache: KVCache | None = None
         self.kv_layers: list[Tensor] = []  # per-layer views of the cache
         self.cis: Tensor | None = None  # [S, 1, D/2] complex rope table, built with the cache
-        self.cos_sin: Tensor | None = None  # [S, 1, D/2, 2] its real view (fixed-shape path)
+        self.cos_sin: Tensor | None = None  # [S, 1, D/2, 2] its real view, (cos, sin) (fixed-shape path)
         self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device: slot(n) is a view, no copy
         self.fixed_shapes = False  # decode / verify with tensor starts (see the module docstring)
         self.compiled: dict[str, Callable] = {}  # torch.compile'd run_layers and head (compile())
@@ -231,7 +231,7 @@ class Decoder(nn.Module):
         # cos/sin rounded to the model dtype first, as transformers does.
         cos, sin = freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
         self.cis = torch.complex(cos, sin)[:, None, :]
-        self.cos_sin = torch.stack([cos, sin], dim=-1)[:, None]
+        self.cos_sin = torch.view_as_real(self.cis)  # [S, 1, D/2, 2], the same memory
         if self.compiled:  # CUDA graphs keep the cache's address and write into it
             for t in (self.cache.kv, *self.kv_layers, self.slots, self.cos_sin):
                 torch._dynamo.mark_static_address(t)
