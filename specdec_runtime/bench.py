@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from specdec_runtime.drafters import ModelDrafter, build_drafter
+from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import LoadedModel, resolve_model
@@ -158,7 +159,7 @@ def bench_drafter(
         drafter = build_drafter(name, target, confidence=settings.confidence, dtype=settings.dtype, tree=settings.tree)
     except Exception as e:  # reported in the table; the other drafters still run
         return failure(spec, "load", e)
-    gamma = gamma or settings.gamma or getattr(drafter, "gamma", None) or 4
+    gamma = gamma or settings.gamma or (drafter.gamma if drafter is not None else None) or 4
     temperature = settings.temperature if mode == "sampled" else 0.0
     assist, why_not = reference_kwargs(hf, drafter, name, gamma, settings)
 

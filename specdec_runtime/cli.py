@@ -140,7 +140,7 @@ def encode_all(target: "LoadedModel", prompts: list, args: argparse.Namespace) -
 def run_generate(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specdec_runtime.drafters import build_drafter
+    from specdec_runtime.drafter_spec import build_drafter
     from specdec_runtime.measure import measure
     from specdec_runtime.prompts import Prompt, builtin_prompts, read_prompts
     from specdec_runtime.sampling import Sampler
@@ -156,7 +156,7 @@ def run_generate(args: argparse.Namespace) -> None:
     encoded = encode_all(target, prompts, args)
     drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
     if args.gamma is None:
-        args.gamma = getattr(drafter, "gamma", None) or 4
+        args.gamma = (drafter.gamma if drafter is not None else None) or 4
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
     out_file = None

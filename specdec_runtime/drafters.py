@@ -3,22 +3,21 @@
     drafter = ModelDrafter(draft_model)                                   # a small stand-alone model
     drafter = ModelDrafter(target, exit_layer=6, shares_target_cache=True)  # truncate:6
     drafter = NgramDrafter(max_ngram=3)                                     # prompt lookup
-    drafter = build_drafter("truncate:6", target)                          # from a CLI spec
     drafter.start(prompt, capacity)
     draft = drafter.draft(ids, gamma=4, sampler=sampler)   # Draft(tokens [g], probs [g, V] | None)
 
-The protocol is two methods. `start` is called once per prompt, after the target's prefill.
-`draft` receives the whole sequence so far, ids [L]: the target has verified ids[:L-1] into its
-KV cache and ids[L-1] is the newest token; it returns up to gamma tokens that should follow (or a
-token tree at most gamma deep). A drafter that reads the target's hidden states (Medusa, MTP heads)
-also has `observe(hidden [k, H])`: after every target forward the loop passes the hidden states of
-the positions it accepted, in order, the last one being the position that produced the newest
-token (after the prefill: the prompt's). They are final-norm states (only the last prompt row
-after the prefill), or, when the drafter sets `hidden_layer = k`, the residual stream after the
-target's first k layers (every prompt row).
+(`specdec_runtime.drafter_spec.build_drafter("truncate:6", target)` builds any drafter from its
+command-line spec.) The protocol is `start` and `draft`. `start` is called once per prompt, after
+the target's prefill. `draft` receives the whole sequence so far, ids [L]: the target has verified
+ids[:L-1] into its KV cache and ids[L-1] is the newest token; it returns up to gamma tokens that
+should follow (or a token tree at most gamma deep). A drafter that reads the target's hidden
+states (Medusa, MTP heads, EAGLE-3) names the layers in `hidden_layers` and receives, through
+`observe`, after every target forward, the residual streams after those layers at the positions
+the loop accepted, in order, the last one being the position that produced the newest token
+(after the prefill: every prompt position).
 """
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -27,9 +26,6 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, LayerSkip
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
-
-if TYPE_CHECKING:
-    from specdec_runtime.loading import LoadedModel
 
 
 class Draft(NamedTuple):
@@ -46,13 +42,24 @@ class Draft(NamedTuple):
 
 
 class Drafter(Protocol):
-    name: str
+    """What the generate loop asks of a drafter. Drafters subclass it to inherit the defaults of
+    its optional members (a plain drafter only writes `draft`)."""
+
+    name: str = "drafter"
+    gamma: int | None = None  # the draft length it was tuned for (a CLI default), if any
+    tree_nodes: int = 0  # KV slots a tree draft writes past the sequence (the loop reserves them)
+    hidden_layers: tuple[int, ...] = ()  # the target's residual streams it reads (see observe)
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         """Reset for a new prompt [P]; sequences will not exceed `capacity` tokens."""
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         """Propose up to gamma tokens to follow ids [L]."""
+        raise NotImplementedError
+
+    def observe(self, hidden: Tensor) -> None:
+        """The target's residual streams after `hidden_layers` layers, concatenated [k, n * H], at
+        the k positions just accepted (after the prefill: every prompt position)."""
 
 
 def empty_draft(device: torch.device) -> Draft:
@@ -100,7 +107,7 @@ class DraftExit:
         return p < self.threshold
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts with a Decoder: a stand-alone model, or the target itself cut short / with skips.
 
     With shares_target_cache (truncate:K, layer-skip) the drafter is the target run with
@@ -133,6 +140,7 @@ class ModelDrafter:
         self.gamma = gamma  # the draft length it was tuned for (a CLI default), if any
         self.draft_exit = draft_exit or (DraftExit(confidence, adaptive=False) if confidence > 0 else None)
         self.seen = 0  # own cache: leading positions that hold the current sequence
+        self.handed: Tensor | None = None  # [1, n, H] residual streams for verification (_handed)
         self.vocab_ids = getattr(model, "vocab_ids", None)  # [N] a draft vocabulary's ids, if any
         self.last: tuple[int, int, bool] | None = None  # (L, drafted, full) of the previous draft
         # Layers run exactly as the target runs them: up to the first exit or skipped sublayer.
@@ -151,23 +159,12 @@ class ModelDrafter:
                 f"max_new_tokens = {capacity}: lower max_new_tokens or use a drafter with a longer context"
             )
         self.model.setup_cache(1, capacity)
-        self.model(prompt[None], 0, logits_to_keep=1)
+        self.model.prefill(prompt[None], logits_to_keep=1)
         self.seen = prompt.shape[0]
 
-    def _residual(self, x: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
-        """The drafter's residual stream [1, T, H] for x [1, T] fed at `start` (before its head),
-        and the stream after its first resume_layer layers (None when nothing is handed over)."""
-        h, start = self.model.embed_tokens(x), self.model.slot(start)
-        if not self.resume_layer:
-            return self.model.run_layers(h, start, 0, self.exit_layer, skip=self.skip), None
-        tapped = self.model.run_layers(h, start, 0, self.resume_layer)
-        if self.model.compiled:  # a CUDA graph's output is overwritten when the graph runs again
-            tapped = tapped.clone()
-        return self.model.run_layers(tapped, start, self.resume_layer, self.exit_layer, skip=self.skip), tapped
-
-    def _logits(self, residual: Tensor) -> Tensor:
-        """Draft logits [V_target] at the last position of a residual stream [1, T, H]."""
-        logits = self.model.head(residual, logits_to_keep=1).logits[0, -1]
+    def _logits(self, logits: Tensor) -> Tensor:
+        """Draft logits [V_target] from the drafter's own [V_drafter] (a draft vocabulary, or a
+        vocabulary of another size, is mapped onto the target's)."""
         V = self.vocab_size
         if self.vocab_ids is not None:  # a draft vocabulary: ids outside it get probability 0
             full = logits.new_full((V,), float("-inf"))
@@ -178,6 +175,14 @@ class ModelDrafter:
             logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
         return logits
 
+    def _handed(self, n: int) -> Tensor:
+        """The buffer [1, n, H] that collects the residual streams handed to verification; the
+        drafter owns it, and verification reads it before the next draft overwrites it."""
+        if self.handed is None or self.handed.shape[1] < n:
+            H = self.model.config.hidden_size
+            self.handed = torch.empty(1, n, H, device=self.model.device, dtype=self.model.dtype)
+        return self.handed
+
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         L = ids.shape[0]
@@ -187,12 +192,16 @@ class ModelDrafter:
             self.draft_exit.update(min(max(L - prev_L - 1, 0), drafted), drafted, full)
         seen = L - 1 if self.shares_target_cache else min(self.seen, L - 1)
         x, pos = ids[seen:L][None], seen  # the tokens the drafter has not processed yet
-        tokens, probs, handed = [], [], []
-        for _ in range(gamma):
-            residual, tapped = self._residual(x, pos)
-            if tapped is not None:
-                handed.append(tapped)
-            logits = self._logits(residual)
+        K = self.resume_layer
+        handed = self._handed(gamma + 1) if K else None
+        tokens, probs = [], []
+        for i in range(gamma):
+            out = self.model(
+                x, pos, exit_layer=self.exit_layer, skip=self.skip, logits_to_keep=1, taps=(K,) if K else ()
+            )
+            if K:  # x is the newest token alone (a shared cache is never behind)
+                handed[:, i] = out.hidden[:, -1]
+            logits = self._logits(out.logits[0, -1])
             pos += x.shape[1]
             if sampler.greedy:
                 token, p = logits.argmax(), None
@@ -210,77 +219,15 @@ class ModelDrafter:
         self.seen = pos  # ids[:L] and all drafted tokens but the last are now cached
         self.last = (L, len(tokens), len(tokens) == gamma)
         drafted, q = torch.stack(tokens), torch.stack(probs) if probs else None
-        if not self.resume_layer:
+        if not K:
             return Draft(drafted, q)
-        # The last draft token's first layers, which verification would otherwise recompute.
-        last_x = self.model.embed_tokens(drafted[-1:][None])
-        last = self.model.run_layers(last_x, self.model.slot(pos), 0, self.resume_layer)
-        return Draft(drafted, q, torch.cat(handed + [last], dim=1), self.resume_layer)
+        # The last draft token's first K layers, which verification would otherwise recompute.
+        g = len(tokens)
+        handed[:, g] = self.model(x, pos, exit_layer=K, taps=(K,), head=False).hidden[:, -1]
+        return Draft(drafted, q, handed[:, : g + 1], K)
 
 
-def _int_arg(spec: str, kind: str) -> int:
-    arg = spec.split(":", 1)[1] if ":" in spec else ""
-    if not arg.isdigit():
-        raise SpecdecError(f"drafter '{spec}': expected {kind}:N with a positive integer N")
-    return int(arg)
-
-
-def build_drafter(
-    spec: str,
-    target: "LoadedModel",
-    *,
-    confidence: float = 0.0,
-    dtype: str | torch.dtype | None = "auto",
-    tree: str | None = None,
-) -> Drafter | None:
-    """A drafter from its command-line spec; None for plain autoregressive decoding.
-
-    none            autoregressive (no drafter)
-    ngram[:N]       prompt lookup with n-grams of up to N tokens (default 3)
-    truncate:K      the target's first K layers + its final norm and lm_head (no training)
-    mtp             the target's own multi-token-prediction heads (a target exported by recipes.mtp)
-    DIR             exported Medusa heads (FasterDecoding or vLLM layout); tree: a JSON file of
-                    paths, 'chain', or None for the tree calibrated at export
-    FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
-                    sublayers skipped, adaptive draft exit; confidence > 0 fixes the threshold)
-    NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
-    """
-    from pathlib import Path
-
-    from specdec_runtime.layerskip import is_skipset_file
-    from specdec_runtime.loading import check_same_vocab, load_model
-    from specdec_runtime.medusa import is_medusa_folder, load_medusa
-
-    spec = spec.strip()
-    if spec.lower() in ("", "none", "ar"):
-        return None
-    if spec == "ngram" or spec.startswith("ngram:"):
-        return NgramDrafter(_int_arg(spec, "ngram") if ":" in spec else 3)
-    if spec == "truncate" or spec.startswith("truncate:"):
-        k, n = _int_arg(spec, "truncate"), target.config.num_layers
-        if not 1 <= k < n:
-            raise SpecdecError(f"drafter '{spec}': K must be in 1..{n - 1} (the target has {n} layers)")
-        return ModelDrafter(target.model, exit_layer=k, shares_target_cache=True, confidence=confidence, name=spec)
-    if spec == "mtp":
-        from specdec_runtime.mtp import load_mtp
-
-        return load_mtp(target)
-    if is_skipset_file(spec):
-        from specdec_runtime.layerskip import SkipSet, skip_drafter
-
-        return skip_drafter(target, SkipSet.load(spec), confidence=confidence, name=spec)
-    if is_medusa_folder(Path(spec).expanduser()):
-        return load_medusa(Path(spec).expanduser(), target, tree)
-    if tree is not None:
-        raise SpecdecError(f"--tree applies to Medusa heads; '{spec}' is not a Medusa export")
-    drafter = load_model(spec, device=target.model.device, dtype=dtype if dtype != "auto" else target.model.dtype)
-    check_same_vocab(target, drafter)
-    if target.model.compiled:  # a compiled target gets a compiled draft model
-        drafter.model.compile()
-    return ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)
-
-
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup decoding: find an earlier occurrence of the last n tokens and propose what
     followed it (n from max_ngram down to min_ngram). Needs no model; it pays off when the output
     copies from the prompt or repeats itself (summaries, extraction, code edits)."""
@@ -289,9 +236,6 @@ class NgramDrafter:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, f"ngram:{max_ngram}"
-
-    def start(self, prompt: Tensor, capacity: int) -> None:
-        pass
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         seq = ids.cpu()  # host lookup (a device sync on GPU)

@@ -4,14 +4,13 @@
     out = generate(target, prompt_ids, drafter, Sampler(0.7, seed=0), gamma=5, stop_ids={2})
     out.tokens, out.stats.tau, out.stop_reason
 
-Each round: the drafter proposes g <= gamma tokens after the sequence, the target runs once on
-the newest token plus the draft (g + 1 positions), verification accepts a prefix and adds one
-token of the target's own, and the target's KV cache is rolled back by position (rejected slots
-are overwritten next round). A tree draft (Medusa) is verified the same way with tree attention;
-its accepted branch's KV entries are moved to the slots after the prefix. With no drafter, or
-an empty draft, a round is a plain decode step.
-There is one host sync per round: the accepted count and the new tokens come back together. On
-the fixed-shape path (a compiled target, see model.py) positions stay on the device as well.
+Each round: the drafter proposes g <= gamma tokens after the sequence (a chain, or a token tree at
+most gamma deep), the target runs once on the newest token plus the draft, verification (verify.py)
+accepts a branch and adds one token of the target's own, and the target's KV cache is rolled back
+by position (rejected slots are overwritten next round; a tree's accepted nodes move to the slots
+after the prefix). With no drafter, or an empty draft, a round is a plain decode step, through the
+same code. There is one host sync per round: the accepted length and the new tokens come back
+together (drafters that sync themselves say so: n-gram lookup, a draft exit's confidence test).
 """
 
 import time
@@ -25,8 +24,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.tree import Tree, verify_tree_greedy, verify_tree_sample, verify_tree_typical
-from specdec_runtime.verify import verify_greedy, verify_sample
+from specdec_runtime.verify import verify
 
 
 class Generation(NamedTuple):
@@ -47,38 +45,33 @@ def check_fits(prompt_len: int, max_new_tokens: int, context: int, name: str = "
         )
 
 
-def verify_forward(
-    target: Decoder, ids: Tensor, L: int, draft: Draft | None, hidden: bool, hidden_layer: int | None = None
-) -> DecoderOutput:
+def verify_forward(target: Decoder, ids: Tensor, L: int, draft: Draft | None, taps: tuple[int, ...]) -> DecoderOutput:
     """The target's output (batch row 0) for the newest token ids[L-1] and the draft after it:
-    logits [g + 1, V] (hidden [g + 1, H] when asked: final-norm, or after layer hidden_layer - 1),
-    for a chain or a token tree."""
-    kw = dict(return_hidden=hidden, hidden_layer=hidden_layer)
-    start = target.slot(L - 1)  # an int, or a device tensor on the fixed-shape (compiled) path
+    logits [g + 1, V] (hidden [g + 1, n * H] after the `taps` layers), for a chain or a tree."""
+    root = ids[L - 1 : L]
     if draft is None or not draft.tokens.numel():
-        out = target(ids[None, L - 1 : L], start, **kw)
+        out = target(root[None], L - 1, taps=taps)
     elif draft.tree is not None:
         t = draft.tree.on(ids.device)
-        nodes = torch.cat([ids[L - 1 : L], draft.tokens])[None]
-        out = target(nodes, start, positions=t["depth"] + start, tree_mask=t["ancestor"], **kw)
+        out = target(torch.cat([root, draft.tokens])[None], L - 1, tree=(t["depth"], t["ancestor"]), taps=taps)
     elif draft.residual is not None:  # resume where an early-exit drafter stopped
-        out = target.head(target.run_layers(draft.residual, start, draft.resume_layer), return_hidden=hidden)
+        out = target(draft.residual, L - 1, first_layer=draft.resume_layer, taps=taps)
     else:
-        out = target(torch.cat([ids[L - 1 : L], draft.tokens])[None], start, **kw)
-    return DecoderOutput(out.logits[0], out.hidden[0] if hidden else None)
+        out = target(torch.cat([root, draft.tokens])[None], L - 1, taps=taps)
+    return DecoderOutput(out.logits[0], out.hidden[0] if taps else None)
 
 
-def verify_tree(
-    draft: Draft, root: Tensor, logits: Tensor, sampler: Sampler, typical: tuple[float, float] | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(path [D + 1], accept_len, next token) for a tree draft (a chain under typical acceptance)."""
-    tree = draft.tree or Tree.chain(draft.tokens.shape[0])
-    nodes = torch.cat([root.view(1), draft.tokens])
-    if sampler.greedy:
-        return verify_tree_greedy(tree, nodes, logits)
-    if typical is not None:
-        return verify_tree_typical(tree, nodes, sampler.probs(logits), sampler, threshold=typical[0], alpha=typical[1])
-    return verify_tree_sample(tree, nodes, sampler.probs(logits), sampler)
+class Clock:
+    """Wall time at stage boundaries; with sync, after the device's queued work (exact stage costs
+    on a GPU, at the price of a host sync per stage: off unless asked for)."""
+
+    def __init__(self, device: torch.device, sync: bool):
+        self.sync = sync and device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
 
 @torch.inference_mode()
@@ -94,6 +87,8 @@ def generate(
     max_gamma: int = 16,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     typical: tuple[float, float] | None = None,
+    capacity: int = 0,
+    timed: bool = False,
 ) -> Generation:
     """Generate up to max_new_tokens after `prompt`, stopping at any of stop_ids.
 
@@ -101,6 +96,9 @@ def generate(
     -1 otherwise, within 1..max_gamma). Greedy output equals the target's greedy output exactly;
     sampled output follows the target's (warped) distribution exactly, except with
     typical=(posterior_threshold, alpha): Medusa's typical acceptance for sampling, which is LOSSY.
+    capacity: KV slots to make room for (at least prompt + max_new_tokens): pass the largest over
+    a set of prompts, and every call reuses the same caches (and, compiled, the same CUDA graphs).
+    timed: make the stage times in the stats exact on a GPU (a host sync per stage).
     """
     if max_new_tokens < 1 or gamma < 0 or max_gamma < 1:
         raise SpecdecError(
@@ -111,76 +109,63 @@ def generate(
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=device).flatten()
     P = prompt.shape[0]
     check_fits(P, max_new_tokens, target.config.max_position_embeddings)
-    capacity = P + max_new_tokens
+    capacity = max(capacity, P + max_new_tokens)
+    taps = drafter.hidden_layers if drafter is not None else ()
     stats = GenerationStats(calls=1)
-    t_start = time.perf_counter()
+    clock = Clock(device, timed)
+    t_start = clock()
 
     # A token tree writes all its nodes' K/V past the sequence before the branch is kept.
-    target.setup_cache(1, capacity + getattr(drafter, "tree_nodes", 0))
-    ids = torch.empty(capacity, dtype=torch.long, device=device)  # prompt + new tokens
+    target.setup_cache(1, capacity + (drafter.tree_nodes if drafter is not None else 0))
+    ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=device)  # prompt + new tokens
     ids[:P] = prompt
-    observe = getattr(drafter, "observe", None)  # drafters that read the target's hidden states
-    tap = getattr(drafter, "hidden_layer", None)  # ... after this layer instead of the final norm
-    prefill = target(prompt[None], 0, logits_to_keep=1, return_hidden=observe is not None, hidden_layer=tap)
+    prefill = target.prefill(prompt[None], logits_to_keep=1, taps=taps)
     first = sampler.next_token(prefill.logits[0, -1])
     ids[P] = first
     out = [int(first)]  # host sync: the first token
     stats.target_forwards = 1
     if drafter is not None:
         drafter.start(prompt, capacity)
-    if observe is not None:
-        observe(prefill.hidden[0])  # the prompt's rows (only the last one for final-norm states)
-    stats.prefill_s = time.perf_counter() - t_start
+        if taps:
+            drafter.observe(prefill.hidden[0])
+    stats.prefill_s = clock() - t_start
 
     L = P + 1  # tokens in ids; the target's cache holds all but the newest
     stop = out[0] in stop_ids
     while not stop and len(out) < max_new_tokens:
-        t0 = time.perf_counter()
+        t0 = clock()
         g_max = min(gamma, max_new_tokens - len(out) - 1)  # never draft past the budget
         draft = drafter.draft(ids[:L], g_max, sampler) if drafter is not None and g_max > 0 else None
-        g = 0 if draft is None else draft.tokens.shape[0]
-        t1 = time.perf_counter()
-
-        verified = verify_forward(target, ids, L, draft, observe is not None, tap)
-        logits, rows = verified.logits, slice(0, 1)  # rows: the accepted positions, in order
-        if g == 0:  # a plain decode step
-            token = sampler.next_token(logits[0])
-            n, new = 0, [int(token)]  # host sync
-        elif draft.tree is not None or (typical is not None and not sampler.greedy):
-            path, n_t, token = verify_tree(draft, ids[L - 1], logits, sampler, typical)
-            branch = torch.cat([ids[L - 1 : L], draft.tokens])[path]  # [D + 1] accepted branch, root first
-            host = torch.cat([n_t.view(1), branch, token.view(1)]).tolist()  # the round's one host sync
-            n, new = host[0], host[2 : 2 + host[0]] + host[-1:]
-            ids[L : L + n] = branch[1 : n + 1]
-            if draft.tree is not None and n:  # the accepted nodes' K/V move to slots L..L+n-1
-                target.cache.move(path[1 : n + 1] + (L - 1), L)
-            rows = path[: n + 1] if draft.tree is not None else slice(0, n + 1)
-            g = draft.tree.depth if draft.tree is not None else g
-        else:
-            if sampler.greedy:
-                n_t, token = verify_greedy(draft.tokens, logits)
-            else:
-                n_t, token = verify_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler)
-            host = torch.cat([n_t.view(1), draft.tokens, token.view(1)]).tolist()  # the round's one host sync
-            n, new = host[0], host[1 : 1 + host[0]] + host[-1:]
-            ids[L : L + g] = draft.tokens
-            rows = slice(0, n + 1)
-        ids[L + n] = token
-        if observe is not None:
-            observe(verified.hidden[rows])
-        stats.record_round(g, n)
+        t1 = clock()
+        verified = verify_forward(target, ids, L, draft, taps)
+        t2 = clock()
+        v = verify(draft, ids[L - 1], verified.logits, sampler, typical)
+        nodes = ids[L - 1 : L] if draft is None else torch.cat([ids[L - 1 : L], draft.tokens])
+        branch = nodes[v.path]  # [D + 1] the drafted branch, root first
+        host = torch.cat([v.accept_len.view(1), branch[1:], v.token.view(1)]).tolist()  # the round's one host sync
+        n = host[0]
+        new = host[1 : 1 + n] + host[-1:]
+        ids[L : L + n] = branch[1 : n + 1]
+        ids[L + n] = v.token
+        if draft is not None and draft.tree is not None and n:  # the accepted nodes' K/V move into place
+            target.cache.move(v.path[1 : n + 1] + (L - 1), L)
+        if taps:
+            drafter.observe(verified.hidden[v.path[: n + 1]])
         for i, t in enumerate(new):
             if t in stop_ids:
                 new, stop = new[: i + 1], True
                 break
+        depth = 0 if draft is None else (draft.tree.depth if draft.tree is not None else draft.tokens.shape[0])
+        stats.record_round(depth, min(n, len(new)))  # accepted drafts after a stop token are not output
         out += new
         L += len(new)
         if adaptive_gamma and drafter is not None and g_max == gamma:
             gamma = min(gamma + 2, max_gamma) if n == gamma else max(1, gamma - 1)
-        t2 = time.perf_counter()
+        t3 = clock()
         stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
+        stats.target_s += t2 - t1
+        stats.verify_s += t3 - t1
 
     stats.new_tokens = len(out)
-    stats.total_s = time.perf_counter() - t_start
+    stats.total_s = clock() - t_start
     return Generation(out, stats, "stop_token" if stop else "length")

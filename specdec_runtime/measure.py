@@ -3,6 +3,7 @@
     report = measure(target, drafter, [ids, ...], sampler=lambda: Sampler(), baseline=True,
                      max_new_tokens=128, gamma=4, stop_ids=target.stop_ids)
     report.total().tau, report.speedup(), report.lossless_rate()
+    divergences(bf16_target, fp32_target, [(prompt, ar_tokens, spec_tokens), ...])   # near-ties or bugs
 
 With baseline=True each prompt is decoded autoregressively right before the speculative run, so
 both see the same machine state (what a noisy shared machine needs for a fair ratio). The
@@ -11,6 +12,8 @@ training recipes validate their drafters with this function.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from specdec_runtime.drafters import Drafter
 from specdec_runtime.generate import Generation, generate
@@ -72,3 +75,47 @@ def measure(
         if on_result:
             on_result(i, report.spec[-1], report.baseline[-1] if baseline else None)
     return report
+
+
+@torch.inference_mode()
+def divergences(
+    target: Decoder, reference: Decoder, runs: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]
+) -> list[dict]:
+    """Where two greedy outputs of a half-precision target part, and whether that is a near-tie.
+
+    runs: (prompt, autoregressive tokens, speculative tokens) per prompt, both decoded greedily by
+    `target`; reference: the same weights in fp32. At each first divergence i the shared context
+    prompt + tokens[:i] runs through both models. error = max |target - reference| over the
+    vocabulary there: how far half precision moves these logits. Speculative and autoregressive
+    decoding compute them with different kernels (a verify forward of several tokens vs a decode
+    step), each off by about `error`, so when the two candidates' fp32 logits differ by at most
+    2 * error, rounding alone can order them either way: a near-tie. Anything else is a bug.
+    Returns one dict per divergence (prompt index, position, both tokens, the target's top-two
+    gap there, the fp32 gap of the two candidates, error, near_tie).
+    """
+    out = []
+    for k, (prompt, ar, spec) in enumerate(runs):
+        i = next((j for j, (a, b) in enumerate(zip(ar, spec)) if a != b), None)
+        if i is None:
+            continue
+        ctx = torch.tensor([list(prompt) + list(ar[:i])], device=target.device)
+        logits = {}
+        for name, m in (("target", target), ("reference", reference)):
+            m.setup_cache(1, ctx.shape[1])
+            logits[name] = m.prefill(ctx, logits_to_keep=1).logits[0, -1].float()
+        top2 = logits["target"].topk(2).values
+        error = (logits["target"] - logits["reference"]).abs().max()
+        gap = (logits["reference"][ar[i]] - logits["reference"][spec[i]]).abs()
+        out.append(
+            {
+                "prompt": k,
+                "position": i,
+                "ar_token": ar[i],
+                "spec_token": spec[i],
+                "top2_gap": float(top2[0] - top2[1]),
+                "fp32_gap": float(gap),
+                "error": float(error),
+                "near_tie": bool(gap <= 2 * error),
+            }
+        )
+    return out

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_runtime.drafters import Draft
+from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Decoder
+from specdec_runtime.model import Decoder, rms_norm
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 
@@ -241,11 +241,12 @@ def tree_from_spec(spec: str | Path | None, folder: Path | None, num_heads: int)
 # ---------------------------------------------------------------- drafter
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Candidates from each head's top-k at the newest token, as a tree the target verifies in one forward.
 
-    The generate loop hands over the target's final hidden state after every forward (`observe`):
-    the heads read the one that produced the newest token, so drafting costs the heads only.
+    The generate loop hands over the target's last residual stream after every forward (`observe`):
+    the heads read the final-norm state of the one that produced the newest token, so drafting
+    costs the heads only.
     """
 
     def __init__(self, heads: MedusaHeads, target: Decoder, tree: Tree, name: str = "medusa"):
@@ -259,14 +260,15 @@ class MedusaDrafter:
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval()
         self.target, self.tree, self.name = target, tree, name
         self.tree_nodes = len(tree)  # the loop reserves this many extra KV slots
+        self.hidden_layers = (target.config.num_layers,)  # the output of the last layer
         self.hidden: Tensor | None = None
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         self.hidden = None
 
     def observe(self, hidden: Tensor) -> None:
-        """The target's final-norm hidden states [k, H]; the last produced the newest token."""
-        self.hidden = hidden[-1].clone()  # held until the next draft (a CUDA graph's output may be reused)
+        """The target's last-layer residual streams [k, H]; the last produced the newest token."""
+        self.hidden = rms_norm(hidden[-1], self.target.norm, self.target.config.rms_norm_eps)  # [H], its own
 
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:

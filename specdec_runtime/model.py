@@ -2,32 +2,48 @@
 
     model = Decoder.from_hf_state_dict(DecoderConfig.from_hf(hf_config), state_dict)
     model.setup_cache(batch=1, size=2048)
-    out = model(ids, start=0, logits_to_keep=1)           # prefill: logits of the last prompt token
-    out = model(ids[:, -1:], start=n)                     # one decode step at position n
-    out = model(tree_ids, start=n, positions=pos, tree_mask=mask)   # verify a token tree
-    out = model(ids, start=n, exit_layer=4)               # the target's first 4 layers as a drafter
+    out = model.prefill(ids, logits_to_keep=1)             # the prompt: logits of its last token
+    out = model(ids[:, -1:], start=n)                      # one decode step at slot n
+    out = model(tree_ids, start=n, tree=(depth, ancestor)) # verify a token tree
+    out = model(ids, start=n, exit_layer=4, taps=(4,))     # the first 4 layers as a drafter (+ their output)
+    out = model(residual, start=n, first_layer=4)          # ... and verification resuming from it
     out = model(ids, start=n, skip=LayerSkip(attn={3, 5}, mlp={7}))  # self-speculative draft
 
-Cache rows are slots; a forward of T tokens at `start` writes slots start..start+T-1 and attends
-to slots 0..start+T-1. Rolling back is free: slots past the accepted length are overwritten by
-the next forward. Logits match transformers' on the same weights (tests/runtime/test_model.py).
+Cache rows are slots; a forward of T tokens at `start` writes slots start..start+T-1 and attends to
+the slots before them. Rolling back is free: slots past the accepted length are masked out and
+overwritten by the next forward. Logits match transformers' on the same weights
+(tests/runtime/test_model.py).
 
-Fixed shapes (GPU): with `start` a 0-dim device tensor (`model.slot(n)`), a forward writes its
-K/V with index_copy_ and attends over the whole cache under a mask, so its shapes depend on T
-only and no Python int crosses from the device: what torch.compile with CUDA graphs needs.
-`model.compile()` turns this on (specdec generate/bench --compile, on by default on CUDA);
-`model.fixed_shapes = True` runs the same path eagerly (the CPU tests check it equals the default).
+One execution path. Every forward writes its K/V at its slots (an index_put_) and attends over
+the first `bound` slots of the cache under a mask built on the device from the start slot, a 0-dim
+tensor: causal, a token tree's ancestor pattern, a sliding window. Eagerly (CPU, and the prefill
+everywhere) bound is start + T, so a step reads only the live slots. On the fast path bound is the
+whole cache, so a step's shapes depend on its token count alone.
+
+The fast path (`model.compile()`; `specdec generate --compile`, on by default on CUDA). Each
+distinct step, a role and a token count T (decode T = 1, a chain's g + 1, a tree's nodes, a
+drafter's exit layer, a verification resuming at layer K, ...), is captured once as one CUDA graph
+covering the whole forward, embedding to logits, with static input and output buffers
+(graphs.CapturedStep, one private memory pool each). A call copies its inputs in (the token ids, the
+start slot with one fill_ from the host's int: no host sync) and replays the graph. Lifetimes are
+explicit: a step's outputs are valid until that same step runs again, and whoever keeps one longer
+copies it. Inside the graphs the layers' attention and MLP are torch.compile'd functions of plain
+tensors (kernel fusion; one compiled artifact serves every layer of a given T), compiled while the
+step is first captured. The KV cache is allocated once for the largest capacity asked for and kept
+across generate calls; growing it drops the graphs (they point at the old cache), which a caller
+avoids by reserving the largest capacity up front (generate(..., capacity=)). After warm-up nothing
+is compiled or captured again (tests/runtime/test_fast_path.py counts both). Off CUDA the captured
+steps are emulated with the same buffers and lifetimes, which is what the CPU tests exercise.
 
 Batch-1 decoding on a CPU is bound by weight reads plus per-op dispatch, so the layout is chosen
 for few, large ops: q/k/v and gate/up fused, weights stored [in, out] so the residual add folds
-into addmm(x, h, W), RoPE as one complex multiply (q/k head dims interleaved at load time, which
+into addmm(x, h, W), RoPE on adjacent dim pairs (q/k head dims interleaved at load time, which
 leaves q.k unchanged), RMSNorm as one fused kernel, one K/V write per layer, GQA by folding query
 groups into the sequence axis instead of repeating keys, no nn.Module calls in the layer loop.
 """
 
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -35,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
+from specdec_runtime.graphs import CapturedStep
 
 
 @dataclass(frozen=True)
@@ -50,9 +67,9 @@ class LayerSkip:
 
 
 class DecoderOutput(NamedTuple):
-    logits: Tensor  # [B, T', V] for the last T' = logits_to_keep positions (all when 0)
-    # When return_hidden: [B, T', H] after the final norm, or with hidden_layer=k the residual
-    # stream after the first k layers at every position [B, T, H] (an MTP trunk's output).
+    logits: Tensor | None  # [B, T', V] for the last T' = logits_to_keep positions (all when 0); None without head
+    # With taps=(k1, k2, ...): the residual streams after the first k1, k2, ... layers at every
+    # position, concatenated [B, T, len(taps) * H] (an MTP trunk's output, EAGLE-3's features).
     hidden: Tensor | None
 
 
@@ -99,24 +116,79 @@ def rms_norm(x: Tensor, weight2: Tensor, eps: float) -> Tensor:
 
 def interleave_rope_dims(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
     """Reorder a q/k projection's output rows [n_heads * D, ...] from rotate-half pairs (i, i + D/2)
-    to adjacent pairs (2i, 2i + 1), so rope is a complex multiply. q.k is unchanged."""
+    to adjacent pairs (2i, 2i + 1). q.k is unchanged."""
     order = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
     return w.view(n_heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
 
 
-def apply_rope_(x: Tensor, cis: Tensor) -> None:
-    """Rotate adjacent dim pairs of x [B, T, heads, D] by cis [T, 1, D/2] (complex, or its real
-    view [T, 1, D/2, 2] on the fixed-shape path: compilers do not take complex tensors), in place."""
-    if not cis.is_complex():
-        xs = x.float().unflatten(-1, (-1, 2))  # [B, T, h, D/2, 2]
-        cos, sin = cis[..., 0], cis[..., 1]
-        x0, x1 = xs[..., 0], xs[..., 1]
-        x.copy_(torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2))
-    elif x.dtype == torch.float32:
-        torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(cis)  # one kernel
-    else:  # no complex bf16/fp16 kernels: rotate in fp32 and write back
-        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-        x.copy_(torch.view_as_real(xc * cis).flatten(-2))
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate the adjacent dim pairs of x [B, T, heads, D] in place: (a, b) -> (a c - b s, b c + a s).
+    cos [T, 1, D] holds c twice per pair, sin [T, 1, D] holds (-s, s) per pair (see rope_table)."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (b, a) per pair, a copy
+    x.mul_(cos).add_(swapped.mul_(sin))  # both products rounded to x's dtype, as transformers does
+
+
+def rope_table(cfg: DecoderConfig, size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """[S, 2, D]: per position, cos repeated per dim pair and (-sin, sin) per pair, in the model's
+    dtype (rounded from fp32 as transformers does)."""
+    pos = torch.arange(size, device=device, dtype=torch.float32)
+    freqs = pos[:, None] * rope_inv_freq(cfg).to(device)[None, :]  # [S, D/2]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.stack([cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], dim=1)
+
+
+def attention(
+    x: Tensor,
+    B: int,
+    norm: Tensor,
+    qkv_w: Tensor,
+    qkv_b: Tensor | None,
+    o_w: Tensor,
+    o_b: Tensor | None,
+    cos: Tensor,
+    sin: Tensor,
+    kv: Tensor,
+    slots: Tensor,
+    mask: Tensor | None,
+    bound: int,
+    eps: float,
+) -> Tensor:
+    """x + attention(norm(x)) for x [B*T, H]. Writes this layer's K/V into kv [B, 2Hkv, S, D] at
+    slots [T], then attends over kv's first `bound` slots under mask [group * T, bound] (None:
+    every slot). A function of tensors, so that one compiled version serves every layer."""
+    D = cos.shape[-1]
+    Hkv = kv.shape[1] // 2
+    H = qkv_w.shape[1] // D - 2 * Hkv
+    T = x.shape[0] // B
+    h = rms_norm(x, norm, eps)
+    qkv = h @ qkv_w if qkv_b is None else torch.addmm(qkv_b, h, qkv_w)
+    qkv = qkv.view(B, T, H + 2 * Hkv, D)
+    apply_rope_(qkv[:, :, : H + Hkv], cos, sin)  # q and k heads at once
+    kv[:, :, slots] = qkv[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
+    # GQA without repeating keys: each kv head's query group is folded into the sequence axis.
+    q = qkv[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
+    k, v = kv[:, :, :bound].split(Hkv, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+    y = torch.addmm(x, out, o_w)  # residual folded into the matmul
+    return y if o_b is None else y + o_b
+
+
+def mlp(
+    x: Tensor,
+    norm: Tensor,
+    gate_up_w: Tensor,
+    gate_up_b: Tensor | None,
+    down_w: Tensor,
+    down_b: Tensor | None,
+    eps: float,
+) -> Tensor:
+    """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H]."""
+    h = rms_norm(x, norm, eps)
+    gu = h @ gate_up_w if gate_up_b is None else torch.addmm(gate_up_b, h, gate_up_w)
+    gate, up = gu.chunk(2, dim=-1)
+    y = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), down_w)
+    return y if down_b is None else y + down_b
 
 
 class Linear(nn.Module):
@@ -135,12 +207,11 @@ class Linear(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x)). Works on x flattened to [B*T, H]."""
+    """One pre-norm layer's weights: x + attn(norm(x)), then x + mlp(norm(x)) (the functions above)."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.group, self.eps = cfg.num_heads // cfg.num_kv_heads, cfg.rms_norm_eps
+        self.eps = cfg.rms_norm_eps
         self.attn_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
         self.qkv = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.qkv_bias)
         self.o = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
@@ -148,42 +219,23 @@ class Block(nn.Module):
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
-    def attention(
-        self, x: Tensor, B: int, cis: Tensor, kv_cache: Tensor, start: int | Tensor, mask: Tensor | None
-    ) -> Tensor:
-        """x + attention(norm(x)) for x [B*T, H]; writes this layer's K/V [B, 2Hkv, S, D] at slots
-        start.. (an int), or at the slots [T] of a tensor (fixed shapes: attends over the whole cache)."""
-        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        T = x.shape[0] // B
-        h = rms_norm(x, self.attn_norm, self.eps)
-        qkv = h @ self.qkv.weight if self.qkv.bias is None else torch.addmm(self.qkv.bias, h, self.qkv.weight)
-        qkv = qkv.view(B, T, H + 2 * Hkv, D)
-        apply_rope_(qkv[:, :, : H + Hkv], cis)  # q and k heads at once
-        new_kv = qkv[:, :, H:].transpose(1, 2)  # keys and values: [B, 2Hkv, T, D]
-        if isinstance(start, int):
-            kv_cache[:, :, start : start + T] = new_kv
-            kv_cache = kv_cache[:, :, : start + T]
-        else:
-            kv_cache.index_copy_(2, start, new_kv)
-        # GQA without repeating keys: each kv head's query group is folded into the sequence axis.
-        q = qkv[:, :, :H].transpose(1, 2).reshape(B, Hkv, self.group * T, D)
-        k, v = kv_cache.split(Hkv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-        y = torch.addmm(x, out, self.o.weight)  # residual folded into the matmul
-        return y if self.o.bias is None else y + self.o.bias
+    @property
+    def attn_weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+        return self.attn_norm, self.qkv.weight, self.qkv.bias, self.o.weight, self.o.bias
 
-    def mlp(self, x: Tensor) -> Tensor:
-        """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H]."""
-        h = rms_norm(x, self.mlp_norm, self.eps)
-        gu = (
-            h @ self.gate_up.weight
-            if self.gate_up.bias is None
-            else torch.addmm(self.gate_up.bias, h, self.gate_up.weight)
-        )
-        gate, up = gu.chunk(2, dim=-1)
-        y = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), self.down.weight)
-        return y if self.down.bias is None else y + self.down.bias
+    @property
+    def mlp_weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+        return self.mlp_norm, self.gate_up.weight, self.gate_up.bias, self.down.weight, self.down.bias
+
+
+class AttentionInputs(NamedTuple):
+    """What every layer of one forward shares: rope rows, the new tokens' slots, the mask."""
+
+    cos: Tensor  # [T, 1, D]
+    sin: Tensor  # [T, 1, D]
+    slots: Tensor  # [T]
+    mask: Tensor | None  # [group * T, bound]
+    bound: int  # slots attended to: start + T eagerly, the whole cache on the fast path
 
 
 class Decoder(nn.Module):
@@ -202,11 +254,10 @@ class Decoder(nn.Module):
         self.vocab_ids: Tensor | None = None  # [head_size] vocabulary ids of the head's outputs
         self.cache: KVCache | None = None
         self.kv_layers: list[Tensor] = []  # per-layer views of the cache
-        self.cis: Tensor | None = None  # [S, 1, D/2] complex rope table, built with the cache
-        self.cos_sin: Tensor | None = None  # [S, 1, D/2, 2] its real view, (cos, sin) (fixed-shape path)
-        self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device: slot(n) is a view, no copy
-        self.fixed_shapes = False  # decode / verify with tensor starts (see the module docstring)
-        self.compiled: dict[str, Callable] = {}  # torch.compile'd run_layers and head (compile())
+        self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per slot, built with the cache
+        self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device
+        self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
+        self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
 
     @property
     def device(self) -> torch.device:
@@ -216,203 +267,183 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    @property
+    def compiled(self) -> bool:
+        return self.steps is not None
+
     @torch.inference_mode()
     def setup_cache(self, batch: int, size: int) -> None:
-        """Allocate the KV cache and rope table for `size` slots (kept if already big enough)."""
+        """Make room for `size` slots: the cache is allocated once and only ever grows (on the fast
+        path in steps of 256 slots, dropping the captured steps, which point at the old cache)."""
         if self.cache is not None and self.cache.size >= size and self.cache.kv.shape[1] == batch:
             return
-        if self.fixed_shapes:  # every cache size is a new graph for the compiler: grow in steps of 256
+        if self.steps is not None:
             size = -(-size // 256) * 256
+            self.steps.clear()
         self.cache, self.kv_layers = None, []  # free the old one before allocating
         self.cache = KVCache(self.config, batch, size, self.device, self.dtype)
         self.kv_layers = list(self.cache.kv.unbind(0))
         self.slots = torch.arange(size, device=self.device)
-        freqs = self.slots[:, None].float() * rope_inv_freq(self.config).to(self.device)[None, :]  # [S, D/2]
-        # cos/sin rounded to the model dtype first, as transformers does.
-        cos, sin = freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
-        self.cis = torch.complex(cos, sin)[:, None, :]
-        self.cos_sin = torch.view_as_real(self.cis)  # [S, 1, D/2, 2], the same memory
-        if self.compiled:  # CUDA graphs keep the cache's address and write into it
-            for t in (self.cache.kv, *self.kv_layers, self.slots, self.cos_sin):
-                torch._dynamo.mark_static_address(t)
+        self.rope = rope_table(self.config, size, self.device, self.dtype)
 
-    def slot(self, n: int) -> int | Tensor:
-        """What forward() takes as `start` for cache slot n: n, or on the fixed-shape path a 0-dim
-        view of the device's slot table (no host-to-device copy, no sync)."""
-        return self.slots[n] if self.fixed_shapes else n
-
-    def compile(self, mode: str | None = "reduce-overhead", backend: str = "inductor") -> None:
-        """torch.compile the layers and the head for the fixed-shape path (mode reduce-overhead:
-        CUDA graphs). Each (T, layer range, skip set) is one graph, compiled on first use; if
-        compiling fails the model warns once and runs eagerly. The CPU tests trace it with
-        backend='aot_eager'."""
-        for name in ("recompile_limit", "cache_size_limit"):  # many (T, range) graphs per model
+    def compile(self, backend: str = "inductor") -> None:
+        """Turn on the fast path (module docstring): captured steps, with the layers' attention and
+        MLP compiled by torch.compile (fullgraph, static shapes). CUDA graphs on CUDA; elsewhere
+        the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager')."""
+        for name in ("recompile_limit", "cache_size_limit"):  # one entry per step shape and model
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-        self.fixed_shapes = True
-        opts = dict(fullgraph=True, dynamic=False, backend=backend) | ({"mode": mode} if backend == "inductor" else {})
-        self.compiled = {
-            "run_layers": torch.compile(self._run_layers, **opts),
-            "head": torch.compile(self._head, **opts),
-        }
-        if self.cache is not None:  # mark the existing cache as static: allocate it again
-            batch, size = self.cache.kv.shape[1], self.cache.size
-            self.cache = None
-            self.setup_cache(batch, size)
-
-    def _call(self, name: str, *args) -> Tensor | DecoderOutput:
-        """The compiled `name` (if any) on the fixed-shape path, else the eager one."""
-        fn = self.compiled.get(name)
-        if fn is not None:
-            try:
-                return fn(*args)
-            except Exception as e:  # a compiler failure must not cost the user their run
-                warnings.warn(
-                    f"torch.compile of Decoder.{name} failed ({type(e).__name__}: {e}); running eagerly", stacklevel=3
-                )
-                self.compiled.pop(name)
-        return getattr(self, "_" + name)(*args)
+        opts = dict(fullgraph=True, dynamic=False, backend=backend)
+        self.layer_fns = (torch.compile(attention, **opts), torch.compile(mlp, **opts))
+        self.steps = {}
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """Token embeddings [B, T, H]."""
         table = self.lm_head.weight.t() if self.embed is None else self.embed.weight
         return F.embedding(ids, table)
 
-    @torch.inference_mode()  # inference only: training uses the transformers model
-    def forward(
-        self,
-        ids: Tensor,
-        start: int | Tensor,
-        *,
-        positions: Tensor | None = None,
-        tree_mask: Tensor | None = None,
-        exit_layer: int | None = None,
-        skip: LayerSkip | None = None,
-        logits_to_keep: int = 0,
-        return_hidden: bool = False,
-        hidden_layer: int | None = None,
-    ) -> DecoderOutput:
-        """Run `ids` [B, T] at cache slots start..start+T-1 (start: an int, or model.slot(n) on the
-        fixed-shape path).
+    def attention_inputs(
+        self, start: Tensor, T: int, bound: int | None, tree: tuple[Tensor, Tensor] | None = None
+    ) -> AttentionInputs:
+        """Rope rows, slots and mask of T new tokens at slot `start` (0-dim). bound: the live slots
+        (start + T, known on the host) or None for the whole cache (the fast path). tree = (depth [T],
+        ancestor [T, T]) for a token tree (positions start + depth)."""
+        slots = start + self.slots[:T]  # [T]
+        positions = slots if tree is None else start + tree[0]
+        cs = self.rope[positions]  # [T, 2, D]
+        live = bound is not None
+        bound = bound if live else self.slots.shape[0]
+        return AttentionInputs(
+            cs[:, None, 0], cs[:, None, 1], slots, self._mask(slots, positions, tree, bound, live), bound
+        )
 
-        positions: rope positions [T] (default: the slots); a token tree passes start + depths.
-        tree_mask: [T, T] bool, which new tokens each new token sees (the prefix is always seen).
-        exit_layer: stop after this many layers and apply the final norm + lm_head (early exit).
-        skip: sublayers to bypass. logits_to_keep: only project the last n positions (0 = all).
-        return_hidden: also return the final-norm hidden states, or with hidden_layer=k the
-        residual stream after layer k-1 at every position.
-        """
-        kw = dict(positions=positions, tree_mask=tree_mask, skip=skip)
-        x = self.embed_tokens(ids)
-        if not return_hidden or hidden_layer is None:
-            return self.head(self.run_layers(x, start, 0, exit_layer, **kw), logits_to_keep, return_hidden)
-        tapped = self.run_layers(x, start, 0, hidden_layer, **kw)
-        out = self.head(self.run_layers(tapped, start, hidden_layer, exit_layer, **kw), logits_to_keep)
-        return DecoderOutput(out.logits, tapped)
-
-    @torch.inference_mode()
-    def run_layers(
-        self,
-        x: Tensor,
-        start: int | Tensor,
-        first: int = 0,
-        last: int | None = None,
-        *,
-        positions: Tensor | None = None,
-        tree_mask: Tensor | None = None,
-        skip: LayerSkip | None = None,
-    ) -> Tensor:
-        """The residual stream [B, T, H] after layers first..last-1, from x [B, T, H] at slots start..
-
-        forward() is embed -> run_layers(0, N) -> head. Starting at first > 0 resumes from a
-        residual stream computed earlier, e.g. an early-exit drafter's (see generate.py).
-        """
-        T = x.shape[1]
-        if isinstance(start, int):
-            if self.cache is None or start + T > self.cache.size:
-                raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
-            return self._run_layers(x, start, first, last, positions, tree_mask, skip)
-        return self._call("run_layers", x, start, first, last, positions, tree_mask, skip)
-
-    def _run_layers(
-        self,
-        x: Tensor,
-        start: int | Tensor,
-        first: int,
-        last: int | None,
-        positions: Tensor | None,
-        tree_mask: Tensor | None,
-        skip: LayerSkip | None,
-    ) -> Tensor:
-        B, T, _ = x.shape
-        if isinstance(start, int):
-            cis = self.cis[start : start + T] if positions is None else self.cis[positions]
-            mask = self._mask(start, T, positions, tree_mask)
-        else:  # fixed shapes: start becomes the slots [T]
-            start = start + self.slots[:T]
-            cis = self.cos_sin[start if positions is None else positions]
-            mask = self._fixed_mask(start, positions, tree_mask)
-        skip_attn = skip.attn if skip is not None else ()
-        skip_mlp = skip.mlp if skip is not None else ()
-        x = x.reshape(B * T, -1)  # the layers work on [B*T, H]
-        for i in range(first, self.config.num_layers if last is None else last):
-            block = self.layers[i]
-            if i not in skip_attn:
-                x = block.attention(x, B, cis, self.kv_layers[i], start, mask)
-            if i not in skip_mlp:
-                x = block.mlp(x)
-        return x.view(B, T, -1)
-
-    @torch.inference_mode()
-    def head(self, x: Tensor, logits_to_keep: int = 0, return_hidden: bool = False) -> DecoderOutput:
-        """Final norm + lm_head on the residual stream x [B, T, H] (its last logits_to_keep positions)."""
-        if logits_to_keep:  # before the compiled call: a prefill's length must not make a new graph
-            x = x[:, -logits_to_keep:]
-        if self.compiled:
-            return self._call("head", x, return_hidden)
-        return self._head(x, return_hidden)
-
-    def _head(self, x: Tensor, return_hidden: bool = False) -> DecoderOutput:
-        h = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return DecoderOutput(self.lm_head(h), h if return_hidden else None)  # logits [B, T', V]
-
-    def _mask(self, start: int, T: int, positions: Tensor | None, tree_mask: Tensor | None) -> Tensor | None:
-        """Boolean [group * T, start + T] mask (rows repeat per folded query head), or None if not needed."""
-        window = self.config.sliding_window
-        end = start + T
-        if T == 1 and tree_mask is None and (window is None or end <= window):
-            return None  # one new token sees every slot
-        slots = torch.arange(end, device=self.device)
-        if tree_mask is None:
-            mask = slots[None, :] <= slots[start:, None]  # causal with an offset
-        else:
-            mask = torch.ones(T, end, dtype=torch.bool, device=self.device)
-            mask[:, start:] = tree_mask
-        if window is not None and end > window:
-            q_pos = slots[start:] if positions is None else positions
-            k_pos = slots.clone()
-            if positions is not None:
-                k_pos[start:] = positions
-            mask &= k_pos[None, :] > q_pos[:, None] - window
-        group = self.config.num_heads // self.config.num_kv_heads
-        return mask.repeat(group, 1) if group > 1 else mask
-
-    def _fixed_mask(self, slots: Tensor, positions: Tensor | None, tree_mask: Tensor | None) -> Tensor:
-        """_mask for the fixed-shape path: [group * T, S] over the whole cache, from slot tensors [T].
-        Slots past the newest are stale (rejected drafts, earlier prompts) and masked out."""
-        T, k_slot = slots.shape[0], self.slots
-        if tree_mask is None:
+    def _mask(
+        self, slots: Tensor, positions: Tensor, tree: tuple[Tensor, Tensor] | None, bound: int, live: bool
+    ) -> Tensor | None:
+        """[group * T, bound] bool (rows repeat per folded query head), or None when every slot is
+        seen (one new token after `live` slots only). Slots past the newest are stale (rejected
+        drafts, earlier prompts) and masked out."""
+        T, window = slots.shape[0], self.config.sliding_window
+        if live and T == 1 and tree is None and (window is None or bound <= window):
+            return None
+        k_slot = self.slots[:bound]
+        if tree is None:
             mask = k_slot[None, :] <= slots[:, None]  # causal
         else:  # the prefix, then the tree's own pattern on the new slots
             mask = (k_slot[None, :] < slots[:1, None]).expand(T, -1).clone()
-            mask.index_copy_(1, slots, tree_mask)
-        window = self.config.sliding_window
+            mask.index_copy_(1, slots, tree[1])
         if window is not None:
-            q_pos = slots if positions is None else positions
-            k_pos = k_slot if positions is None else k_slot.index_copy(0, slots, positions)
-            mask &= k_pos[None, :] > q_pos[:, None] - window
+            k_pos = k_slot if tree is None else k_slot.index_copy(0, slots, positions)
+            mask &= k_pos[None, :] > positions[:, None] - window
         group = self.config.num_heads // self.config.num_kv_heads
         return mask.repeat(group, 1) if group > 1 else mask
+
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, **kwargs) -> DecoderOutput:
+        """A forward at slot 0 that always runs eagerly (prompts of any length: no graph per length)."""
+        return self._forward(ids, self.slots[0], ids.shape[1], **self._options(ids, **kwargs))
+
+    @torch.inference_mode()  # inference only: training uses the transformers model
+    def forward(self, x: Tensor, start: int, **kwargs) -> DecoderOutput:
+        """Run x at cache slots start..start+T-1; on the fast path as a captured step.
+
+        x: token ids [B, T], or with first_layer=k the residual stream [B, T, H] after k layers.
+        tree: (depth [T], ancestor [T, T] bool) of a token tree: rope positions start + depth, and
+        each token sees the prefix and its ancestors. exit_layer: stop after this many layers and
+        apply the final norm + lm_head (early exit). skip: sublayers to bypass. logits_to_keep:
+        only project the last n positions (0 = all). taps: return the residual streams after these
+        layer counts (see DecoderOutput). head=False: no norm / lm_head (logits None).
+        """
+        T = x.shape[1]
+        if self.cache is None or start + T > self.cache.size:
+            raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
+        opts = self._options(x, **kwargs)
+        if self.steps is None:
+            return self._forward(x, self.slots[start], start + T, **opts)
+        tree = opts.pop("tree")
+        key = (tuple(x.shape), x.dtype, tree is not None, *opts.values())
+        inputs = {"x": x} | ({"depth": tree[0], "ancestor": tree[1]} if tree is not None else {})
+        step = self.steps.get(key)
+        if step is None:
+            fn = partial(self._step, **opts)
+            step = self.steps[key] = CapturedStep(fn, inputs | {"start": self.slots[start]})
+        return step(start=start, **inputs)
+
+    def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None, **opts):
+        """A captured step's body: the forward over the whole cache, with the compiled layers."""
+        tree = None if depth is None else (depth, ancestor)
+        return self._forward(x, start, None, tree=tree, layer_fns=self.layer_fns, **opts)
+
+    def _options(
+        self,
+        x: Tensor,
+        *,
+        first_layer: int = 0,
+        exit_layer: int | None = None,
+        skip: LayerSkip | None = None,
+        tree: tuple[Tensor, Tensor] | None = None,
+        logits_to_keep: int = 0,
+        taps: tuple[int, ...] = (),
+        head: bool = True,
+    ) -> dict:
+        """The forward's keyword options, checked and normalized (also the captured step's key)."""
+        last = self.config.num_layers if exit_layer is None else exit_layer
+        taps = tuple(taps)
+        if not 0 <= first_layer <= last <= self.config.num_layers or any(not first_layer <= k <= last for k in taps):
+            raise ValueError(f"layers: need 0 <= first_layer <= taps <= exit_layer <= {self.config.num_layers}")
+        if (first_layer > 0) != x.is_floating_point():
+            raise ValueError("pass token ids with first_layer=0, a residual stream [B, T, H] with first_layer > 0")
+        return dict(
+            first_layer=first_layer,
+            last=last,
+            skip=skip,
+            tree=tree,
+            logits_to_keep=logits_to_keep,
+            taps=taps,
+            head=head,
+        )
+
+    def _forward(
+        self,
+        x: Tensor,
+        start: Tensor,
+        bound: int | None,
+        *,
+        first_layer: int,
+        last: int,
+        skip: LayerSkip | None,
+        tree: tuple[Tensor, Tensor] | None,
+        logits_to_keep: int,
+        taps: tuple[int, ...],
+        head: bool,
+        layer_fns: tuple = (attention, mlp),
+    ) -> DecoderOutput:
+        """The forward itself, at 0-dim slot `start` (bound: see attention_inputs)."""
+        if first_layer == 0:
+            x = self.embed_tokens(x)
+        B, T, _ = x.shape
+        a = self.attention_inputs(start, T, bound, tree)
+        attn, ffn = layer_fns
+        skip_attn = skip.attn if skip is not None else ()
+        skip_mlp = skip.mlp if skip is not None else ()
+        h, tapped = x.reshape(B * T, -1), []  # the layers work on [B*T, H]
+        for i in range(first_layer, last):
+            if i in taps:
+                tapped.append(h)
+            blk = self.layers[i]
+            if i not in skip_attn:
+                h = attn(h, B, *blk.attn_weights, a.cos, a.sin, self.kv_layers[i], a.slots, a.mask, a.bound, blk.eps)
+            if i not in skip_mlp:
+                h = ffn(h, *blk.mlp_weights, blk.eps)
+        if last in taps:
+            tapped.append(h)
+        hidden = (torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0]).view(B, T, -1) if tapped else None
+        if not head:
+            return DecoderOutput(None, hidden)
+        h = h.view(B, T, -1)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return DecoderOutput(self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps)), hidden)
 
     @classmethod
     @torch.no_grad()

@@ -12,7 +12,7 @@ reads the trunk's output z at position t and predicts the token t+1+i, through t
 norm and vocabulary projection.
 
 Drafting costs the extra heads only: the target's verify forward already computes z for every
-position (`hidden_layer` = L), the loop passes the accepted positions' z to `observe`, and each
+position (`hidden_layers` = (L,)), the loop passes the accepted positions' z to `observe`, and each
 head runs its one layer on them with its own KV cache. After a round that ends at position t
 (its token t+1 comes from head 0, i.e. the target), heads 1..n-1 at t propose t+2..t+n: a draft
 of up to n-1 tokens the next forward verifies, exactly as for any drafter (greedy exact,
@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from specdec_runtime.config import DecoderConfig
-from specdec_runtime.drafters import Draft
+from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Block, Decoder, KVCache, block_state_dict, rms_norm
+from specdec_runtime.model import Block, Decoder, KVCache, attention, block_state_dict, mlp, rms_norm
 from specdec_runtime.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -62,12 +62,11 @@ class MTPHeads(nn.Module):
     def forward(self, z: Tensor, start: int, target: Decoder) -> Tensor:
         """Logits [n-1, V] of heads 1..n-1 at the last of the trunk outputs z [T, H] (slots start..)."""
         T = z.shape[0]
-        cis = target.cis[start : start + T]
-        mask = target._mask(start, T, None, None)
+        a = target.attention_inputs(target.slots[start], T, start + T)  # the target's rope and masks
         last = []
         for block, kv in zip(self.layers, self.kv_layers):
-            x = block.mlp(block.attention(z, 1, cis, kv, start, mask))
-            last.append(x[-1])
+            x = attention(z, 1, *block.attn_weights, a.cos, a.sin, kv, a.slots, a.mask, a.bound, block.eps)
+            last.append(mlp(x, *block.mlp_weights, block.eps)[-1])
         h = rms_norm(torch.stack(last), target.norm, target.config.rms_norm_eps)
         return target.lm_head(h)
 
@@ -85,7 +84,7 @@ class MTPHeads(nn.Module):
         return heads.eval()
 
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
     """Drafts with the extra MTP heads of the target itself (see the module docstring)."""
 
     def __init__(self, heads: MTPHeads, target: Decoder, name: str = "mtp"):
@@ -95,7 +94,7 @@ class MTPDrafter:
                 f"{target.config.num_layers} layers: use the model exported with these heads"
             )
         self.heads, self.target, self.name = heads, target, name
-        self.hidden_layer = heads.trunk_layers  # the loop hands over the trunk's output
+        self.hidden_layers = (heads.trunk_layers,)  # the loop hands over the trunk's output
         self.seen = 0  # positions in the heads' KV cache
         self.logits: Tensor | None = None
 

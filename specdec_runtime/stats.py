@@ -22,8 +22,9 @@ class GenerationStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft position: rounds that drafted it
     accepted_at: list[int] = field(default_factory=list)  # per draft position: rounds that accepted it
     prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    draft_s: float = 0.0  # drafting
+    target_s: float = 0.0  # the target's verify forwards alone (exact on a GPU only with generate(timed=True))
+    verify_s: float = 0.0  # the target's verify forwards + acceptance and bookkeeping
     total_s: float = 0.0
     calls: int = 0
 
@@ -77,7 +78,7 @@ class GenerationStats:
     @classmethod
     def from_dict(cls, d: dict) -> "GenerationStats":
         """The inverse of to_dict (derived fields are recomputed)."""
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
     def total(cls, parts: list["GenerationStats"]) -> "GenerationStats":
@@ -91,7 +92,17 @@ class GenerationStats:
         return out
 
 
-SUMMED = ("new_tokens", "target_forwards", "rounds_with_draft", "prefill_s", "draft_s", "verify_s", "total_s", "calls")
+SUMMED = (
+    "new_tokens",
+    "target_forwards",
+    "rounds_with_draft",
+    "prefill_s",
+    "draft_s",
+    "target_s",
+    "verify_s",
+    "total_s",
+    "calls",
+)
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:

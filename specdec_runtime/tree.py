@@ -2,19 +2,15 @@
 
     tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])     # Medusa's medusa_choices
     tree = Tree.from_accuracies(acc, budget=32)     # acc [heads, top_k]: measured top-k accuracy per head
-    path, n, token = verify_tree_greedy(tree, tokens, logits)          # tokens [N+1], logits [N+1, V]
-    path, n, token = verify_tree_sample(tree, tokens, probs, sampler)  # lossless for temperature > 0
-    path, n, token = verify_tree_typical(tree, tokens, probs, sampler, threshold=0.09, alpha=0.3)  # lossy
+    tree.candidates(root, topk_ids)                 # node tokens [N + 1] from the heads' top-k
 
 Node 0 is the root: the newest token, which the target has chosen but not cached yet. Every other
 node is a path (r_1, ..., r_d): the rank-r_1 candidate of head 1, then the rank-r_2 candidate of
 head 2 under it, and so on; node tokens come from the heads' top-k at the root's position. Nodes
 are ordered by depth, then by ranks, so siblings are tried best-first and ancestors come first.
 One target forward over the N + 1 nodes (each sees its ancestors: `mask`, at rope position
-start + depth) gives the target's prediction after every node; verification walks from the root.
-
-The verifiers return (path [D + 1] node indices per depth, accept_len n, next token): path[:n + 1]
-is the accepted branch, root first. Everything stays on the device: no host sync inside.
+start + depth) gives the target's prediction after every node; verification (verify.py) walks
+from the root.
 """
 
 import heapq
@@ -26,7 +22,6 @@ import torch
 from torch import Tensor
 
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.sampling import Sampler
 
 
 @dataclass(frozen=True)
@@ -148,73 +143,3 @@ class Tree:
         t = self.on(topk_ids.device)
         d, r = t["depth"][1:] - 1, t["rank"][1:]
         return torch.cat([root.view(1), topk_ids[d, r]])
-
-
-def _walk(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
-    """The deepest node whose ancestors are all chosen (first in node order on ties).
-
-    chosen [N+1] bool (the root counts as chosen). Returns (path [D+1], accept_len).
-    """
-    chosen = chosen.clone()
-    chosen[0] = True
-    reached = ~(t["ancestor"] & ~chosen[None, :]).any(dim=1)  # [N+1]
-    n_nodes = chosen.shape[0]
-    score = torch.where(reached, t["depth"] * n_nodes + (n_nodes - 1 - torch.arange(n_nodes, device=chosen.device)), -1)
-    last = score.argmax()
-    n = t["depth"][last]
-    on_path = t["ancestor"][last]  # [N+1] the branch root..last
-    by_depth = on_path[:, None] & (t["depth"][:, None] == t["levels"][None, :])  # [N+1, D+1]
-    return by_depth.to(torch.uint8).argmax(dim=0), n  # [D+1]; entries past n point at the root
-
-
-def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Accept the branch the target's argmax follows; exact, so the output is the target's greedy output.
-
-    tokens [N+1] node tokens (root first); logits [N+1, V] the target's logits after each node.
-    """
-    t = tree.on(tokens.device)
-    choice = logits.argmax(dim=-1)  # [N+1]
-    chosen = tokens == choice[t["parent"]]  # siblings are distinct, so at most one matches
-    path, n = _walk(t, chosen)
-    return path, n, choice[path[n]]
-
-
-def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler) -> tuple[Tensor, Tensor, Tensor]:
-    """Lossless tree verification for sampling (SpecInfer's multi-candidate rejection sampling).
-
-    probs [N+1, V]: the target's warped distributions after each node. At a node with target
-    distribution p, its children (distinct, deterministic candidates) are tried best-first; child c
-    is accepted with probability p'(c), where p' is p with the rejected earlier siblings removed
-    and renormalized. When every child is rejected the next token is drawn from that residual.
-    Each step is a speculative-sampling step with a one-hot draft, so tokens follow p exactly.
-    """
-    t = tree.on(tokens.device)
-    p_tok = probs[t["parent"], tokens]  # [N+1] p_parent(token)
-    tried_mass = t["earlier"].to(probs.dtype) @ p_tok  # [N+1] mass of earlier siblings
-    u = sampler.uniform(tokens.shape[0], tokens.device)
-    ok = u * (1 - tried_mass).clamp_(min=0) < p_tok  # u < p(c) / (1 - tried) without dividing
-    first_ok = ok & ((t["earlier"].to(torch.uint8) @ ok.to(torch.uint8)) == 0)  # no earlier sibling accepted
-    path, n = _walk(t, first_ok)
-    last = path[n]
-    row = probs[last].clone()
-    children = (t["parent"] == last) & (torch.arange(tokens.shape[0], device=tokens.device) > 0)
-    row[tokens[children]] = 0.0  # every child of the last node was tried and rejected
-    row = torch.where(row.sum() > 0, row, probs[last])  # p entirely on rejected children: probability 0
-    return path, n, sampler.sample(row)
-
-
-def verify_tree_typical(
-    tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler, *, threshold: float, alpha: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Medusa's typical acceptance (LOSSY): accept a candidate whose target probability exceeds
-    min(threshold, alpha * exp(-entropy)) of the distribution it is judged by; take the deepest
-    accepted branch (best-ranked on ties) and sample the next token from the target there.
-
-    Output no longer follows the target's distribution exactly; it trades fidelity for tau.
-    """
-    t = tree.on(tokens.device)
-    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(dim=-1)  # [N+1]
-    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
-    chosen = probs[t["parent"], tokens] > bar[t["parent"]]
-    path, n = _walk(t, chosen)
-    return path, n, sampler.sample(probs[path[n]])

@@ -1,16 +1,69 @@
-"""Accepting draft tokens: exact greedy matching and lossless rejection sampling.
+"""Accepting drafts: exact greedy matching, lossless rejection sampling, Medusa's typical acceptance.
 
-    accept_len, next_token = verify_greedy(draft, target_logits)
-    accept_len, next_token = verify_sample(draft, draft_probs, target_probs, sampler)
+    v = verify(draft, root, target_logits, sampler)        # any draft: chain, tree, or none
+    v.path, v.accept_len, v.token
+    v = verify_greedy(draft_tokens, target_logits)         # the rules it dispatches to
+    v = verify_sample(draft_tokens, draft_probs, target_probs, sampler)
+    v = verify_tree_greedy(tree, nodes, target_logits)
+    v = verify_tree_sample(tree, nodes, target_probs, sampler)
+    v = verify_tree_typical(tree, nodes, target_probs, sampler, threshold=0.09, alpha=0.3)   # LOSSY
 
-Both take gamma draft tokens and the target's gamma + 1 predictions (one per draft position plus
-the bonus position) and return tensors, so the caller decides when to sync with the host.
+Every rule returns a Verdict: the accepted branch as node indices per depth (root first: path[:n + 1]
+is accepted, a chain's path is 0..g), the accepted length n and the target's own next token after
+it. The target's logits / probabilities have one row per node: the root (the newest token, which
+the target has chosen but not cached) and every draft token. Everything stays on the device, so
+the caller syncs with the host once per round.
 """
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from specdec_runtime.drafters import Draft
 from specdec_runtime.sampling import Sampler
+from specdec_runtime.tree import Tree
+
+
+class Verdict(NamedTuple):
+    path: Tensor  # [D + 1] node index per depth, root first; entries past accept_len are not accepted
+    accept_len: Tensor  # 0-dim: accepted draft tokens n
+    token: Tensor  # 0-dim: the target's own token after them (a bonus token when everything was accepted)
+
+
+def verify(
+    draft: Draft | None, root: Tensor, logits: Tensor, sampler: Sampler, typical: tuple[float, float] | None = None
+) -> Verdict:
+    """The rule for this draft and sampler. logits [N + 1, V]: the target's after the root and after
+    every draft token. typical=(posterior_threshold, alpha) selects Medusa's typical acceptance
+    for sampling, which is LOSSY."""
+    if draft is None or not draft.tokens.numel():  # a plain decode step
+        path = chain_path(0, logits.device)
+        return Verdict(path, path[0], sampler.next_token(logits[0]))
+    tree = draft.tree
+    if tree is None and (sampler.greedy or typical is None):
+        if sampler.greedy:
+            return verify_greedy(draft.tokens, logits)
+        return verify_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler)
+    tree = tree or Tree.chain(draft.tokens.shape[0])
+    nodes = torch.cat([root.view(1), draft.tokens])
+    if sampler.greedy:
+        return verify_tree_greedy(tree, nodes, logits)
+    probs = sampler.probs(logits)
+    if typical is not None:
+        return verify_tree_typical(tree, nodes, probs, sampler, threshold=typical[0], alpha=typical[1])
+    return verify_tree_sample(tree, nodes, probs, sampler)
+
+
+_CHAIN_PATHS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def chain_path(g: int, device: torch.device) -> Tensor:
+    """0, 1, ..., g on the device (cached: a chain's path never changes)."""
+    key = (g, torch.device(device))
+    if key not in _CHAIN_PATHS:
+        _CHAIN_PATHS[key] = torch.arange(g + 1, device=device)
+    return _CHAIN_PATHS[key]
 
 
 def accepted_prefix(ok: Tensor) -> Tensor:
@@ -18,20 +71,18 @@ def accepted_prefix(ok: Tensor) -> Tensor:
     return ok.long().cumprod(dim=0).sum()
 
 
-def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+def verify_greedy(draft: Tensor, target_logits: Tensor) -> Verdict:
     """Accept the longest draft prefix equal to the target's argmax; the target then adds one token.
 
-    draft [g] token ids; target_logits [g + 1, V]. Returns (accept_len, next_token), 0-dim tensors.
-    The output equals the target's own greedy decoding, token for token.
+    draft [g] token ids; target_logits [g + 1, V]. The output equals the target's own greedy
+    decoding, token for token.
     """
     choice = target_logits.argmax(dim=-1)  # [g + 1]
     n = accepted_prefix(choice[:-1] == draft)
-    return n, choice[n]
+    return Verdict(chain_path(draft.shape[0], draft.device), n, choice[n])
 
 
-def verify_sample(
-    draft: Tensor, draft_probs: Tensor | None, target_probs: Tensor, sampler: Sampler
-) -> tuple[Tensor, Tensor]:
+def verify_sample(draft: Tensor, draft_probs: Tensor | None, target_probs: Tensor, sampler: Sampler) -> Verdict:
     """Leviathan/Chen speculative sampling: accept draft token i with prob min(1, p_i(x) / q_i(x)).
 
     draft [g]; draft_probs q [g, V] (None for a deterministic drafter, i.e. q is one-hot);
@@ -54,4 +105,74 @@ def verify_sample(
     row = residual[n]
     # p == q on a row leaves no residual mass; rejection there has probability 0, so p is used.
     row = torch.where(row.sum() > 0, row, target_probs[n])
-    return n, sampler.sample(row)  # sampling normalizes implicitly
+    return Verdict(chain_path(g, draft.device), n, sampler.sample(row))  # sampling normalizes implicitly
+
+
+def _walk(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
+    """The deepest node whose ancestors are all chosen (first in node order on ties).
+
+    chosen [N+1] bool (the root counts as chosen). Returns (path [D+1], accept_len).
+    """
+    chosen = chosen.clone()
+    chosen[0] = True
+    reached = ~(t["ancestor"] & ~chosen[None, :]).any(dim=1)  # [N+1]
+    n_nodes = chosen.shape[0]
+    score = torch.where(reached, t["depth"] * n_nodes + (n_nodes - 1 - torch.arange(n_nodes, device=chosen.device)), -1)
+    last = score.argmax()
+    n = t["depth"][last]
+    on_path = t["ancestor"][last]  # [N+1] the branch root..last
+    by_depth = on_path[:, None] & (t["depth"][:, None] == t["levels"][None, :])  # [N+1, D+1]
+    return by_depth.to(torch.uint8).argmax(dim=0), n  # [D+1]; entries past n point at the root
+
+
+def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor) -> Verdict:
+    """Accept the branch the target's argmax follows; exact, so the output is the target's greedy output.
+
+    tokens [N+1] node tokens (root first); logits [N+1, V] the target's logits after each node.
+    """
+    t = tree.on(tokens.device)
+    choice = logits.argmax(dim=-1)  # [N+1]
+    chosen = tokens == choice[t["parent"]]  # siblings are distinct, so at most one matches
+    path, n = _walk(t, chosen)
+    return Verdict(path, n, choice[path[n]])
+
+
+def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler) -> Verdict:
+    """Lossless tree verification for sampling (SpecInfer's multi-candidate rejection sampling).
+
+    probs [N+1, V]: the target's warped distributions after each node. At a node with target
+    distribution p, its children (distinct, deterministic candidates) are tried best-first; child c
+    is accepted with probability p'(c), where p' is p with the rejected earlier siblings removed
+    and renormalized. When every child is rejected the next token is drawn from that residual.
+    Each step is a speculative-sampling step with a one-hot draft, so tokens follow p exactly.
+    """
+    t = tree.on(tokens.device)
+    p_tok = probs[t["parent"], tokens]  # [N+1] p_parent(token)
+    tried_mass = t["earlier"].to(probs.dtype) @ p_tok  # [N+1] mass of earlier siblings
+    u = sampler.uniform(tokens.shape[0], tokens.device)
+    ok = u * (1 - tried_mass).clamp_(min=0) < p_tok  # u < p(c) / (1 - tried) without dividing
+    first_ok = ok & ((t["earlier"].to(torch.uint8) @ ok.to(torch.uint8)) == 0)  # no earlier sibling accepted
+    path, n = _walk(t, first_ok)
+    last = path[n]
+    row = probs[last].clone()
+    children = (t["parent"] == last) & (torch.arange(tokens.shape[0], device=tokens.device) > 0)
+    row[tokens[children]] = 0.0  # every child of the last node was tried and rejected
+    row = torch.where(row.sum() > 0, row, probs[last])  # p entirely on rejected children: probability 0
+    return Verdict(path, n, sampler.sample(row))
+
+
+def verify_tree_typical(
+    tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler, *, threshold: float, alpha: float
+) -> Verdict:
+    """Medusa's typical acceptance (LOSSY): accept a candidate whose target probability exceeds
+    min(threshold, alpha * exp(-entropy)) of the distribution it is judged by; take the deepest
+    accepted branch (best-ranked on ties) and sample the next token from the target there.
+
+    Output no longer follows the target's distribution exactly; it trades fidelity for tau.
+    """
+    t = tree.on(tokens.device)
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(dim=-1)  # [N+1]
+    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    chosen = probs[t["parent"], tokens] > bar[t["parent"]]
+    path, n = _walk(t, chosen)
+    return Verdict(path, n, sampler.sample(probs[path[n]]))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec_runtime.drafters import Draft, ModelDrafter, NgramDrafter
+from specdec_runtime.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.model import LayerSkip
@@ -22,16 +22,13 @@ from tests.conftest import (
 )
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Stub drafter that knows the target's greedy chain; each draft is right for its first
     `correct` tokens (None: always right) and wrong after that."""
 
     def __init__(self, table: torch.Tensor, correct: int | None):
         self.next = table.argmax(-1)  # greedy successor of each token
         self.correct, self.name = correct, f"oracle:{correct}"
-
-    def start(self, prompt, capacity):
-        pass
 
     def draft(self, ids, gamma, sampler):
         tokens, last = [], ids[-1]
@@ -183,7 +180,7 @@ def test_early_exit_drafts_let_verification_resume_at_the_exit_layer():
     target(ids[None, :-1], 0)  # the verified prefix; ids[-1] is the newest token
     draft = ModelDrafter(target, exit_layer=2, shares_target_cache=True).draft(ids, 3, Sampler())
     assert draft.resume_layer == 2 and draft.residual.shape == (1, 4, 64)
-    resumed = target.head(target.run_layers(draft.residual, 5, 2)).logits
+    resumed = target(draft.residual, 5, first_layer=2).logits
     reference.setup_cache(1, 32)
     full = reference(torch.cat([ids, draft.tokens])[None], 0).logits[:, 5:]
     torch.testing.assert_close(resumed, full, atol=2e-5, rtol=1e-5)

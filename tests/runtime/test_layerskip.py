@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdec_runtime.cli import main as cli_main
-from specdec_runtime.drafters import DraftExit, ModelDrafter, build_drafter
+from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters import DraftExit, ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.layerskip import SkipSet, skip_drafter
@@ -73,7 +74,7 @@ def test_the_layers_before_the_first_skip_are_handed_to_verification():
     drafter = ModelDrafter(target, skip=LayerSkip(attn={3}, mlp={2}), shares_target_cache=True)
     draft = drafter.draft(ids, 3, Sampler())
     assert draft.resume_layer == 2 and draft.residual.shape == (1, 4, 64)
-    resumed = target.head(target.run_layers(draft.residual, 5, 2)).logits
+    resumed = target(draft.residual, 5, first_layer=2).logits
     reference.setup_cache(1, 32)
     full = reference(torch.cat([ids, draft.tokens])[None], 0).logits[:, 5:]
     torch.testing.assert_close(resumed, full, atol=2e-5, rtol=1e-5)

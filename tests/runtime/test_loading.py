@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specdec_runtime.drafters import build_drafter
+from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import check_same_vocab, load_model, resolve_model
 from tests.conftest import save_tiny_model, save_tiny_tokenizer, tiny_hf_model

@@ -7,7 +7,7 @@ import torch
 
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Decoder, LayerSkip
+from specdec_runtime.model import Decoder, LayerSkip, rms_norm
 from tests.conftest import runtime_from_hf, tiny_hf_config, tiny_hf_model
 
 ATOL = 2e-5  # fp32: logits of the tiny models are O(1..10)
@@ -71,16 +71,24 @@ def test_incremental_decoding_matches_full_forward(family):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=ATOL, rtol=1e-5)
 
 
-def test_logits_to_keep_and_hidden():
+def test_logits_to_keep_and_taps():
+    """taps=(0, 1, 2): the residual streams after 0, 1 and 2 layers at every position, as
+    transformers' hidden_states (whose last entry has the final norm applied)."""
     hf = tiny_hf_model("llama", seed=3)
     model = runtime_from_hf(hf)
     ids = torch.randint(0, 256, (1, 12))
     model.setup_cache(1, 12)
-    out = model(ids, 0, logits_to_keep=3, return_hidden=True)
+    out = model(ids, 0, logits_to_keep=3, taps=(0, 1, 2))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
     torch.testing.assert_close(out.logits, ref.logits[:, -3:], atol=ATOL, rtol=1e-5)
-    torch.testing.assert_close(out.hidden, ref.hidden_states[-1][:, -3:], atol=ATOL, rtol=1e-5)  # after the final norm
+    embeds, first, last = out.hidden.split(64, dim=-1)
+    torch.testing.assert_close(embeds, ref.hidden_states[0], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(first, ref.hidden_states[1], atol=ATOL, rtol=1e-5)
+    normed = rms_norm(last, model.norm, model.config.rms_norm_eps)
+    torch.testing.assert_close(normed, ref.hidden_states[2], atol=ATOL, rtol=1e-5)
+    bare = model(ids[:, -1:], 11, taps=(1,), head=False)
+    assert bare.logits is None and torch.equal(bare.hidden, model(ids[:, -1:], 11, taps=(1,)).hidden)
 
 
 def test_exit_layer_equals_transformers_hidden_state_through_norm_and_head():
@@ -128,8 +136,7 @@ def test_tree_attention_equals_each_branch_decoded_alone():
     start = prefix.shape[1]
     model.setup_cache(1, 32)
     model(prefix, 0)
-    positions = start + torch.tensor(depth)
-    tree_logits = model(tree, start, positions=positions, tree_mask=mask).logits[0]
+    tree_logits = model(tree, start, tree=(torch.tensor(depth), mask)).logits[0]
     for i in range(6):
         path = [j for j in range(6) if mask[i, j]]  # root path, ancestors first (indices ascend)
         seq = torch.cat([prefix, tree[:, path]], dim=1)
@@ -145,7 +152,7 @@ def test_cache_move_keeps_an_accepted_tree_path():
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     model.setup_cache(1, 16)
     model(prefix, 0)
-    model(tree, 7, positions=torch.tensor([7, 8, 8, 9]), tree_mask=mask)
+    model(tree, 7, tree=(torch.tensor([0, 1, 1, 2]), mask))
     model.cache.move(torch.tensor([7 + 0, 7 + 2, 7 + 3]), 7)  # keep path 0 -> 2 -> 3
     after = model(torch.tensor([[9]]), 10).logits[0, -1]
     expected = hf_logits(hf, torch.cat([prefix, torch.tensor([[5, 7, 8, 9]])], dim=1))[0, -1]

@@ -5,11 +5,12 @@ import itertools
 import pytest
 import torch
 
-from specdec_runtime.drafters import Draft
+from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.sampling import Sampler
-from specdec_runtime.tree import Tree, verify_tree_greedy, verify_tree_sample, verify_tree_typical
+from specdec_runtime.tree import Tree
+from specdec_runtime.verify import verify_tree_greedy, verify_tree_sample, verify_tree_typical
 from tests.conftest import (
     BigramStub,
     assert_follows,
@@ -65,7 +66,7 @@ def test_tree_forward_equals_running_each_branch_as_a_sequence(kind):
     model(prefix[None, :-1], 0)
     t = tree.tensors
     P = prefix.shape[0] - 1
-    logits = model(nodes[None], P, positions=t["depth"] + P, tree_mask=t["ancestor"]).logits[0]  # [N+1, V]
+    logits = model(nodes[None], P, tree=(t["depth"], t["ancestor"])).logits[0]  # [N+1, V]
     for i in range(len(tree) + 1):
         branch = nodes[t["ancestor"][i]]  # root..node i
         with torch.no_grad():
@@ -104,15 +105,12 @@ def test_tree_greedy_verification_equals_naive_per_path_verification(seed):
     assert path[: int(n) + 1].tolist() == branch and int(token) == nxt
 
 
-class TreeStubDrafter:
+class TreeStubDrafter(Drafter):
     """Medusa-like stub: head d's ranked candidates depend only on the newest token (fixed tables)."""
 
     def __init__(self, tables: list[torch.Tensor], tree: Tree):
         self.tables, self.tree, self.name = tables, tree, "tree-stub"
         self.tree_nodes = len(tree)
-
-    def start(self, prompt, capacity):
-        pass
 
     def draft(self, ids, gamma, sampler):
         tree = self.tree.truncated(gamma)

@@ -53,13 +53,13 @@ def one_hot_logits(tokens: list[int], V: int = 10) -> torch.Tensor:
     ],
 )
 def test_verify_greedy(draft, target_choice, n, bonus):
-    got_n, got_token = verify_greedy(torch.tensor(draft), one_hot_logits(target_choice))
+    _, got_n, got_token = verify_greedy(torch.tensor(draft), one_hot_logits(target_choice))
     assert (int(got_n), int(got_token)) == (n, bonus)
 
 
 def test_verify_greedy_accepts_only_a_prefix():
     """A later match after a mismatch must not count (the output would not be the target's)."""
-    n, token = verify_greedy(torch.tensor([1, 9, 3]), one_hot_logits([1, 2, 3, 4]))
+    _, n, token = verify_greedy(torch.tensor([1, 9, 3]), one_hot_logits([1, 2, 3, 4]))
     assert (int(n), int(token)) == (1, 2)
 
 
@@ -70,7 +70,7 @@ def speculative_first_token(p: torch.Tensor, q: torch.Tensor | None, trials: int
     out, accepted = [], 0
     for _ in range(trials):
         draft = sampler.sample(q)[None] if q is not None else torch.tensor([0])
-        n, token = verify_sample(draft, None if q is None else q[None], torch.stack([p, p]), sampler)
+        _, n, token = verify_sample(draft, None if q is None else q[None], torch.stack([p, p]), sampler)
         out.append(int(draft[0]) if int(n) == 1 else int(token))
         accepted += int(n)
     return out, accepted / trials

@@ -10,7 +10,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from recipes import layerskip
-from specdec_runtime.drafters import DraftExit, ModelDrafter, build_drafter
+from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters import DraftExit, ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model

@@ -13,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from recipes import mtp as recipe
-from specdec_runtime.drafters import build_drafter
+from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
@@ -284,11 +284,11 @@ def test_runtime_heads_equal_the_training_heads_and_sampling_is_lossless(tiny, t
     ids = global_batch(1, 12)
     target.setup_cache(1, 32)
     drafter.start(ids[0], 32)
-    out = target(ids[:, :5], 0, return_hidden=True, hidden_layer=drafter.hidden_layer)
+    out = target(ids[:, :5], 0, taps=drafter.hidden_layers)
     drafter.observe(out.hidden[0])
     got = [drafter.logits]
     for t in range(5, 12):  # one accepted position at a time
-        out = target(ids[:, t : t + 1], t, return_hidden=True, hidden_layer=drafter.hidden_layer)
+        out = target(ids[:, t : t + 1], t, taps=drafter.hidden_layers)
         drafter.observe(out.hidden[0])
         got.append(drafter.logits)
     with torch.no_grad():

@@ -1,0 +1,71 @@
+"""Drafters from their command-line specs (`specdec generate --drafter SPEC`, `specdec bench`).
+
+    drafter = build_drafter("truncate:6", target)                 # target: a LoadedModel
+    drafter = build_drafter("runs/medusa/export", target, tree="chain")
+
+This module knows every drafter kind; the kinds' own modules (drafters, medusa, mtp, layerskip)
+know nothing of each other or of the command line.
+"""
+
+from pathlib import Path
+
+import torch
+
+from specdec_runtime.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.layerskip import SkipSet, is_skipset_file, skip_drafter
+from specdec_runtime.loading import LoadedModel, check_same_vocab, load_model
+from specdec_runtime.medusa import is_medusa_folder, load_medusa
+from specdec_runtime.mtp import load_mtp
+
+
+def _int_arg(spec: str, kind: str) -> int:
+    arg = spec.split(":", 1)[1] if ":" in spec else ""
+    if not arg.isdigit():
+        raise SpecdecError(f"drafter '{spec}': expected {kind}:N with a positive integer N")
+    return int(arg)
+
+
+def build_drafter(
+    spec: str,
+    target: LoadedModel,
+    *,
+    confidence: float = 0.0,
+    dtype: str | torch.dtype | None = "auto",
+    tree: str | None = None,
+) -> Drafter | None:
+    """A drafter from its command-line spec; None for plain autoregressive decoding.
+
+    none            autoregressive (no drafter)
+    ngram[:N]       prompt lookup with n-grams of up to N tokens (default 3)
+    truncate:K      the target's first K layers + its final norm and lm_head (no training)
+    mtp             the target's own multi-token-prediction heads (a target exported by recipes.mtp)
+    DIR             exported Medusa heads (FasterDecoding or vLLM layout); tree: a JSON file of
+                    paths, 'chain', or None for the tree calibrated at export
+    FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
+                    sublayers skipped, adaptive draft exit; confidence > 0 fixes the threshold)
+    NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
+    """
+    spec = spec.strip()
+    if spec.lower() in ("", "none", "ar"):
+        return None
+    if spec == "ngram" or spec.startswith("ngram:"):
+        return NgramDrafter(_int_arg(spec, "ngram") if ":" in spec else 3)
+    if spec == "truncate" or spec.startswith("truncate:"):
+        k, n = _int_arg(spec, "truncate"), target.config.num_layers
+        if not 1 <= k < n:
+            raise SpecdecError(f"drafter '{spec}': K must be in 1..{n - 1} (the target has {n} layers)")
+        return ModelDrafter(target.model, exit_layer=k, shares_target_cache=True, confidence=confidence, name=spec)
+    if spec == "mtp":
+        return load_mtp(target)
+    if is_skipset_file(spec):
+        return skip_drafter(target, SkipSet.load(spec), confidence=confidence, name=spec)
+    if is_medusa_folder(Path(spec).expanduser()):
+        return load_medusa(Path(spec).expanduser(), target, tree)
+    if tree is not None:
+        raise SpecdecError(f"--tree applies to Medusa heads; '{spec}' is not a Medusa export")
+    drafter = load_model(spec, device=target.model.device, dtype=dtype if dtype != "auto" else target.model.dtype)
+    check_same_vocab(target, drafter)
+    if target.model.compiled:  # a compiled target gets a compiled draft model
+        drafter.model.compile()
+    return ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)

@@ -1,0 +1,229 @@
+"""The fast path (model.py): captured steps with static buffers running the compiled layers.
+
+On CPU the steps are emulated with the same buffers and lifetimes and the layers are traced whole
+by torch.compile with the aot_eager backend: logits and tokens equal the eager path for every
+drafter kind, nothing is compiled or captured again after warm-up, the KV cache is allocated once,
+and a round syncs with the host once. The tests marked gpu run the same on CUDA with real CUDA
+graphs (and the bf16 honesty check); elsewhere they skip and say so.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from specdec_runtime import graphs
+from specdec_runtime.drafters import ModelDrafter, NgramDrafter
+from specdec_runtime.generate import generate
+from specdec_runtime.measure import divergences
+from specdec_runtime.medusa import MedusaDrafter
+from specdec_runtime.model import LayerSkip
+from specdec_runtime.mtp import MTPDrafter, MTPHeads
+from specdec_runtime.sampling import Sampler
+from specdec_runtime.tree import Tree
+from tests.conftest import runtime_from_hf, tiny_hf_model
+from tests.runtime.test_medusa import PATHS, random_heads
+
+PROMPT = list(range(5, 17))
+
+
+def mtp_drafter(target, hf) -> MTPDrafter:
+    """MTP heads 1 and 2 on a 3-layer target (trunk: 2 layers, head 0: layer 2), with the weights
+    of the target's layers 1 and 2 (any weights do: what is checked is exactness)."""
+    sd = {
+        f"heads.{i}.{k.removeprefix(f'model.layers.{i}.')}": v
+        for i in (1, 2)
+        for k, v in hf.state_dict().items()
+        if k.startswith(f"model.layers.{i}.")
+    }
+    heads = MTPHeads.from_hf_state_dict(target.config, sd, 3, 2, target.device, target.dtype)
+    return MTPDrafter(heads, target)
+
+
+DRAFTERS = {
+    "autoregressive": lambda m, hf: None,
+    "truncate": lambda m, hf: ModelDrafter(m, exit_layer=2, shares_target_cache=True),
+    "layer skip": lambda m, hf: ModelDrafter(m, skip=LayerSkip(attn={1}, mlp={2}), shares_target_cache=True),
+    "stand-alone model": lambda m, hf: ModelDrafter(standalone(m)),
+    "ngram": lambda m, hf: NgramDrafter(),
+    "medusa tree": lambda m, hf: MedusaDrafter(random_heads(64, 256).to(m.device), m, Tree.from_paths(PATHS)),
+    "mtp": mtp_drafter,
+}
+
+
+def standalone(target):
+    """A 1-layer stand-alone draft model, compiled like its target."""
+    model = runtime_from_hf(tiny_hf_model("llama", 1, num_hidden_layers=1)).to(target.device, target.dtype)
+    if target.compiled:
+        model.compile(backend=COMPILE_BACKEND[target.device.type])
+    return model
+
+
+COMPILE_BACKEND = {"cpu": "aot_eager", "cuda": "inductor"}
+
+
+def pair(kind: str = "llama", device: str = "cpu", dtype=torch.float32, **overrides):
+    """The same tiny target twice, eager and compiled, and its transformers model."""
+    hf = tiny_hf_model(kind, 0, num_hidden_layers=3, **overrides)
+    eager, fast = (runtime_from_hf(hf).to(device, dtype) for _ in range(2))
+    fast.compile(backend=COMPILE_BACKEND[device])
+    return eager, fast, hf
+
+
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})])
+def test_forwards_equal_the_eager_path(kind, overrides):
+    """Decode, chain-verify and tree-verify logits at the same slots, stale slots in the cache."""
+    a, b, _ = pair(kind, **overrides)
+    for m in (a, b):
+        m.setup_cache(1, 64)
+        with torch.inference_mode():
+            m.cache.kv.normal_()  # stale entries from "earlier prompts" must be masked out
+        m.prefill(torch.tensor([PROMPT]))
+    step = torch.tensor([[7]])
+    torch.testing.assert_close(b(step, 12).logits, a(step, 12).logits, atol=1e-5, rtol=1e-5)
+    chain = torch.tensor([[7, 9, 11, 3]])
+    torch.testing.assert_close(b(chain, 13).logits, a(chain, 13).logits, atol=1e-5, rtol=1e-5)
+    t = Tree.from_paths(PATHS).on("cpu")
+    nodes = torch.randint(0, 256, (1, len(t["depth"])))
+    outs = [m(nodes, 17, tree=(t["depth"], t["ancestor"])).logits for m in (a, b)]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.cache.kv[..., :26, :], a.cache.kv[..., :26, :], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_generate_equals_the_eager_path(drafter):
+    """Every drafter kind, greedy and sampled; the compiled layers are traced whole (a graph break
+    fails fullgraph=True, and any warning is an error here)."""
+    a, b, hf = pair()
+    for sampler in (lambda: Sampler(), lambda: Sampler(0.8, seed=1)):
+        ra = generate(a, PROMPT, DRAFTERS[drafter](a, hf), sampler(), max_new_tokens=30, gamma=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rb = generate(b, PROMPT, DRAFTERS[drafter](b, hf), sampler(), max_new_tokens=30, gamma=3)
+        assert rb.tokens == ra.tokens and rb.stats.target_forwards == ra.stats.target_forwards
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs dynamo has compiled, steps captured) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], graphs.captures
+
+
+def warm_then_rerun(target, hf, drafters, capacity: int):
+    """Warm up on one prompt, then rerun with prompts of other lengths and every draft length:
+    returns the compile counts after warm-up and after the reruns, and the cache's addresses."""
+    prompts = [PROMPT, PROMPT[:7], PROMPT + [3, 1, 4, 1, 5]]
+    kw = dict(max_new_tokens=40, capacity=capacity)
+    made = {name: DRAFTERS[name](target, hf) for name in drafters}
+    for d in made.values():  # warm-up: every step shape a drafter can produce at gamma 3
+        for gamma in (1, 2, 3):
+            generate(target, PROMPT, d, max_new_tokens=40, gamma=gamma, capacity=capacity)
+    warm, address = compile_counts(), target.cache.kv.data_ptr()
+    for d in made.values():
+        for p in prompts:
+            for s in (Sampler(), Sampler(1.0, seed=3)):
+                generate(target, p, d, s, gamma=3, **kw)
+    return warm, compile_counts(), (address, target.cache.kv.data_ptr())
+
+
+def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
+    """Across rounds, drafts of every length, prompts of different lengths, greedy and sampled, and
+    repeated generate calls: no new compiled graph, no new captured step, the same KV cache."""
+    _, target, hf = pair()
+    drafters = ["autoregressive", "truncate", "layer skip", "medusa tree", "mtp", "stand-alone model"]
+    warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
+    assert after == warm and before_ptr == after_ptr
+    trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
+    assert {key[0][1] for key in target.steps} <= {1, 2, 3, 4} | trees  # T: decode, chains of 1-3, the trees
+
+
+def test_a_steps_outputs_live_until_that_step_runs_again():
+    """The lifetime rule of model.py: a captured step's outputs are its static buffers, rewritten
+    by its own next run and by no other step's."""
+    _, m, _ = pair()
+    m.setup_cache(1, 32)
+    m.prefill(torch.tensor([PROMPT]))
+    first = m(torch.tensor([[7]]), 12).logits
+    kept = first.clone()
+    m(torch.tensor([[7, 8]]), 12)  # another step (T = 2): first is untouched
+    assert torch.equal(first, kept)
+    second = m(torch.tensor([[9]]), 12).logits  # the same step again: the same buffer, new values
+    assert second is first and not torch.equal(second, kept)
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_host_sync_per_round(monkeypatch, compiled):
+    """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
+    token, then one per round), for autoregressive and speculative decoding."""
+    eager, fast, hf = pair()
+    target = fast if compiled else eager
+    for name in ("autoregressive", "truncate", "layer skip", "medusa tree", "stand-alone model", "mtp"):
+        d = DRAFTERS[name](target, hf)
+        generate(target, PROMPT, d, max_new_tokens=30, gamma=3)  # warm-up (captures outside the count)
+        count = {"n": 0}
+        for sync in SYNCS:
+            original = getattr(torch.Tensor, sync)
+
+            def counted(self, *args, _original=original, _count=count, **kwargs):
+                _count["n"] += 1
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, sync, counted)
+        out = generate(target, PROMPT, d, max_new_tokens=30, gamma=3)
+        monkeypatch.undo()
+        assert count["n"] == out.stats.target_forwards, name
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_cuda_fp32_greedy_equals_autoregressive_for_every_drafter(drafter):
+    """Real CUDA graphs in fp32: the speculative output is the target's own greedy output."""
+    _, target, hf = pair(device="cuda")
+    ar = generate(target, PROMPT, None, max_new_tokens=40)
+    spec = generate(target, PROMPT, DRAFTERS[drafter](target, hf), max_new_tokens=40, gamma=3)
+    assert spec.tokens == ar.tokens
+    assert graphs.captures > 0 and all(s.graph is not None for s in target.steps.values())
+
+
+@pytest.mark.gpu
+def test_cuda_nothing_compiles_or_records_again_and_one_sync_per_round():
+    _, target, hf = pair(device="cuda", dtype=torch.bfloat16)
+    drafters = ["autoregressive", "truncate", "layer skip", "medusa tree", "mtp", "stand-alone model"]
+    warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
+    assert after == warm and before_ptr == after_ptr
+    for name in ("autoregressive", "truncate", "medusa tree"):
+        d = DRAFTERS[name](target, hf)
+        generate(target, PROMPT, d, max_new_tokens=40, gamma=3, capacity=64)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = generate(target, PROMPT, d, max_new_tokens=40, gamma=3, capacity=64)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) <= out.stats.target_forwards, name
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_divergences_are_near_ties():
+    """bf16 speculative vs autoregressive greedy output: every first divergence is a near-tie
+    (measure.divergences: the top-two gap of the reference is within twice the bf16 error there)."""
+    _, target, hf = pair(device="cuda", dtype=torch.bfloat16)
+    reference = runtime_from_hf(hf).to("cuda")  # fp32
+    prompts = [[(7 * i + j) % 256 for j in range(10 + i)] for i in range(8)]
+    for name in ("truncate", "medusa tree", "stand-alone model"):
+        d = DRAFTERS[name](target, hf)
+        pairs = [
+            (p, generate(target, p, None, max_new_tokens=48).tokens, generate(target, p, d, max_new_tokens=48).tokens)
+            for p in prompts
+        ]
+        for report in divergences(target, reference, pairs):
+            assert report["near_tie"], (name, report)
