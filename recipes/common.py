@@ -69,6 +69,8 @@ def check_trainer(cfg: DictConfig) -> list[str]:
             problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
     if cfg.validate.max_new_tokens < 1:
         problems.append("validate.max_new_tokens must be >= 1")
+    if cfg.device not in ("auto", "cpu"):
+        problems.append(f"device='{cfg.device}': use auto (the launcher's GPUs, else CPU) or cpu")
     return problems
 
 
@@ -154,6 +156,7 @@ def open_run(cfg: DictConfig) -> tuple[Any, Path]:
         seed=cfg.seed,
         log_with="wandb" if cfg.tracking.kind == "wandb" else None,
         project_dir=str(out),
+        cpu=True if cfg.get("device") == "cpu" else None,
     )
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -277,9 +280,9 @@ def start(cfg: DictConfig) -> Run:
     )
 
 
-def load_target(cfg: DictConfig, run: Run) -> Any:
-    """The HF target on the run's device, frozen, in model.dtype."""
-    dtype = resolve_dtype(cfg.model.dtype, run.device)
+def load_target(cfg: DictConfig, run: Run, dtype: torch.dtype | None = None) -> Any:
+    """The HF target on the run's device, frozen, in `dtype` (default: model.dtype)."""
+    dtype = dtype or resolve_dtype(cfg.model.dtype, run.device)
     run.say(f"target {cfg.model.name} ({run.target_path}) on {run.device} in {dtype}")
     with whole(run.accelerator):
         model = load_hf_model(cfg.model.name, dtype=dtype)

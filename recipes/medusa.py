@@ -132,10 +132,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "the heads are small and the frozen target is not sharded (Medusa-1); the jointly trained target "
         "(Medusa-2) is not gathered for validation and export yet",
     )
-    if joint and cfg.model.dtype not in ("auto", "float32"):
-        say(f"medusa2 trains the target: loading it in float32 (not {cfg.model.dtype}); autocast does the rest")
-        cfg.model.dtype = "float32"
-    target = load_target(cfg, run)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if joint and dtype != torch.float32:  # trained weights stay fp32; trainer.mixed_precision runs bf16 math
+        say(f"medusa2 trains the target: loading it in float32 (not {dtype}); autocast does the rest")
+        dtype = torch.float32
+    target = load_target(cfg, run, dtype)
     examples, _ = training_examples(cfg, run, target)
     calib = calibration_examples(cfg, run, target, examples)  # the original target's responses
 

@@ -35,14 +35,14 @@ def main() -> None:
     m = load_model(args.target, device="cpu", dtype="float32").model
     V, H = m.config.vocab_size, m.config.hidden_size
     m.setup_cache(1, 512)
-    m(torch.randint(0, V, (1, 200)), 0)
+    m.prefill(torch.randint(0, V, (1, 200)))
     one = timed(lambda: m(torch.randint(0, V, (1, 1)), 200), args.reps)
     print(f"| tokens verified | ms | x one decode step |\n|---|---:|---:|\n| 1 | {one:.1f} | 1.00 |")
     profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
     for n in map(int, args.nodes.split(",")):
         t = Tree.from_accuracies(profile, n).tensors
         x = torch.randint(0, V, (1, n + 1))
-        ms = timed(lambda x=x, t=t: m(x, 200, positions=t["depth"] + 200, tree_mask=t["ancestor"]), args.reps)
+        ms = timed(lambda x=x, t=t: m(x, 200, tree=(t["depth"], t["ancestor"])), args.reps)
         print(f"| 1 + {n} | {ms:.1f} | {ms / one:.2f} |")
     for share in (True, False):
         heads = MedusaHeads(H, V, 4, 1, share_lm_head=share)

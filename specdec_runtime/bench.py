@@ -165,7 +165,9 @@ def bench_drafter(
 
     sampling = dict(temperature=temperature, top_k=settings.top_k, top_p=settings.top_p)
     kw = dict(max_new_tokens=settings.max_new_tokens, stop_ids=target.stop_ids)
-    spec_kw = dict(kw, gamma=gamma, adaptive_gamma=settings.adaptive_gamma, max_gamma=settings.max_gamma)
+    capacity = max(len(ids) for ids in encoded) + settings.max_new_tokens  # caches sized once
+    ours = dict(kw, capacity=capacity)
+    spec_kw = dict(ours, gamma=gamma, adaptive_gamma=settings.adaptive_gamma, max_gamma=settings.max_gamma)
     device = target.model.device
     sampler = lambda i: Sampler(**sampling, seed=settings.seed + i, device=device)  # noqa: E731
 
@@ -177,7 +179,7 @@ def bench_drafter(
 
     try:  # warm-up: first calls pay for allocations, lazy init and compilation
         short = min(8, settings.max_new_tokens)
-        generate(target.model, encoded[0], None, sampler(0), **{**kw, "max_new_tokens": short})
+        generate(target.model, encoded[0], None, sampler(0), **{**ours, "max_new_tokens": short})
         if drafter is not None:
             generate(target.model, encoded[0], drafter, sampler(0), **{**spec_kw, "max_new_tokens": short})
         if assist is not None:
@@ -185,7 +187,7 @@ def bench_drafter(
         records = []
         bar = progress(list(enumerate(encoded)), f"{spec} ({mode})") if progress else enumerate(encoded)
         for i, ids in bar:
-            ar = generate(target.model, ids, None, sampler(i), **kw)
+            ar = generate(target.model, ids, None, sampler(i), **ours)
             run = ar if drafter is None else generate(target.model, ids, drafter, sampler(i), **spec_kw)
             record = {
                 "id": prompts[i].id,

@@ -29,7 +29,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--compile",
         default="auto",
         choices=["auto", "on", "off"],
-        help="torch.compile the fixed-shape decode and verify steps with CUDA graphs (auto: on CUDA only)",
+        help="the fast path: each decode, draft and verify step one CUDA graph (auto: on CUDA only)",
     )
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")

@@ -62,7 +62,10 @@ def measure(
     """Decode every prompt with the drafter (and autoregressively first, when baseline).
 
     on_result(i, spec, baseline_or_None) is called as each prompt finishes (to stream outputs).
+    The caches are sized once for the longest prompt, so every call reuses them.
     """
+    longest = max(len(p) for p in prompts) + generate_kwargs.get("max_new_tokens", 256)
+    generate_kwargs = {"capacity": longest, **generate_kwargs}
     if warmup:  # first calls pay for allocations and lazy init; keep them out of the numbers
         short = {**generate_kwargs, "max_new_tokens": min(8, generate_kwargs.get("max_new_tokens", 8))}
         for d in ([None] if baseline else []) + [drafter]:

@@ -31,6 +31,7 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
 TINY = dict(
     vocab_size=256,
     hidden_size=64,
@@ -241,7 +242,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def accelerate_launch(config: str, args: list[str], processes: int = 2, timeout: int = 300):
     """`accelerate launch --config_file conf/accelerate/<config>.yaml` of `args` (e.g. ["-m", "recipes.distill",
-    ...]) with `processes` CPU processes in full precision (the flags override the file's GPU values)."""
+    ...]) with `processes` CPU processes in full precision (the flags override the file's GPU values).
+    On a machine with GPUs the processes still run on the CPU: multi_cpu.yaml hides the GPUs itself
+    (that is what its test checks there); for the others this helper hides them."""
     import socket
     import subprocess
     import sys
@@ -255,7 +258,8 @@ def accelerate_launch(config: str, args: list[str], processes: int = 2, timeout:
         "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(port),
         *args,
     ]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ) | ({} if config == "multi_cpu" else {"CUDA_VISIBLE_DEVICES": ""})
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def wandb_records(path: Path) -> list:

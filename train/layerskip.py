@@ -174,7 +174,7 @@ class CostModel:
         every = set(range(n))
         ids = torch.randint(0, model.config.vocab_size, (1, context + gamma + 1), device=model.device)
         model.setup_cache(1, ids.shape[1])
-        model(ids[:, :context], 0)
+        model.prefill(ids[:, :context])
 
         def timed(x: torch.Tensor, skip: LayerSkip | None) -> float:
             times = []
@@ -360,7 +360,7 @@ class Evaluator:
             seq = torch.tensor(p + out, device=self.target.device)
             self.target.setup_cache(1, seq.shape[0])
             P = len(p)
-            logits = self.target(seq[None, :-1], 0, skip=skip).logits[0, P:].float()  # after output tokens 0..n-2
+            logits = self.target.prefill(seq[None, :-1], skip=skip).logits[0, P:].float()  # after output tokens 0..n-2
             probs = logits.softmax(-1)
             conf, choice = probs.max(-1)
             agree = (choice == seq[P + 1 :]).tolist()

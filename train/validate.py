@@ -25,9 +25,13 @@ from train.draft_model import full_state_dict
 
 def runtime_decoder(model: Any, vocab_ids: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> Decoder:
     """The runtime Decoder of a transformers model in memory: the target (vocab_ids None) or a
-    drafter, exactly as its export loads (use_draft_vocab has already untied its config)."""
+    drafter, exactly as its export loads (use_draft_vocab has already untied its config). On CUDA
+    it runs the fast path (CUDA graphs), as `specdec generate` does by default there."""
     cfg = DecoderConfig.from_hf(model.config)
-    return Decoder.from_hf_state_dict(cfg, full_state_dict(model, vocab_ids), device, dtype, vocab_ids=vocab_ids)
+    decoder = Decoder.from_hf_state_dict(cfg, full_state_dict(model, vocab_ids), device, dtype, vocab_ids=vocab_ids)
+    if decoder.device.type == "cuda":
+        decoder.compile()
+    return decoder
 
 
 def validate(

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from specdec_runtime.cli import main
 from tests.conftest import save_tiny_model
@@ -91,7 +92,11 @@ def test_single_prompt_prints_its_text(tiny_dir, capsys):
         (["--max-new-tokens", "100000"], "the target's context is 256"),
         (["--drafter", "truncate:9"], "K must be in 1..2"),
         (["--temperature", "-1"], "temperature must be >= 0"),
-        (["--device", "cuda"], "no CUDA GPU is available"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA GPU is available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU"),
+        ),
         (["--dtype", "int8"], "unknown dtype 'int8'"),
     ],
 )
@@ -105,3 +110,19 @@ def test_user_errors_exit_with_a_message_not_a_traceback(tiny_dir, capsys, argv,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+def test_generate_runs_on_cuda_by_default_without_a_warning(tiny_dir, tmp_path, capsys):
+    """The default on a CUDA machine (bf16, the fast path) crashed the first time it ran there;
+    now it runs, warns about nothing, and its greedy output equals its own autoregressive output."""
+    import warnings
+
+    for drafter in ("none", "truncate:1", "ngram"):
+        out_file = tmp_path / f"{drafter.replace(':', '')}.jsonl"
+        argv = ["generate", "--target", str(tiny_dir), "--prompt", "hello there", "--max-new-tokens", "24"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            table = run([*argv, "--drafter", drafter, "--baseline", "--output", str(out_file)], capsys)
+        record = json.loads(out_file.read_text())
+        assert record["identical_to_baseline"] and "100%" in table

@@ -29,6 +29,7 @@ def overrides(tiny, out: Path, *extra: str) -> list[str]:
     target, data, cache = tiny
     return [
         f"output_dir={out}",
+        "device=cpu",  # the pinned losses are CPU numerics (CUDA training: the gpu tests)
         f"model.name={target}",
         f"data.train={data}",
         f"data.val={data}",

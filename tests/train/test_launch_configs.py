@@ -18,7 +18,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "accelerate"
 EXPECTED = {  # file: (distributed_type, machines, what else it must say)
     "single_gpu": ("NO", 1, {}),
     "multi_gpu": ("MULTI_GPU", 1, {}),
-    "multi_cpu": ("MULTI_GPU", 1, {"num_processes": 2, "mixed_precision": "no"}),
+    "multi_cpu": ("MULTI_GPU", 1, {"num_processes": 2, "mixed_precision": "no", "gpu_ids": "-1,-1"}),
     "multi_node": ("MULTI_GPU", 2, {"main_process_port": 29500}),
     "deepspeed_zero2": ("DEEPSPEED", 1, {"zero_stage": 2, "offload_param_device": "none"}),
     "deepspeed_zero3": ("DEEPSPEED", 1, {"zero_stage": 3, "offload_param_device": "none"}),
@@ -49,6 +49,29 @@ def test_config_files_load_and_ask_for_what_their_name_says(name):
         assert cfg.main_process_ip and cfg.machine_rank == 0 and cfg.num_processes % machines == 0
     if kind == "DEEPSPEED" and more["zero_stage"] == 3:
         assert cfg.deepspeed_config["zero3_init_flag"] is False  # frozen targets load whole
+
+
+WHERE_AM_I = """
+import os, sys, torch
+from train.loop import make_accelerator
+acc = make_accelerator(mixed_precision="no", grad_accum=1, seed=0, log_with=None, project_dir=sys.argv[1])
+line = (f"rank {acc.process_index} of {acc.num_processes} on {acc.device.type} cuda visible "
+        f"{torch.cuda.is_available()} CUDA_VISIBLE_DEVICES {os.environ.get('CUDA_VISIBLE_DEVICES')}")
+sys.stdout.write(line + "\\n")  # one write: the two processes share the pipe
+"""
+
+
+def test_multi_cpu_runs_two_cpu_processes_even_where_cuda_is_visible(tmp_path):
+    """The launch the findings saw fail on a one-GPU machine (rank 1: invalid device ordinal): the
+    file hides the GPUs from its processes, so both ranks run on the CPU in one gloo group."""
+    from tests.conftest import accelerate_launch
+
+    script = tmp_path / "where.py"
+    script.write_text(WHERE_AM_I)
+    proc = accelerate_launch("multi_cpu", [str(script), str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} of 2 on cpu cuda visible False CUDA_VISIBLE_DEVICES -1,-1" for r in (0, 1)], proc.stdout
 
 
 def test_fsdp_plugin_from_the_file_wraps_each_decoder_layer_of_the_recipe_model(monkeypatch):

@@ -33,6 +33,7 @@ def overrides(tiny, out: Path, *extra: str) -> list[str]:
     target, data, cache = tiny
     return [
         f"output_dir={out}",
+        "device=cpu",  # the pinned losses are CPU numerics (CUDA training: the gpu tests)
         f"model.name={target}",
         f"data.train={data}",
         f"data.val={data}",
@@ -121,6 +122,24 @@ def test_medusa2_lora_trains_the_target_after_warmup_and_exports_it(tiny, tmp_pa
     prompt = adapted.tokenizer.encode("stone cloud.")
     ar = generate(adapted.model, prompt, None, max_new_tokens=24)
     assert generate(adapted.model, prompt, drafter, max_new_tokens=24, gamma=3).tokens == ar.tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target_training", ["lora", "full"])
+def test_medusa2_trains_and_exports_on_cuda_under_bf16(tiny, tmp_path, target_training):
+    """The run the findings saw crash on CUDA (a bf16 target under fp32 LoRA weights): the target
+    now loads in fp32 and bf16 autocast does the math; it trains, validates losslessly, exports."""
+    out = tmp_path / target_training
+    gpu = [o for o in overrides(tiny, out) if not o.startswith("device=")]
+    extra = ["medusa.mode=medusa2", f"medusa2.target={target_training}", "medusa2.warmup_steps=2"]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("medusa", overrides=[*gpu, "device=auto", "trainer.mixed_precision=bf16", *extra])
+    result = medusa.run(cfg)
+    assert result["validation"]["device"].startswith("cuda") and result["validation"]["lossless"] == 1.0
+    kl = logged(out, "train/target/kl")
+    assert kl[0] == pytest.approx(0.0, abs=1e-3) and max(kl[2:]) > 0  # frozen first, then it moves
+    adapted = load_model(str(Path(result["export"]) / "target"), device="cpu", dtype="float32")
+    assert generate(adapted.model, adapted.tokenizer.encode("stone cloud."), None, max_new_tokens=8).tokens
 
 
 def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):

@@ -166,6 +166,7 @@ def overrides(tiny, out: Path, *extra: str) -> list[str]:
     model, corpus, cache = tiny
     return [
         f"output_dir={out}",
+        "device=cpu",  # the pinned losses are CPU numerics (CUDA training: the gpu tests)
         f"model.name={model}",
         f"data.corpus={corpus}",
         f"data.cache_dir={cache}",

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU check, one command on a CUDA machine: the tests marked gpu, then scripts/bench_gpu.py for
+# the Llama-3.2-1B and Llama-3.1-8B shapes (bf16, the fast path), tables printed and kept in
+# ${OUT:-runs/gpu_check}/. Budget: under 9 minutes on one H100.
+#
+# What a bare CUDA machine with PyTorch, transformers, accelerate, peft, safetensors, tqdm, rich,
+# numpy, scipy and pytest lacks (all pure Python), as wheels in .whl/ (git-ignored):
+#   hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3   (recipes: the Medusa-2 CUDA test)
+# Fetch them where a package registry is reachable, then carry .whl/ to the GPU machine:
+#   ./scripts/gpu_check.sh --fetch-wheels
+# On the GPU machine, from the repository root:
+#   ./scripts/gpu_check.sh            # gpu tests + both bench shapes
+#   ./scripts/gpu_check.sh --tests    # the gpu tests only
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3"
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip wheel -q --no-deps -w .whl $WHEELS && ls .whl  # sdists are built into pure-Python wheels here
+  exit
+fi
+
+PY=python3
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specdec-site .whl/*.whl \
+    || { echo "gpu_check: could not install the wheels in .whl/"; exit 1; }
+  export PYTHONPATH="/tmp/specdec-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
+OUT="${OUT:-runs/gpu_check}"
+mkdir -p "$OUT"
+$PY - <<'EOF' || exit 1
+import torch, transformers
+assert torch.cuda.is_available(), "gpu_check: no CUDA GPU is visible"
+print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
+EOF
+status=0
+SECONDS=0
+$PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+echo "gpu_check: gpu tests took ${SECONDS}s"
+if [ "${1:-}" != "--tests" ]; then
+  SECONDS=0
+  $PY scripts/bench_gpu.py --shape 1b --k 2 --fp32-check --output-dir "$OUT/1b" 2>&1 | tee "$OUT/bench_1b.log" || status=1
+  echo "gpu_check: 1B bench took ${SECONDS}s"
+  SECONDS=0
+  $PY scripts/bench_gpu.py --shape 8b --k 4 --output-dir "$OUT/8b" 2>&1 | tee "$OUT/bench_8b.log" || status=1
+  echo "gpu_check: 8B bench took ${SECONDS}s"
+fi
+exit $status
