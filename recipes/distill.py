@@ -16,23 +16,23 @@ import torch
 from omegaconf import DictConfig
 
 from recipes.common import (
-    check_common,
-    check_launch,
+    Conversations,
+    Run,
+    check_conversations,
+    conversations,
     finish,
-    gathered_state_dict,
     generation_kwargs,
     load_target,
+    make_batches,
     make_optimizer_from,
+    make_progress,
     make_tracker,
     refuse,
     resume,
     run_or_exit,
-    sharded,
     start,
-    train_loop,
     training_examples,
-    whole,
-    with_responses,
+    validation_due,
 )
 from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.errors import SpecdecError
@@ -40,7 +40,7 @@ from specdec_runtime.loading import resolve_dtype
 from specdec_runtime.model import Decoder
 from train import losses
 from train.checkpoint import save_checkpoint
-from train.data import Example, collate
+from train.data import Example, collate, with_responses
 from train.draft_model import (
     SelectedLogits,
     draft_vocab,
@@ -50,6 +50,8 @@ from train.draft_model import (
     use_draft_vocab,
 )
 from train.export import Card, export_standalone
+from train.launch import check_launch, gathered_state_dict, sharded, whole
+from train.loop import every, optimizer_step
 from train.responses import generate_responses
 from train.validate import runtime_decoder, validate
 
@@ -63,7 +65,7 @@ def check_config(cfg: DictConfig) -> None:
         losses.check_loss(cfg.loss.kind, cfg.loss.beta, cfg.loss.top_k > 0)
     except ValueError as e:
         raise SpecdecError(f"loss: {e}") from e
-    problems = check_common(cfg, SOURCES)
+    problems = check_conversations(cfg, SOURCES)
     if cfg.drafter.source not in DRAFTERS:
         problems.append(f"drafter.source='{cfg.drafter.source}': use drafter=target_layers|small_llama|pretrained")
     if cfg.responses.refresh_every < 1:
@@ -77,200 +79,54 @@ def check_config(cfg: DictConfig) -> None:
     refuse(problems)
 
 
-def build_drafter(cfg: DictConfig, target: Any, tokenizer: Any) -> Any:
-    d = cfg.drafter
-    if d.source == "target_layers":
-        model = drafter_from_target_layers(target, d.num_layers)
-    elif d.source == "config":
-        model = drafter_from_config(
-            target,
-            hidden_size=d.hidden_size,
-            num_layers=d.num_layers,
-            intermediate_size=d.intermediate_size,
-            num_heads=d.num_heads,
-            num_kv_heads=d.num_kv_heads,
-            init_embeddings=d.init_embeddings,
-            seed=cfg.seed,
-        )
-    else:
-        model = drafter_from_pretrained(d.name, tokenizer)
-    return model.float()  # master weights in fp32; accelerate's autocast handles bf16/fp16
-
-
 def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
     run = start(cfg)
-    accelerator, device, say = run.accelerator, run.device, run.say
-    if cfg.responses.source != "drafter":
-        launch = check_launch(accelerator, "distill", ("zero1", "zero2", "zero3", "fsdp"))
-    else:
-        why = "on-policy responses (responses.source=drafter) generate with the drafter, which ZeRO-3 and FSDP split"
-        launch = check_launch(accelerator, "distill", ("zero1", "zero2"), why)
+    data = conversations(cfg, run)
+    accelerator, T, r = run.accelerator, cfg.trainer, cfg.responses
+    on_policy = r.source == "drafter"
+    launch = check_distill_launch(run, on_policy)
     target = load_target(cfg, run)
-    with whole(accelerator):
-        drafter = build_drafter(cfg, target, run.tokenizer)
-    if drafter.config.vocab_size != target.config.vocab_size:
-        raise SpecdecError(
-            f"the drafter's vocabulary ({drafter.config.vocab_size}) differs from the target's "
-            f"({target.config.vocab_size}): they must share the tokenizer"
-        )
-    # Responses: the data's own, the target's (cached on disk), or the drafter's (refreshed in the loop).
-    r = cfg.responses
-    examples, prompts = training_examples(cfg, run, target)
-
-    vocab_ids = None
-    if cfg.drafter.draft_vocab_size:
-        counted = [e.ids for e in examples] if examples else prompts
-        vocab_ids = draft_vocab(counted, cfg.drafter.draft_vocab_size, target.config.vocab_size, always=run.stop_ids)
-        use_draft_vocab(drafter, vocab_ids)
-        say(f"draft vocabulary: {len(vocab_ids)} of {target.config.vocab_size} tokens")
-        response_tokens = torch.tensor([t for e in examples for t, m in zip(e.ids, e.loss_mask) if m])
-        if len(response_tokens):
-            say(f"  covering {torch.isin(response_tokens, vocab_ids).float().mean().item():.1%} of the response tokens")
-    if cfg.drafter.freeze_embeddings:
-        drafter.get_input_embeddings().requires_grad_(False)
-    vocab_dev = vocab_ids.to(device) if vocab_ids is not None else None
-
+    drafter = build_drafter(cfg, run, target)
+    examples, prompts = training_examples(cfg, run, target, data)  # on-policy: none yet (the loop makes them)
+    vocab_ids = draft_vocabulary(cfg, run, drafter, target, examples, prompts)
     optimizer, scheduler = make_optimizer_from(cfg, [p for p in drafter.parameters() if p.requires_grad])
     student, optimizer, scheduler = accelerator.prepare(SelectedLogits(drafter), optimizer, scheduler)
-    teacher = SelectedLogits(target)
+    loss = Distillation(SelectedLogits(target), student, vocab_ids, cfg.loss, run)
     tracker = make_tracker(cfg, run, "distill")
     start_step, extra = resume(cfg, run)
-    if r.source == "drafter" and "ids" in extra:
-        examples = _unpack(extra)
-
-    def refresh_on_policy(step: int) -> list[Example] | None:
-        if r.source != "drafter" or (step % r.refresh_every and examples):
-            return None
-        model = accelerator.unwrap_model(student).model
-        model.eval()
-        with accelerator.autocast():
-            responses = generate_responses(model, prompts, seed=cfg.seed + step, **generation_kwargs(cfg, run))
-        model.train()
-        examples[:] = with_responses(prompts, responses, cfg.trainer.max_seq_len)
-        return examples
+    if on_policy and "ids" in extra:
+        examples = unpack(extra)
+    validation = Validation(cfg, run, data, target, student, vocab_ids, tracker)
 
     # ---------------------------------------------------------------- loop
-    L = cfg.loss
-
-    def loss_fn(mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-        batch = {k: v.to(device) for k, v in collate(mb, run.pad_id).items()}
-        ids, attn, tmask = batch["input_ids"], batch["attention_mask"], batch["target_mask"]
-        select = torch.nn.functional.pad(tmask, (0, 1)).flatten().nonzero().squeeze(1)  # [N] positions predicting
-        with torch.no_grad(), accelerator.autocast():
-            t_logits = teacher(ids, attn, select).float()  # [N, V]
-        s_logits = student(ids, attn, select).float()  # [N, V'] (V' = draft vocabulary)
-        t_draft = t_logits if vocab_dev is None else t_logits[:, vocab_dev]
-        teach = losses.Teacher.top_k(t_draft, L.top_k) if L.top_k else losses.Teacher.dense(t_draft)
-        per_token = losses.divergence(L.kind, s_logits, teach, beta=L.beta, temperature=L.temperature)  # [N]
-        with torch.no_grad():  # acceptance estimates against the full, untempered teacher
-            q = s_logits.softmax(-1)
-            if vocab_dev is not None:
-                q = torch.zeros_like(t_logits).index_copy_(1, vocab_dev, q)
-            tvd = 0.5 * (t_logits.softmax(-1) - q).abs().sum(-1)
-            top1 = (q.argmax(-1) == t_logits.argmax(-1)).float()
-        return per_token.sum(), len(select), {"tvd": tvd.sum(), "top1_agree": top1.sum()}
-
-    runtime: list[Decoder] = []  # the target as a runtime Decoder, built at the first validation
-
-    def trained() -> Any:
-        """The drafter, whole, on rank 0 (None elsewhere). Under ZeRO-3 and FSDP every process
-        takes part in gathering it into a fresh copy."""
-        model = accelerator.unwrap_model(student).model
-        if not sharded(accelerator):
-            return model
-        sd = gathered_state_dict(accelerator, student)
-        if not run.main:
-            return None
-        with whole(accelerator):
-            copy = type(model)(model.config)
-        if vocab_ids is not None:
-            use_draft_vocab(copy, vocab_ids)
-        copy.load_state_dict({k.removeprefix("model."): v for k, v in sd.items()}, strict=False)
-        copy.tie_weights()
-        return copy.float().to(device).eval()
-
-    def validate_now(step: int) -> dict[str, Any]:
-        """Validation on the runtime (rank 0; the other processes wait)."""
-        metrics: dict[str, Any] = {}
-        model = trained() if cfg.validate.enabled else None
-        if cfg.validate.enabled and run.main:
-            dtype = resolve_dtype("auto", device)
-            runtime[:] = runtime or [runtime_decoder(target, None, device, dtype)]
-            decoder = runtime_decoder(model, vocab_ids, device, dtype)
-            metrics = validate(
-                runtime[0],
-                ModelDrafter(decoder, vocab_size=target.config.vocab_size, name="distilled"),
-                run.val_prompts,
-                [c.category for c in run.val_convs],
-                stop_ids=run.stop_ids,
-                gamma=cfg.validate.gamma,
-                max_new_tokens=cfg.validate.max_new_tokens,
-            )
-            metrics["device"] = str(device)
-            tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}, step)
-        accelerator.wait_for_everyone()
-        return metrics
-
-    stats, history = train_loop(
-        cfg,
-        run,
-        tracker,
-        model=student,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        loss_fn=loss_fn,
-        examples=examples,
-        start_step=start_step,
-        desc="distill",
-        save=save_checkpoint,
-        refresh=refresh_on_policy,
-        extra_state=lambda: _pack(examples) if r.source == "drafter" else None,
-        postprocess=lambda s: s.update(acceptance_est=1 - s["tvd"]),
-        postfix=("loss", "acceptance_est"),
-        validate=validate_now,
-    )
+    progress = make_progress(cfg, run, tracker, start_step, "distill", postfix=("loss", "acceptance_est"))
+    batches, stats, history = None, {}, []
+    for step in range(start_step, T.max_steps):
+        if on_policy and (step % r.refresh_every == 0 or not examples):  # the drafter's own samples
+            examples, batches = drafter_responses(cfg, run, student, prompts, step), None
+        batches = batches or make_batches(cfg, run, examples)
+        stats = optimizer_step(accelerator, student, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
+        stats["acceptance_est"] = 1 - stats["tvd"]
+        done = step + 1
+        progress.update(done, stats, epoch=batches.epoch(done))
+        if every(T.checkpoint_every, done, T.max_steps):
+            tensors = pack(examples) if on_policy else None
+            save_checkpoint(accelerator, run.checkpoints, step=done, state={"loss": stats["loss"]}, tensors=tensors,
+                            keep=T.keep_checkpoints)  # fmt: skip
+        if validation_due(cfg, done):
+            history.append({"step": done, **validation(done)})
+    progress.close()
 
     # ---------------------------------------------------------------- validate
-    final = cfg.trainer.max_steps
-    metrics = validate_now(final)
-    result = {"validation": metrics, "train": stats, "history": history, "step": final}
+    metrics = validation(T.max_steps)
+    result = {"validation": metrics, "train": stats, "history": history, "step": T.max_steps}
 
     # ---------------------------------------------------------------- export
-    model = trained()
+    model = validation.trained()
     if run.main:
-        d = model.config
-        card = Card(
-            target=cfg.model.name,
-            recipe="distill",
-            data=cfg.data.train,
-            setup={
-                "drafter": f"{cfg.drafter.source}: {d.num_hidden_layers} layers, hidden {d.hidden_size}",
-                "draft vocabulary": len(vocab_ids) if vocab_ids is not None else "full",
-                "loss": _loss_name(L),
-                "responses": r.source,
-                "examples": len(examples),
-                "steps": final,
-                "global batch": cfg.trainer.micro_batch * cfg.trainer.grad_accum * accelerator.num_processes,
-                "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
-                "processes": f"{accelerator.num_processes} ({launch})",
-            },
-            metrics=metrics,
-            title=f"Distilled drafter for {cfg.model.name}",
-            tags=["distillspec", "draft-model"],
-            base_model=cfg.model.name if "/" in cfg.model.name else None,
-            hub_id=cfg.hub.repo_id,
-        )
-        export = export_standalone(
-            model,
-            run.tokenizer,
-            run.out / "export",
-            card,
-            vocab_ids=vocab_ids,
-            generation_config=run.gen_cfg,
-            gamma=cfg.validate.gamma,
-        )
+        export = write_export(cfg, run, model, vocab_ids, metrics, len(examples), launch)
         cmd = f"specdec generate --target {cfg.model.name} --drafter {export} --gamma {cfg.validate.gamma} --baseline"
         finish(cfg, run, result, export, cmd, tracker, "distill")
     tracker.finish()
@@ -278,7 +134,205 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-def _pack(examples: list[Example]) -> dict[str, torch.Tensor]:
+def check_distill_launch(run: Run, on_policy: bool) -> str:
+    """The launcher kind, refused (before any model loads) where distillation does not fit it."""
+    if not on_policy:
+        return check_launch(run.accelerator, "distill", ("zero1", "zero2", "zero3", "fsdp"))
+    why = "on-policy responses (responses.source=drafter) generate with the drafter, which ZeRO-3 and FSDP split"
+    return check_launch(run.accelerator, "distill", ("zero1", "zero2"), why)
+
+
+def build_drafter(cfg: DictConfig, run: Run, target: Any) -> Any:
+    """The drafter to train (drafter.source), in fp32 master weights (autocast does bf16/fp16)."""
+    d = cfg.drafter
+    with whole(run.accelerator):
+        if d.source == "target_layers":
+            model = drafter_from_target_layers(target, d.num_layers)
+        elif d.source == "config":
+            model = drafter_from_config(
+                target,
+                hidden_size=d.hidden_size,
+                num_layers=d.num_layers,
+                intermediate_size=d.intermediate_size,
+                num_heads=d.num_heads,
+                num_kv_heads=d.num_kv_heads,
+                init_embeddings=d.init_embeddings,
+                seed=cfg.seed,
+            )
+        else:
+            model = drafter_from_pretrained(d.name, run.tokenizer)
+    if model.config.vocab_size != target.config.vocab_size:
+        raise SpecdecError(
+            f"the drafter's vocabulary ({model.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}): they must share the tokenizer"
+        )
+    if d.freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+    return model.float()
+
+
+def draft_vocabulary(
+    cfg: DictConfig, run: Run, drafter: Any, target: Any, examples: list[Example], prompts: list[list[int]]
+) -> torch.Tensor | None:
+    """drafter.draft_vocab_size > 0: the most frequent tokens of the data (responses, else prompts),
+    and the drafter's lm_head cut to them; None for the full vocabulary."""
+    size = cfg.drafter.draft_vocab_size
+    if not size:
+        return None
+    counted = [e.ids for e in examples] if examples else prompts
+    vocab_ids = draft_vocab(counted, size, target.config.vocab_size, always=run.stop_ids)
+    use_draft_vocab(drafter, vocab_ids)
+    run.say(f"draft vocabulary: {len(vocab_ids)} of {target.config.vocab_size} tokens")
+    response_tokens = torch.tensor([t for e in examples for t, m in zip(e.ids, e.loss_mask) if m])
+    if len(response_tokens):
+        run.say(f"  covering {torch.isin(response_tokens, vocab_ids).float().mean().item():.1%} of the response tokens")
+    return vocab_ids
+
+
+class Distillation:
+    """The loop's loss_fn: the divergence between the drafter's and the target's next-token
+    distributions at the response positions of a micro-batch (train.losses), with the acceptance
+    estimates 1 - TVD and top-1 agreement against the full, untempered teacher."""
+
+    def __init__(self, teacher: SelectedLogits, student: Any, vocab_ids: torch.Tensor | None, L: DictConfig, run: Run):
+        self.teacher, self.student, self.L, self.run = teacher, student, L, run
+        self.vocab = vocab_ids.to(run.device) if vocab_ids is not None else None
+
+    def __call__(self, mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        L, acc = self.L, self.run.accelerator
+        batch = {k: v.to(self.run.device) for k, v in collate(mb, self.run.pad_id).items()}
+        ids, attn, tmask = batch["input_ids"], batch["attention_mask"], batch["target_mask"]
+        select = torch.nn.functional.pad(tmask, (0, 1)).flatten().nonzero().squeeze(1)  # [N] positions predicting
+        with torch.no_grad(), acc.autocast():
+            t_logits = self.teacher(ids, attn, select).float()  # [N, V]
+        s_logits = self.student(ids, attn, select).float()  # [N, V'] (V' = draft vocabulary)
+        t_draft = t_logits if self.vocab is None else t_logits[:, self.vocab]
+        teach = losses.Teacher.top_k(t_draft, L.top_k) if L.top_k else losses.Teacher.dense(t_draft)
+        per_token = losses.divergence(L.kind, s_logits, teach, beta=L.beta, temperature=L.temperature)  # [N]
+        with torch.no_grad():  # acceptance estimates against the full, untempered teacher
+            q = s_logits.softmax(-1)
+            if self.vocab is not None:
+                q = torch.zeros_like(t_logits).index_copy_(1, self.vocab, q)
+            tvd = 0.5 * (t_logits.softmax(-1) - q).abs().sum(-1)
+            top1 = (q.argmax(-1) == t_logits.argmax(-1)).float()
+        return per_token.sum(), len(select), {"tvd": tvd.sum(), "top1_agree": top1.sum()}
+
+
+def drafter_responses(cfg: DictConfig, run: Run, student: Any, prompts: list[list[int]], step: int) -> list[Example]:
+    """On-policy data (DistillSpec): the drafter's own samples for the prompts, scored by the target."""
+    acc = run.accelerator
+    model = acc.unwrap_model(student).model
+    model.eval()
+    with acc.autocast():
+        responses = generate_responses(model, prompts, seed=cfg.seed + step, **generation_kwargs(cfg, run))
+    model.train()
+    return with_responses(prompts, responses, cfg.trainer.max_seq_len)
+
+
+class Validation:
+    """The drafter on specdec_runtime against the target (rank 0; the other processes wait):
+    tau, speedup, losslessness, logged as val/*."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run: Run,
+        data: Conversations,
+        target: Any,
+        student: Any,
+        vocab_ids: torch.Tensor | None,
+        tracker: Any,
+    ):
+        self.cfg, self.run, self.data, self.target, self.student = cfg, run, data, target, student
+        self.vocab_ids, self.tracker = vocab_ids, tracker
+        self.runtime: Decoder | None = None  # the target as a runtime Decoder, built at the first validation
+
+    def trained(self) -> Any:
+        """The drafter, whole, on rank 0 (None elsewhere). Under ZeRO-3 and FSDP every process
+        takes part in gathering it into a fresh copy."""
+        acc, run = self.run.accelerator, self.run
+        model = acc.unwrap_model(self.student).model
+        if not sharded(acc):
+            return model
+        sd = gathered_state_dict(acc, self.student)
+        if not run.main:
+            return None
+        with whole(acc):
+            copy = type(model)(model.config)
+        if self.vocab_ids is not None:
+            use_draft_vocab(copy, self.vocab_ids)
+        copy.load_state_dict({k.removeprefix("model."): v for k, v in sd.items()}, strict=False)
+        copy.tie_weights()
+        return copy.float().to(run.device).eval()
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        cfg, run = self.cfg, self.run
+        metrics: dict[str, Any] = {}
+        model = self.trained() if cfg.validate.enabled else None
+        if cfg.validate.enabled and run.main:
+            dtype = resolve_dtype("auto", run.device)
+            self.runtime = self.runtime or runtime_decoder(self.target, None, run.device, dtype)
+            decoder = runtime_decoder(model, self.vocab_ids, run.device, dtype)
+            metrics = validate(
+                self.runtime,
+                ModelDrafter(decoder, vocab_size=self.target.config.vocab_size, name="distilled"),
+                self.data.val_prompts,
+                self.data.val_categories,
+                stop_ids=run.stop_ids,
+                gamma=cfg.validate.gamma,
+                max_new_tokens=cfg.validate.max_new_tokens,
+            )
+            metrics["device"] = str(run.device)
+            self.tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}, step)
+        run.accelerator.wait_for_everyone()
+        return metrics
+
+
+def write_export(
+    cfg: DictConfig,
+    run: Run,
+    model: Any,
+    vocab_ids: torch.Tensor | None,
+    metrics: dict[str, Any],
+    n_examples: int,
+    launch: str,
+) -> Any:
+    """export/: a plain HF folder (+ draft_vocab.safetensors) with a model card."""
+    d, acc = model.config, run.accelerator
+    card = Card(
+        target=cfg.model.name,
+        recipe="distill",
+        data=cfg.data.train,
+        setup={
+            "drafter": f"{cfg.drafter.source}: {d.num_hidden_layers} layers, hidden {d.hidden_size}",
+            "draft vocabulary": len(vocab_ids) if vocab_ids is not None else "full",
+            "loss": _loss_name(cfg.loss),
+            "responses": cfg.responses.source,
+            "examples": n_examples,
+            "steps": cfg.trainer.max_steps,
+            "global batch": cfg.trainer.micro_batch * cfg.trainer.grad_accum * acc.num_processes,
+            "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
+            "processes": f"{acc.num_processes} ({launch})",
+        },
+        metrics=metrics,
+        title=f"Distilled drafter for {cfg.model.name}",
+        tags=["distillspec", "draft-model"],
+        base_model=cfg.model.name if "/" in cfg.model.name else None,
+        hub_id=cfg.hub.repo_id,
+    )
+    return export_standalone(
+        model,
+        run.tokenizer,
+        run.out / "export",
+        card,
+        vocab_ids=vocab_ids,
+        generation_config=run.gen_cfg,
+        gamma=cfg.validate.gamma,
+    )
+
+
+def pack(examples: list[Example]) -> dict[str, torch.Tensor]:
+    """On-policy examples as checkpoint tensors (the data a resumed run continues with)."""
     return {
         "ids": torch.tensor([t for e in examples for t in e.ids]),
         "mask": torch.tensor([m for e in examples for m in e.loss_mask]),
@@ -286,7 +340,7 @@ def _pack(examples: list[Example]) -> dict[str, torch.Tensor]:
     }
 
 
-def _unpack(t: dict[str, torch.Tensor]) -> list[Example]:
+def unpack(t: dict[str, torch.Tensor]) -> list[Example]:
     ids, mask = t["ids"].split(t["lengths"].tolist()), t["mask"].split(t["lengths"].tolist())
     return [Example(i.tolist(), m.tolist()) for i, m in zip(ids, mask)]
 

@@ -24,12 +24,12 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.common import Run, finish, make_tracker, open_run, refuse, run_or_exit, spread
+from recipes.common import Run, check_tracking, finish, make_tracker, refuse, run_or_exit, start
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter
-from specdec_runtime.loading import load_hf_config, load_model, resolve_model
-from train.data import load_conversations, prompt_ids
+from specdec_runtime.loading import LoadedModel, load_hf_config, load_model, resolve_model
+from train.data import prompts_of
 from train.export import Card, export_skipset
 from train.layerskip import (
     COST_MODELS,
@@ -47,7 +47,6 @@ from train.layerskip import (
     plot_traces,
     search,
 )
-from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
 from train.validate import validate
 
@@ -55,9 +54,7 @@ from train.validate import validate
 def check_config(cfg: DictConfig) -> list[str]:
     """Problems with the settings that need no model."""
     s, c, d, v = cfg.search, cfg.calibration, cfg.draft, cfg.validate
-    problems = []
-    if cfg.tracking.kind not in TRACKING_KINDS:
-        problems.append(f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb")
+    problems = check_tracking(cfg)
     if s.sampler not in SAMPLERS:
         problems.append(f"search.sampler='{s.sampler}': use gp (Bayesian optimization) or random")
     if s.objective not in OBJECTIVES:
@@ -96,15 +93,6 @@ def study_meta(cfg: DictConfig, space: SearchSpace, sampler: str) -> dict[str, A
         "draft": OmegaConf.to_container(cfg.draft, resolve=True),
         "calibration": OmegaConf.to_container(cfg.calibration, resolve=True) | {"data": cfg.data.train},
     }
-
-
-def prompts_of(
-    tokenizer: Any, source: str, n: int, split: str = "train", column: str | None = None
-) -> tuple[list[list[int]], list[Any]]:
-    """Token ids (chat template and generation prompt applied) and categories of n prompts from a
-    data source, spread over its categories (all when n is 0)."""
-    convs = spread(load_conversations(source, split=split, column=column), n)
-    return [prompt_ids(tokenizer, c) for c in convs], [c.category for c in convs]
 
 
 def cost_model(cfg: DictConfig, study: Any, target: Any) -> CostModel | None:
@@ -172,22 +160,62 @@ def write_trials(path: Path, studies: dict[str, Any]) -> None:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
+    # ---------------------------------------------------------------- setup
     refuse(check_config(cfg))
-    path = resolve_model(cfg.model.name)  # a clear error for unknown names, before anything else
-    dcfg = DecoderConfig.from_hf(load_hf_config(path))
+    dcfg = DecoderConfig.from_hf(load_hf_config(resolve_model(cfg.model.name)))  # clear errors, no weights
     space = search_space(cfg, dcfg.num_layers)
     refuse(space.problems())
-    accelerator, out = open_run(cfg)
-    if accelerator.num_processes > 1:
+    run = start(cfg)
+    if run.accelerator.num_processes > 1:
         raise SpecdecError(
             "recipes.layerskip runs as one process: start it once per machine or GPU (python -m recipes.layerskip "
             "device=cuda:N) with the same search.storage URL, and the workers share one study"
         )
-    storage = cfg.search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    studies = open_studies(cfg, run, space)  # before the model loads: a bad storage or setting fails now
+    logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
+    target = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.dtype)
+    run.say(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")
+    tracker = make_tracker(cfg, run, "layerskip")
+    cal = calibration(cfg, run, target)
+
+    # ---------------------------------------------------------------- search
+    for sampler, study in studies.items():
+        prefix = "search" if sampler == cfg.search.sampler else sampler
+        run_study(cfg, study, sampler, evaluator(cfg, study, target, cal), space, tracker, prefix, logged)
+    write_trials(run.out / "trials.jsonl", studies)
+    plot_traces(
+        {s: [[t.value for t in finished(st)]] for s, st in studies.items()},
+        run.out / "search_trace.png",
+        ylabel="speedup over autoregressive" if cfg.search.objective == "speedup" else "estimated speedup (proxy)",
+        title=f"layer-skip search on {cfg.model.name} ({cfg.search.objective})",
+    )
+    skipset, summary = best_skipset(cfg, run, studies, space, dcfg)
+    result: dict[str, Any] = {"search": summary, "calibration_ar_tokens_per_s": cal.ar_tokens_per_s}
+
+    # ---------------------------------------------------------------- validate
+    if cfg.validate.enabled:
+        result["validation"] = validate_skipset(cfg, run, target, skipset)
+        numbers = {f"val/{k}": v for k, v in result["validation"].items() if isinstance(v, (int, float))}
+        tracker.log(numbers, logged() + 1)
+
+    # ---------------------------------------------------------------- export
+    skipset.save(run.out / "skipset.json")
+    result["best"] = skipset.to_dict()
+    export = write_export(cfg, run.out, skipset, result.get("validation"))
+    command = f"specdec generate --target {cfg.model.name} --drafter {run.out / 'skipset.json'} --baseline"
+    finish(cfg, run, result, export, command, tracker, "layerskip")
+    tracker.finish()
+    return result
+
+
+def open_studies(cfg: DictConfig, run: Run, space: SearchSpace) -> dict[str, Any]:
+    """The study of search.sampler (+ a random-search baseline with the same budget when asked),
+    opened or resumed in search.storage (default: the run folder's study.db)."""
+    storage = cfg.search.storage or f"sqlite:///{(run.out / 'study.db').resolve()}"
     samplers = [cfg.search.sampler]
     if cfg.search.random_baseline and cfg.search.sampler != "random":
         samplers.append("random")
-    studies = {  # opened (or resumed) before the model loads: a bad storage or setting fails now
+    return {
         sampler: open_study(
             storage,
             cfg.search.study_name + ("" if sampler == cfg.search.sampler else f"-{sampler}"),
@@ -198,46 +226,38 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
         for sampler in samplers
     }
-    logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
-    target = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.dtype)
-    tok = target.tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    run = Run(accelerator, out, path, tok, pad_id, None, target.stop_ids)
-    run.say(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")
-    cal_prompts, _ = prompts_of(tok, cfg.data.train, cfg.calibration.num_prompts, cfg.data.split, cfg.data.column)
-    run.say(f"calibration: {len(cal_prompts)} prompts from {cfg.data.train}, {cfg.calibration.max_new_tokens} tokens")
-    tracker = make_tracker(cfg, run, "layerskip")
-    cal: Calibration = calibrate(
-        target.model, cal_prompts, max_new_tokens=cfg.calibration.max_new_tokens, stop_ids=target.stop_ids
-    )
+
+
+def calibration(cfg: DictConfig, run: Run, target: LoadedModel) -> Calibration:
+    """The target's greedy outputs and autoregressive speed on the calibration prompts."""
+    c, d = cfg.calibration, cfg.data
+    prompts, _ = prompts_of(target.tokenizer, d.train, c.num_prompts, d.split, d.column)
+    run.say(f"calibration: {len(prompts)} prompts from {d.train}, {c.max_new_tokens} tokens")
+    cal = calibrate(target.model, prompts, max_new_tokens=c.max_new_tokens, stop_ids=target.stop_ids)
     run.say(f"autoregressive on the calibration prompts: {cal.ar_tokens_per_s:.1f} tokens/s ({cal.tokens} tokens)")
+    return cal
+
+
+def evaluator(cfg: DictConfig, study: Any, target: LoadedModel, cal: Calibration) -> Evaluator:
+    """How the study scores a skip set (measured speedup, or the proxy with the study's cost model)."""
     d = cfg.draft
-    exit_settings = ExitSettings(float(d.threshold), bool(d.adaptive), float(d.target_acceptance))
-
-    def make_evaluator(study: Any) -> Evaluator:
-        return Evaluator(
-            target.model,
-            cal,
-            objective=cfg.search.objective,
-            gamma=d.gamma,
-            exit_settings=exit_settings,
-            cost=cost_model(cfg, study, target),
-            max_new_tokens=cfg.calibration.max_new_tokens,
-            stop_ids=target.stop_ids,
-            baseline_every=cfg.search.baseline_every,
-        )
-
-    for sampler, study in studies.items():
-        prefix = "search" if sampler == cfg.search.sampler else sampler
-        run_study(cfg, study, sampler, make_evaluator(study), space, tracker, prefix, logged)
-    write_trials(out / "trials.jsonl", studies)
-    ylabel = "speedup over autoregressive" if cfg.search.objective == "speedup" else "estimated speedup (proxy)"
-    plot_traces(
-        {s: [[t.value for t in finished(st)]] for s, st in studies.items()},
-        out / "search_trace.png",
-        ylabel=ylabel,
-        title=f"layer-skip search on {cfg.model.name} ({cfg.search.objective})",
+    return Evaluator(
+        target.model,
+        cal,
+        objective=cfg.search.objective,
+        gamma=d.gamma,
+        exit_settings=ExitSettings(float(d.threshold), bool(d.adaptive), float(d.target_acceptance)),
+        cost=cost_model(cfg, study, target),
+        max_new_tokens=cfg.calibration.max_new_tokens,
+        stop_ids=target.stop_ids,
+        baseline_every=cfg.search.baseline_every,
     )
+
+
+def best_skipset(
+    cfg: DictConfig, run: Run, studies: dict[str, Any], space: SearchSpace, dcfg: DecoderConfig
+) -> tuple[SkipSet, dict[str, Any]]:
+    """The best trial of the main study as a SkipSet, and each study's best value and trial count."""
     study = studies[cfg.search.sampler]
     best = best_trial(study)
     if best is None:
@@ -253,7 +273,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         num_layers=dcfg.num_layers,
         target=cfg.model.name,
         hidden_size=dcfg.hidden_size,
-        draft=OmegaConf.to_container(d, resolve=True),
+        draft=OmegaConf.to_container(cfg.draft, resolve=True),
         search={
             "sampler": cfg.search.sampler,
             "objective": cfg.search.objective,
@@ -263,36 +283,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "calibration_tau": best.user_attrs.get("tau"),
         },
     )
-    result: dict[str, Any] = {"search": summary, "calibration_ar_tokens_per_s": cal.ar_tokens_per_s}
-    if cfg.validate.enabled:
-        val_prompts, cats = prompts_of(tok, cfg.data.val, cfg.validate.num_prompts, cfg.data.split, cfg.data.column)
-        metrics = validate(
-            target.model,
-            skip_drafter(target, skipset),
-            val_prompts,
-            cats,
-            stop_ids=target.stop_ids,
-            gamma=d.gamma,
-            max_new_tokens=cfg.validate.max_new_tokens,
+    return skipset, summary
+
+
+def validate_skipset(cfg: DictConfig, run: Run, target: LoadedModel, skipset: SkipSet) -> dict[str, Any]:
+    """The set on held-out prompts (tau, speedup, losslessness); records tau and speedup in it."""
+    d = cfg.data
+    prompts, cats = prompts_of(target.tokenizer, d.val, cfg.validate.num_prompts, d.split, d.column)
+    metrics = validate(
+        target.model,
+        skip_drafter(target, skipset),
+        prompts,
+        cats,
+        stop_ids=target.stop_ids,
+        gamma=cfg.draft.gamma,
+        max_new_tokens=cfg.validate.max_new_tokens,
+    )
+    metrics["device"] = str(target.model.device)
+    skipset.tau, skipset.speedup = metrics["tau"], metrics["speedup"]
+    if metrics["speedup"] < 1:
+        run.say(
+            f"note: the best set is slower than autoregressive decoding here ({metrics['speedup']:.2f}x, tau "
+            f"{metrics['tau']:.2f}). Self-speculation pays only when a draft token is accepted more often than "
+            "its draft step plus its share of verification cost, relative to one decode step: skipping more "
+            "makes drafts cheaper but rarer to accept (see trials.jsonl: tau and acceptance per trial)."
         )
-        metrics["device"] = str(target.model.device)
-        skipset.tau, skipset.speedup = metrics["tau"], metrics["speedup"]
-        if metrics["speedup"] < 1:
-            run.say(
-                f"note: the best set is slower than autoregressive decoding here ({metrics['speedup']:.2f}x, tau "
-                f"{metrics['tau']:.2f}). Self-speculation pays only when a draft token is accepted more often than "
-                "its draft step plus its share of verification cost, relative to one decode step: skipping more "
-                "makes drafts cheaper but rarer to accept (see trials.jsonl: tau and acceptance per trial)."
-            )
-        result["validation"] = metrics
-        tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, logged() + 1)
-    skipset.save(out / "skipset.json")
-    result["best"] = skipset.to_dict()
-    export = write_export(cfg, out, skipset, result.get("validation"))
-    command = f"specdec generate --target {cfg.model.name} --drafter {out / 'skipset.json'} --baseline"
-    finish(cfg, run, result, export, command, tracker, "layerskip")
-    tracker.finish()
-    return result
+    return metrics
 
 
 def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str, Any] | None) -> Path:

@@ -23,20 +23,22 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from recipes.common import (
-    check_common,
-    check_launch,
+    Conversations,
+    Run,
+    check_conversations,
+    conversations,
     finish,
     load_target,
+    make_batches,
     make_optimizer_from,
+    make_progress,
     make_tracker,
     refuse,
     resume,
     run_or_exit,
     start,
     target_responses,
-    train_loop,
     training_examples,
-    with_responses,
 )
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import cache_root, resolve_dtype
@@ -45,8 +47,10 @@ from specdec_runtime.medusa import MedusaDrafter, MedusaHeads
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
-from train.data import Example, collate, prompt_ids
+from train.data import Example, collate, prompt_ids, with_responses
 from train.export import Card, export_medusa
+from train.launch import check_launch
+from train.loop import every, optimizer_step
 from train.medusa import (
     MedusaTraining,
     cache_hidden_states,
@@ -65,7 +69,7 @@ TARGET_TRAINING = ("lora", "full")
 def check_config(cfg: DictConfig) -> None:
     """Refuse bad values before anything is loaded."""
     m, m2, t = cfg.medusa, cfg.medusa2, cfg.tree
-    problems = check_common(cfg, ("target", "dataset"))
+    problems = check_conversations(cfg, ("target", "dataset"))
     if m.mode not in MODES:
         problems.append(f"medusa.mode='{m.mode}': use medusa1 (target frozen) or medusa2 (joint)")
     if m.num_heads < 1 or m.num_layers < 0:
@@ -122,9 +126,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
     run = start(cfg)
-    accelerator, device, say = run.accelerator, run.device, run.say
-    m, m2 = cfg.medusa, cfg.medusa2
-    joint = m.mode == "medusa2"
+    data = conversations(cfg, run)
+    accelerator, T, m = run.accelerator, cfg.trainer, cfg.medusa
     check_launch(
         accelerator,
         "medusa",
@@ -132,17 +135,74 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "the heads are small and the frozen target is not sharded (Medusa-1); the jointly trained target "
         "(Medusa-2) is not gathered for validation and export yet",
     )
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    if joint and dtype != torch.float32:  # trained weights stay fp32; trainer.mixed_precision runs bf16 math
-        say(f"medusa2 trains the target: loading it in float32 (not {dtype}); autocast does the rest")
-        dtype = torch.float32
-    target = load_target(cfg, run, dtype)
-    examples, _ = training_examples(cfg, run, target)
-    calib = calibration_examples(cfg, run, target, examples)  # the original target's responses
+    target = load_target(cfg, run, target_dtype(cfg, run))
+    examples, _ = training_examples(cfg, run, target, data)
+    calib = calibration_examples(cfg, run, data, target, examples)  # the original target's responses
+    model, groups = build_model(cfg, run, target)
+    if m.cache_hidden:  # Medusa-1: the frozen target runs once per example, not once per epoch
+        examples = hidden_states(cfg, run, target, examples)
+    optimizer, scheduler = make_optimizer_from(cfg, groups)
+    wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    loss = HeadsLoss(wrapped, run, m.cache_hidden)
+    tracker = make_tracker(cfg, run, "medusa")
+    start_step, _ = resume(cfg, run)
 
-    hidden, vocab = target.config.hidden_size, target.config.vocab_size
+    # ---------------------------------------------------------------- loop
+    postfix = ("loss", "head1/top1", f"head{m.num_heads}/top1")
+    progress = make_progress(cfg, run, tracker, start_step, m.mode, postfix)
+    batches, stats = make_batches(cfg, run, examples), {}
+    for step in range(start_step, T.max_steps):
+        stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
+        per_head_rates(stats, m.num_heads)
+        done = step + 1
+        progress.update(done, stats, epoch=batches.epoch(done))
+        if every(T.checkpoint_every, done, T.max_steps):
+            save_checkpoint(accelerator, run.checkpoints, step=done, state={"loss": stats["loss"]},
+                            keep=T.keep_checkpoints)  # fmt: skip
+    progress.close()
+
+    # ---------------------------------------------------------------- calibrate + validate
+    trained = accelerator.unwrap_model(wrapped).eval()
+    result: dict[str, Any] = {"train": stats, "history": [], "step": T.max_steps}
+    tree, served = None, None
+    if run.main:
+        served = adapted_target(trained) if trained.joint else target  # what tree decoding runs on (merged once)
+        tree, accuracy = calibrate_tree(cfg, run, trained, calib, result)
+        result["validation"] = (
+            validate_medusa(cfg, run, data, trained, tree, served, accuracy) if cfg.validate.enabled else {}
+        )
+        numbers = {f"val/{k}": v for k, v in result["validation"].items() if isinstance(v, int | float)}
+        if numbers:
+            tracker.log(numbers, T.max_steps)
+    accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------- export
+    if run.main:
+        export = write_export(cfg, run, trained, tree, served, result)
+        cmd = f"specdec generate --target {result.get('export_target', cfg.model.name)} --drafter {export} --baseline"
+        finish(cfg, run, result, export, cmd, tracker, "medusa")
+    tracker.finish()
+    accelerator.wait_for_everyone()
+    return result
+
+
+def target_dtype(cfg: DictConfig, run: Run) -> torch.dtype:
+    """model.dtype, except that a target Medusa-2 trains keeps fp32 weights (autocast does the math)."""
+    dtype = resolve_dtype(cfg.model.dtype, run.device)
+    if cfg.medusa.mode == "medusa2" and dtype != torch.float32:
+        run.say(f"medusa2 trains the target: loading it in float32 (not {dtype}); autocast does the rest")
+        return torch.float32
+    return dtype
+
+
+def build_model(cfg: DictConfig, run: Run, target: Any) -> tuple[MedusaTraining, list[dict[str, Any]]]:
+    """The heads (initialized from the target's lm_head) and, for Medusa-2, the target made
+    trainable (LoRA or full) as one module, with its optimizer parameter groups."""
+    m, m2 = cfg.medusa, cfg.medusa2
+    joint = m.mode == "medusa2"
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads(hidden, vocab, m.num_heads, m.num_layers, share_lm_head=m.share_lm_head)
+    heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, m.num_heads, m.num_layers,
+                        share_lm_head=m.share_lm_head)  # fmt: skip
     heads.init_lm_heads(target.get_output_embeddings().weight.float())
     groups = [{"params": list(heads.parameters()), "lr": cfg.optim.lr}]
     if joint:
@@ -153,8 +213,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         target.train()
         trained = [p for p in target.parameters() if p.requires_grad]
         groups.append({"params": trained, "lr": cfg.optim.lr * m2.target_lr_ratio, "frozen_steps": m2.warmup_steps})
-        say(f"medusa2: {sum(p.numel() for p in trained):,} target parameters train ({m2.target}), "
-            f"frozen for the first {m2.warmup_steps} steps")  # fmt: skip
+        run.say(f"medusa2: {sum(p.numel() for p in trained):,} target parameters train ({m2.target}), "
+                f"frozen for the first {m2.warmup_steps} steps")  # fmt: skip
     model = MedusaTraining(
         target,
         heads,
@@ -163,104 +223,76 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         target_weight=m2.target_weight if joint else 0.0,
         full_finetune=joint and m2.target == "full",
     )
-    say(f"{m.num_heads} Medusa heads, {m.num_layers} block(s) each, "
-        f"{sum(p.numel() for p in heads.parameters()):,} parameters"
-        f"{' (sharing the target lm_head)' if m.share_lm_head else ''}")  # fmt: skip
+    run.say(f"{m.num_heads} Medusa heads, {m.num_layers} block(s) each, "
+            f"{sum(p.numel() for p in heads.parameters()):,} parameters"
+            f"{' (sharing the target lm_head)' if m.share_lm_head else ''}")  # fmt: skip
+    return model, groups
 
-    if m.cache_hidden:  # Medusa-1: the frozen target runs once per example, not once per epoch
-        key = hidden_cache_key(run.target_path, examples, target.dtype)
-        root = Path(cfg.responses.cache_dir).expanduser() if cfg.responses.cache_dir else cache_root()
-        folder = root / "hidden" / key
-        say(f"hidden-state cache: {folder}")
-        examples = cache_hidden_states(
-            target,
-            examples,
-            folder,
-            pad_id=run.pad_id,
-            batch_size=cfg.trainer.micro_batch,
-            rank=accelerator.process_index,
-            world=accelerator.num_processes,
-            barrier=accelerator.wait_for_everyone,
-            progress=lambda n: tqdm(total=n, desc="hidden states", unit="example", disable=not run.main),
-        )
 
-    optimizer, scheduler = make_optimizer_from(cfg, groups)
-    wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    tracker = make_tracker(cfg, run, "medusa")
-    start_step, _ = resume(cfg, run)
-
-    # ---------------------------------------------------------------- loop
-    def loss_fn(mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-        batch = {k: v.to(device) for k, v in collate(mb, run.pad_id).items()}
-        cached = padded_hidden(mb, device) if m.cache_hidden else None
-        with accelerator.autocast():
-            return wrapped(batch["input_ids"], batch["attention_mask"], batch["target_mask"], cached)
-
-    stats, history = train_loop(
-        cfg,
-        run,
-        tracker,
-        model=wrapped,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        loss_fn=loss_fn,
-        examples=examples,
-        start_step=start_step,
-        desc=m.mode,
-        save=save_checkpoint,
-        postprocess=lambda s: per_head_rates(s, m.num_heads),
-        postfix=("loss", "head1/top1", f"head{m.num_heads}/top1"),
+def hidden_states(cfg: DictConfig, run: Run, target: Any, examples: list[Example]) -> list[Example]:
+    """The examples with the frozen target's hidden states attached, computed once into
+    $SPECDEC_CACHE/hidden/<key> (keyed by target, examples and dtype)."""
+    key = hidden_cache_key(run.target_path, examples, target.dtype)
+    root = Path(cfg.responses.cache_dir).expanduser() if cfg.responses.cache_dir else cache_root()
+    folder = root / "hidden" / key
+    run.say(f"hidden-state cache: {folder}")
+    acc = run.accelerator
+    return cache_hidden_states(
+        target,
+        examples,
+        folder,
+        pad_id=run.pad_id,
+        batch_size=cfg.trainer.micro_batch,
+        rank=acc.process_index,
+        world=acc.num_processes,
+        barrier=acc.wait_for_everyone,
+        progress=lambda n: tqdm(total=n, desc="hidden states", unit="example", disable=not run.main),
     )
 
-    # ---------------------------------------------------------------- calibrate + validate
-    trained_model = accelerator.unwrap_model(wrapped)
-    trained_model.eval()
-    result: dict[str, Any] = {"train": stats, "history": history, "step": cfg.trainer.max_steps}
-    metrics: dict[str, Any] = {}
-    tree, served = None, None
-    if run.main:
-        served = adapted_target(trained_model) if joint else target  # what tree decoding runs on (merged once)
-        with accelerator.autocast():
-            acc = head_accuracies(trained_model, calib, pad_id=run.pad_id, top_k=cfg.tree.top_k)
-        tree = (
-            Tree.from_paths(cfg.tree.paths)
-            if cfg.tree.paths is not None
-            else Tree.from_accuracies(acc, cfg.tree.budget)
-        )
-        calibration = {
-            "accuracy": acc.tolist(),
-            "paths": [list(p) for p in tree.paths],
-            "nodes": len(tree),
-            "expected_tau": Tree.expected_tau(tree.paths, acc),
-            "examples": len(calib),
-        }
-        result["calibration"] = calibration
-        say("per-head accuracy (top-1 / top-5) on held-out responses: " + ", ".join(
-            f"head {k + 1} {acc[k, 0]:.2f}/{acc[k, :5].sum():.2f}" for k in range(m.num_heads)))  # fmt: skip
-        say(f"tree: {len(tree)} nodes, depth {tree.depth}, expected tau {calibration['expected_tau']:.2f}")
-        if cfg.validate.enabled:
-            metrics = validate_medusa(cfg, run, trained_model, tree, served)
-            metrics.update(nodes=len(tree), head_top1=acc[:, 0].tolist(), head_top5=acc[:, :5].sum(1).tolist())
-            tracker.log(
-                {f"val/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}, cfg.trainer.max_steps
-            )
-        result["validation"] = metrics
-    accelerator.wait_for_everyone()
 
-    # ---------------------------------------------------------------- export
-    if run.main:
-        export = write_export(cfg, run, trained_model, tree, served, result)
-        cmd = f"specdec generate --target {result.get('export_target', cfg.model.name)} --drafter {export} --baseline"
-        finish(cfg, run, result, export, cmd, tracker, "medusa")
-    tracker.finish()
-    accelerator.wait_for_everyone()
-    return result
+class HeadsLoss:
+    """The loop's loss_fn: the prepared MedusaTraining's loss on a micro-batch (on cached hidden
+    states when there are)."""
+
+    def __init__(self, wrapped: Any, run: Run, cached: bool):
+        self.wrapped, self.run, self.cached = wrapped, run, cached
+
+    def __call__(self, mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        device = self.run.device
+        batch = {k: v.to(device) for k, v in collate(mb, self.run.pad_id).items()}
+        hidden = padded_hidden(mb, device) if self.cached else None
+        with self.run.accelerator.autocast():
+            return self.wrapped(batch["input_ids"], batch["attention_mask"], batch["target_mask"], hidden)
 
 
-def calibration_examples(cfg: DictConfig, run: Any, target: Any, train_examples: list[Example]) -> list[Example]:
+def calibrate_tree(
+    cfg: DictConfig, run: Run, model: MedusaTraining, calib: list[Example], result: dict
+) -> tuple[Tree, torch.Tensor]:
+    """Each head's top-k accuracy on held-out responses, and the tree (tree.paths, or the best
+    expected acceptance for tree.budget nodes); recorded in result["calibration"]."""
+    m = cfg.medusa
+    with run.accelerator.autocast():
+        acc = head_accuracies(model, calib, pad_id=run.pad_id, top_k=cfg.tree.top_k)
+    tree = Tree.from_paths(cfg.tree.paths) if cfg.tree.paths is not None else Tree.from_accuracies(acc, cfg.tree.budget)
+    result["calibration"] = {
+        "accuracy": acc.tolist(),
+        "paths": [list(p) for p in tree.paths],
+        "nodes": len(tree),
+        "expected_tau": Tree.expected_tau(tree.paths, acc),
+        "examples": len(calib),
+    }
+    run.say("per-head accuracy (top-1 / top-5) on held-out responses: " + ", ".join(
+        f"head {k + 1} {acc[k, 0]:.2f}/{acc[k, :5].sum():.2f}" for k in range(m.num_heads)))  # fmt: skip
+    run.say(f"tree: {len(tree)} nodes, depth {tree.depth}, expected tau {result['calibration']['expected_tau']:.2f}")
+    return tree, acc
+
+
+def calibration_examples(
+    cfg: DictConfig, run: Run, data: Conversations, target: Any, train_examples: list[Example]
+) -> list[Example]:
     """Held-out examples for the tree: the target's responses to validation prompts not used for
     validation (tree.calibration_prompts of them); the training examples when there are none."""
-    convs = run.rest_val_convs[: cfg.tree.calibration_prompts]
+    convs = data.rest_val[: cfg.tree.calibration_prompts]
     if not convs:
         run.say("no held-out prompts left for calibration: measuring head accuracy on the training examples")
         return train_examples[: max(cfg.tree.calibration_prompts, 1)]
@@ -268,9 +300,17 @@ def calibration_examples(cfg: DictConfig, run: Any, target: Any, train_examples:
     return with_responses(prompts, target_responses(cfg, run, target, prompts), cfg.trainer.max_seq_len)
 
 
-def validate_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree, served: Any) -> dict[str, Any]:
+def validate_medusa(
+    cfg: DictConfig,
+    run: Run,
+    data: Conversations,
+    model: MedusaTraining,
+    tree: Tree,
+    served: Any,
+    accuracy: torch.Tensor,
+) -> dict[str, Any]:
     """Tree decoding on the runtime against autoregressive decoding of `served`: the target, or
-    under Medusa-2 the adapted target.
+    under Medusa-2 the adapted target; with the tree's size and the heads' calibrated accuracy.
 
     Medusa-2 also measures how far the adapted target moved: greedy outputs identical to the
     original target's, and teacher-forced top-1 agreement (logged during training as target/agree).
@@ -282,17 +322,18 @@ def validate_medusa(cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree
     metrics = validate(
         decoder,
         drafter,
-        run.val_prompts,
-        [c.category for c in run.val_convs],
+        data.val_prompts,
+        data.val_categories,
         stop_ids=run.stop_ids,
         gamma=tree.depth,
         max_new_tokens=cfg.validate.max_new_tokens,
     )
     metrics["device"] = str(device)
+    metrics.update(nodes=len(tree), head_top1=accuracy[:, 0].tolist(), head_top5=accuracy[:, :5].sum(1).tolist())
     if model.joint:  # Medusa-2: the original target's greedy outputs vs the adapted one's
         original = runtime_decoder(original_target(model), None, device, dtype)
         kw = dict(sampler=Sampler, max_new_tokens=cfg.validate.max_new_tokens, stop_ids=run.stop_ids, warmup=False)
-        prompts = [torch.as_tensor(p, device=device) for p in run.val_prompts]
+        prompts = [torch.as_tensor(p, device=device) for p in data.val_prompts]
         a = measure(original, None, prompts, **kw).spec
         b = measure(decoder, None, prompts, **kw).spec
         metrics["identical_to_original"] = sum(x.tokens == y.tokens for x, y in zip(a, b)) / len(a)
@@ -309,7 +350,7 @@ def original_target(model: MedusaTraining) -> Any:
 
 
 def write_export(
-    cfg: DictConfig, run: Any, model: MedusaTraining, tree: Tree | None, served: Any, result: dict
+    cfg: DictConfig, run: Run, model: MedusaTraining, tree: Tree | None, served: Any, result: dict
 ) -> Path:
     """export/ = FasterDecoding layout (+ tree, card), export/vllm/ = vLLM layout; Medusa-2 adds
     export/target/ (`served`: the adapted target, merged) and export/lora/ (the adapter alone)."""

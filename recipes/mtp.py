@@ -25,23 +25,26 @@ from omegaconf import DictConfig
 
 from recipes.common import (
     Run,
-    check_launch,
     check_trainer,
     finish,
-    load_tokenizer,
+    make_batches,
     make_optimizer_from,
+    make_progress,
     make_tracker,
-    open_run,
     refuse,
     resume,
     run_or_exit,
-    train_loop,
+    start,
+    validation_due,
 )
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype
 from specdec_runtime.mtp import MTP_WEIGHTS, MTPDrafter, MTPHeads
+from train.checkpoint import save_checkpoint
 from train.corpus import corpus_documents, packed_corpus, train_tokenizer
 from train.export import Card, export_mtp
+from train.launch import check_launch
+from train.loop import every, optimizer_step
 from train.mtp import TRAINABLE, MTPModel, PackedSequence, average_gradients, evaluate, heads_state_dict, mtp_step
 from train.validate import runtime_decoder, validate
 
@@ -177,25 +180,80 @@ def validation_prompts(val: torch.Tensor, n: int, prompt_tokens: int) -> list[li
 def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
-    accelerator, out = open_run(cfg)
+    run = start(cfg)
+    accelerator, T, m = run.accelerator, cfg.trainer, cfg.mtp
     check_launch(
         accelerator,
         "mtp",
         (),
         "it runs its own per-head backward and gradient reduction, which DeepSpeed and FSDP would bypass",
     )
-    path, tokenizer, pad_id, gen_cfg, stop_ids = load_tokenizer(cfg.model.name)
-    m, T, d = cfg.mtp, cfg.trainer, cfg.data
-    if d.train_tokenizer:
+    if cfg.data.train_tokenizer:
         with accelerator.main_process_first():  # rank 0 trains it (or finds it from an earlier start)
-            tokenizer = own_tokenizer(cfg, out)
-        pad_id, stop_ids = tokenizer.pad_token_id, frozenset({tokenizer.eos_token_id})
-    run = Run(accelerator, out, path, tokenizer, pad_id, gen_cfg, stop_ids)
-    say = run.say
+            run = run.with_tokenizer(own_tokenizer(cfg, run.out))
+    train_seqs, val_seqs, info = corpus(cfg, run)
+    n, weights, sequential = m.num_heads, loss_weights(cfg), m.backward == "sequential"
+    examples = [PackedSequence(s, T.max_seq_len - n) for s in train_seqs]
+    model = build_model(cfg, run.tokenizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    run.say(
+        f"model: {model.trunk_layers}-layer trunk + {n} heads, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+        f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {m.trainable}), {m.backward} backward"
+    )
+    optimizer, scheduler = make_optimizer_from(cfg, trainable)
+    wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model = accelerator.unwrap_model(wrapped)
+    tracker = make_tracker(cfg, run, "mtp")
+    backward = make_backward_fn(accelerator, wrapped, weights, sequential)
+    held_out = HeldOut(model, val_seqs[: cfg.validate.eval_sequences], T.micro_batch, accelerator, tracker)
+    start_step, _ = resume(cfg, run)
+
+    # ---------------------------------------------------------------- loop
+    progress = make_progress(cfg, run, tracker, start_step, "mtp", postfix=("loss", "loss_0", f"acc_{n - 1}"))
+    batches, stats, history = make_batches(cfg, run, examples), {}, []
+    for step in range(start_step, T.max_steps):
+        micro = batches.step(step)
+        stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, micro, None, T.max_grad_norm,
+                               backward_fn=backward)  # fmt: skip
+        done = step + 1
+        progress.update(done, stats, epoch=batches.epoch(done))
+        if every(T.checkpoint_every, done, T.max_steps):
+            save_checkpoint(accelerator, run.checkpoints, step=done, state={"loss": stats["loss"]},
+                            keep=T.keep_checkpoints)  # fmt: skip
+        if validation_due(cfg, done):
+            history.append({"step": done, **held_out(done)})
+    progress.close()
+
+    # ---------------------------------------------------------------- evaluate + validate
+    model.eval()
+    heldout = held_out(T.max_steps)
+    run.say(
+        "held-out per head: "
+        + ", ".join(f"{i}: loss {heldout[f'loss_{i}']:.3f} acc {heldout[f'acc_{i}']:.2f}" for i in range(n))
+    )
+    result: dict[str, Any] = {"train": stats, "history": history, "heldout": heldout}
+    if run.main and cfg.validate.enabled and n > 1:
+        result["validation"] = validate_mtp(cfg, run, model, val_seqs)
+
+    # ---------------------------------------------------------------- export (rank 0)
+    if run.main:
+        export = write_export(cfg, run, model, info, result)
+        cmd = f"specdec generate --target {export} --drafter mtp --no-chat-template"
+        finish(cfg, run, result, export, cmd, tracker, "mtp")
+    accelerator.wait_for_everyone()
+    tracker.finish()
+    return result
+
+
+def corpus(cfg: DictConfig, run: Run) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """(training sequences, held-out sequences, counts) of data.corpus, packed to trainer.max_seq_len
+    (rank 0 tokenizes into the cache, the others read it)."""
+    d, T = cfg.data, cfg.trainer
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else cache_root() / "corpus"
-    with accelerator.main_process_first():  # rank 0 tokenizes, the others read its cache
+    with run.accelerator.main_process_first():
         train_seqs, val_seqs, info = packed_corpus(
-            tokenizer,
+            run.tokenizer,
             d.corpus,
             seq_len=T.max_seq_len,
             cache_dir=cache,
@@ -205,67 +263,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             max_documents=d.max_documents,
             progress=run.main,
         )
-    say(
+    run.say(
         f"corpus {d.corpus}: {train_seqs.numel():,} training tokens ({info['train_documents']} documents), "
         f"{val_seqs.numel():,} held-out ({info['val_documents']} documents), sequences of {T.max_seq_len}"
     )
-    n, weights, sequential = m.num_heads, loss_weights(cfg), m.backward == "sequential"
-    examples = [PackedSequence(s, T.max_seq_len - n) for s in train_seqs]
+    return train_seqs, val_seqs, info
 
-    model = build_model(cfg, tokenizer)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    total = sum(p.numel() for p in model.parameters())
-    say(
-        f"model: {model.trunk_layers}-layer trunk + {n} heads, {total / 1e6:.1f}M parameters "
-        f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {m.trainable}), {m.backward} backward"
-    )
-    optimizer, scheduler = make_optimizer_from(cfg, trainable)
-    wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    model = accelerator.unwrap_model(wrapped)
-    tracker = make_tracker(cfg, run, "mtp")
 
-    backward_fn = make_backward_fn(accelerator, wrapped, weights, sequential)
+class HeldOut:
+    """Per-head loss and top-1 accuracy on held-out sequences, logged as val/*."""
 
-    def held_out(step: int) -> dict[str, Any]:
-        metrics = evaluate(model, val_seqs[: cfg.validate.eval_sequences], T.micro_batch, accelerator.autocast)
-        tracker.log({f"val/{k}": v for k, v in metrics.items()}, step)
+    def __init__(self, model: MTPModel, seqs: torch.Tensor, batch: int, accelerator: Any, tracker: Any):
+        self.model, self.seqs, self.batch, self.accelerator, self.tracker = model, seqs, batch, accelerator, tracker
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        metrics = evaluate(self.model, self.seqs, self.batch, self.accelerator.autocast)
+        self.tracker.log({f"val/{k}": v for k, v in metrics.items()}, step)
         return metrics
-
-    # ---------------------------------------------------------------- train
-    start_step, _ = resume(cfg, run)
-    stats, history = train_loop(
-        cfg,
-        run,
-        tracker,
-        model=wrapped,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        loss_fn=None,
-        backward_fn=backward_fn,
-        examples=examples,
-        start_step=start_step,
-        desc="mtp",
-        postfix=("loss", "loss_0", f"acc_{n - 1}"),
-        validate=held_out,
-    )
-    model.eval()
-    heldout = held_out(T.max_steps)
-    say(
-        "held-out per head: "
-        + ", ".join(f"{i}: loss {heldout[f'loss_{i}']:.3f} acc {heldout[f'acc_{i}']:.2f}" for i in range(n))
-    )
-
-    # ---------------------------------------------------------------- validate + export (rank 0)
-    result: dict[str, Any] = {"train": stats, "history": history, "heldout": heldout}
-    if run.main:
-        if cfg.validate.enabled and n > 1:
-            result["validation"] = validate_mtp(cfg, run, model, val_seqs)
-        export = write_export(cfg, run, model, info, result)
-        cmd = f"specdec generate --target {export} --drafter mtp --no-chat-template"
-        finish(cfg, run, result, export, cmd, tracker, "mtp")
-    accelerator.wait_for_everyone()
-    tracker.finish()
-    return result
 
 
 def runtime_drafter(model: MTPModel, device: torch.device, dtype: torch.dtype) -> tuple[Any, MTPDrafter]:

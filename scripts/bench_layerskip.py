@@ -43,9 +43,9 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from recipes.layerskip import prompts_of
     from specdec_runtime.layerskip import SkipSet, skip_drafter
     from specdec_runtime.loading import load_model
+    from train.data import prompts_of
     from train.layerskip import (
         CostModel,
         Evaluator,

@@ -1,8 +1,9 @@
 """Checkpoints a run resumes from: accelerate state (model, optimizer, scheduler, RNG) + a small trainer state.
 
-    save_checkpoint(accelerator, out / "checkpoints", step=100, state={"step": 100}, keep=2)
-    path = latest_checkpoint(out / "checkpoints")           # None when the run starts fresh
-    state = load_checkpoint(accelerator, path)              # {"step": 100, ...}
+    save_checkpoint(accelerator, out / "checkpoints", step=100, state={"loss": 1.2}, keep=2)
+    step, extra = resume(accelerator, out / "checkpoints")  # (0, {}) when the run starts fresh
+    path = latest_checkpoint(out / "checkpoints")           # None when there is none
+    state, extra = load_checkpoint(accelerator, path)       # {"step": 100, ...}, extra tensors
 
 A checkpoint is written to step-N.tmp and renamed to step-N once complete, so an interrupted save
 never shadows the previous checkpoint; only complete step-N folders are resumed from.
@@ -63,3 +64,14 @@ def load_checkpoint(accelerator: Any, path: Path) -> tuple[dict[str, Any], dict[
     extra = path / "extra.pt"
     tensors = torch.load(extra, map_location="cpu", weights_only=True) if extra.is_file() else {}
     return json.loads((path / STATE).read_text()), tensors
+
+
+def resume(accelerator: Any, folder: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """(first step, extra tensors) from the latest checkpoint in `folder`, restored into the
+    accelerator, or (0, {}) when there is none."""
+    ckpt = latest_checkpoint(folder)
+    if ckpt is None:
+        return 0, {}
+    state, extra = load_checkpoint(accelerator, ckpt)
+    accelerator.print(f"resumed from {ckpt} at step {state['step']}")
+    return state["step"], extra

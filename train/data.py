@@ -7,6 +7,9 @@
     ex = encode_conversation(tokenizer, convs[0])               # dataset responses, assistant turns masked in
     ex = Example(ids + response, [False] * len(ids) + [True] * len(response))
     for micro_batch in Batches(examples, micro_batch=4, grad_accum=2, world=1, rank=0, seed=0).step(7): ...
+    convs = spread(convs, 16)                                   # 16 conversations, round-robin over categories
+    examples = with_responses(prompts, responses, max_len=512)  # prompt + response, loss on the response
+    prompts, categories = prompts_of(tokenizer, "builtin:val", 16)
 
 A conversation is a list of {"role", "content"} messages. Accepted records: {"messages": [...]}
 (UltraChat / OpenAI), {"conversations": [{"from": "human"|"gpt", "value"}]} (ShareGPT), the
@@ -226,3 +229,38 @@ class Batches:
         begin = offset * self.global_batch + self.rank * self.micro_batch * self.grad_accum
         mine = [self.examples[i] for i in order[begin : begin + self.micro_batch * self.grad_accum]]
         return [mine[i : i + self.micro_batch] for i in range(0, len(mine), self.micro_batch)]
+
+
+def spread(convs: list[Conversation], n: int) -> list[Conversation]:
+    """The first n conversations taken round-robin over categories (all when n is 0)."""
+    if not n or n >= len(convs):
+        return convs
+    by_cat: dict[Any, list[Conversation]] = {}
+    for c in convs:
+        by_cat.setdefault(c.category, []).append(c)
+    picked, queues = [], list(by_cat.values())
+    while len(picked) < n:
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(q.pop(0))
+    return picked
+
+
+def with_responses(prompts: list[list[int]], responses: list[list[int]], max_len: int) -> list[Example]:
+    """Examples prompt + response with loss on the response tokens (empty responses dropped)."""
+    out = []
+    for p, r in zip(prompts, responses):
+        if r:
+            ex = Example((p + r)[:max_len], ([False] * len(p) + [True] * len(r))[:max_len])
+            if ex.n_targets:
+                out.append(ex)
+    return out
+
+
+def prompts_of(
+    tokenizer: Any, source: str, n: int, split: str = "train", column: str | None = None
+) -> tuple[list[list[int]], list[Any]]:
+    """Token ids (chat template and generation prompt applied) and categories of n prompts from a
+    data source, spread over its categories (all when n is 0)."""
+    convs = spread(load_conversations(source, split=split, column=column), n)
+    return [prompt_ids(tokenizer, c) for c in convs], [c.category for c in convs]

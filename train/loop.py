@@ -1,9 +1,13 @@
-"""The pieces of a training loop every recipe shares (accelerate does devices and processes).
+"""The pieces a recipe's training loop calls (the loop itself is written out in each recipe).
 
-    accelerator = make_accelerator(mixed_precision="no", grad_accum=2, seed=0, log_with=None, project_dir=out)
     optimizer, scheduler = make_optimizer(params, lr=3e-4, weight_decay=0.0, warmup_steps=10, max_steps=100)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    stats = optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, loss_fn, max_grad_norm=1.0)
+    progress = Progress(tracker, start=0, total=100, log_every=10, desc="distill", postfix=("loss",), show=True)
+    for step in range(start, max_steps):
+        stats = optimizer_step(accelerator, model, optimizer, scheduler, batches.step(step), loss_fn, max_grad_norm=1.0)
+        progress.update(step + 1, stats)                   # the bar, and train/* in the log every log_every steps
+        if every(checkpoint_every, step + 1, max_steps): save_checkpoint(...)
+    progress.close()
 
 loss_fn(micro_batch) returns (loss summed over its tokens, token count, {metric: sum over tokens}).
 A recipe that runs its own backward (MTP's sequential per-head backward) passes
@@ -14,83 +18,17 @@ optimizer step, across gradient-accumulation steps and processes (accelerate div
 accumulation steps and DDP averages over processes; both are undone here).
 """
 
-import logging
 import math
-import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
-MIXED_PRECISION = ("no", "bf16", "fp16")
 LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
 BackwardFn = Callable[[Any, float], tuple[Tensor, dict[str, Tensor]]]
-
-
-def launcher() -> str:
-    """What `accelerate launch` asked for: "deepspeed", "fsdp", or "" (DDP or a plain process)."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        return "deepspeed"
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        return "fsdp"
-    return ""
-
-
-def make_accelerator(
-    *,
-    mixed_precision: str,
-    grad_accum: int,
-    seed: int,
-    log_with: str | None,
-    project_dir: str,
-    micro_batch: int = 1,
-    max_grad_norm: float | None = None,
-    cpu: bool | None = None,
-) -> Any:
-    """An Accelerator for one run; the scheduler is stepped by hand, once per optimizer step.
-
-    cpu=None: CPU when there is no GPU. Then torchrun-style launches (WORLD_SIZE > 1, e.g.
-    conf/accelerate/multi_cpu.yaml) form a gloo process group instead of silently running alone,
-    and a DeepSpeed launch runs DeepSpeed on its CPU accelerator (gloo). DeepSpeed's own batch
-    settings are taken from the trainer's (micro_batch, grad_accum, max_grad_norm), so a launcher
-    config can never disagree with the recipe's.
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, set_seed
-
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file "saved ..." lines
-    if mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"trainer.mixed_precision='{mixed_precision}': use no, bf16 or fp16")
-    handlers = []
-    if cpu is None:
-        cpu = not torch.cuda.is_available()
-    if cpu and launcher() == "deepspeed":
-        # accelerate's cpu=True would silently turn a DeepSpeed launch into plain DDP: run
-        # DeepSpeed on its CPU accelerator over gloo instead.
-        cpu = False
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    if launcher() == "deepspeed":
-        # accelerate launch exports the config file's values, which the Accelerator prefers to its
-        # arguments: the recipe's trainer settings win instead.
-        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(grad_accum)
-        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(float(max_grad_norm or 0.0))
-    accelerator = Accelerator(
-        mixed_precision=mixed_precision,
-        gradient_accumulation_steps=grad_accum,
-        step_scheduler_with_optimizer=False,
-        log_with=log_with,
-        project_dir=project_dir,
-        cpu=cpu,
-        kwargs_handlers=handlers,
-    )
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None:
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch  # no dataloader is prepared
-        if plugin.zero_stage == 3:  # validation and export read whole weights (accelerator.get_state_dict)
-            plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    set_seed(seed, device_specific=False)
-    return accelerator
 
 
 def make_optimizer(
@@ -137,11 +75,13 @@ def optimizer_step(
     micro_batches: list[Any],
     loss_fn: LossFn | None,
     max_grad_norm: float | None,
-    n_tokens: Callable[[Any], int],
+    *,
     backward_fn: BackwardFn | None = None,
 ) -> dict[str, float]:
-    """One optimizer step over this process's micro-batches; returns token-weighted global means."""
-    local = sum(n_tokens(mb) for mb in micro_batches)
+    """One optimizer step over this process's micro-batches (lists of items with `n_targets`);
+    returns token-weighted global means, the token count and tokens/s over all processes."""
+    t0 = time.perf_counter()
+    local = sum(e.n_targets for mb in micro_batches for e in mb)
     total = accelerator.reduce(torch.tensor(float(local), device=accelerator.device), "sum").item()
     if total == 0:
         raise RuntimeError("this step's batches have no loss tokens: check the data's loss masks")
@@ -170,4 +110,30 @@ def optimizer_step(
     out["lr"] = scheduler.get_last_lr()[0]
     if grad_norm is not None:
         out["grad_norm"] = float(grad_norm)
+    out["tokens_per_s"] = total / (time.perf_counter() - t0)  # loss tokens, all processes
     return out
+
+
+def every(n: int, done: int, last: int) -> bool:
+    """Whether something done every n steps (and at the last) is due after `done` steps."""
+    return done % n == 0 or done == last
+
+
+class Progress:
+    """The training progress bar (shown on rank 0) and the metric log: each step's `postfix` stats
+    on the bar; all stats (+ `extra`) logged as train/<name> every log_every steps and at the last."""
+
+    def __init__(
+        self, tracker: Any, *, start: int, total: int, log_every: int, desc: str, postfix: tuple[str, ...], show: bool
+    ):
+        self.tracker, self.total, self.log_every, self.postfix = tracker, total, log_every, postfix
+        self.bar = tqdm(initial=start, total=total, desc=desc, unit="step", disable=not show)
+
+    def update(self, done: int, stats: dict[str, float], **extra: float) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix({k: f"{stats[k]:.4f}" for k in self.postfix if k in stats})
+        if every(self.log_every, done, self.total):
+            self.tracker.log({f"train/{k}": v for k, v in (stats | extra).items()}, done)
+
+    def close(self) -> None:
+        self.bar.close()

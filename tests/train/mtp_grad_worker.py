@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from recipes.mtp import make_backward_fn
-from train.loop import make_accelerator
+from train.launch import make_accelerator
 from train.mtp import PackedSequence
 
 

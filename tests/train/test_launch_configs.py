@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from recipes.common import check_launch, launch_kind
 from specdec_runtime.errors import SpecdecError
 from tests.conftest import tiny_hf_model
 from train.draft_model import SelectedLogits, drafter_from_target_layers
+from train.launch import check_launch, launch_kind
 
 CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "accelerate"
 
@@ -53,7 +53,7 @@ def test_config_files_load_and_ask_for_what_their_name_says(name):
 
 WHERE_AM_I = """
 import os, sys, torch
-from train.loop import make_accelerator
+from train.launch import make_accelerator
 acc = make_accelerator(mixed_precision="no", grad_accum=1, seed=0, log_with=None, project_dir=sys.argv[1])
 line = (f"rank {acc.process_index} of {acc.num_processes} on {acc.device.type} cuda visible "
         f"{torch.cuda.is_available()} CUDA_VISIBLE_DEVICES {os.environ.get('CUDA_VISIBLE_DEVICES')}")
