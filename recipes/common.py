@@ -7,8 +7,8 @@
     examples, prompts = training_examples(cfg, run, target, data)
     optimizer, scheduler = make_optimizer_from(cfg, params)
     tracker = make_tracker(cfg, run, "medusa")
-    start_step, extra = resume(cfg, run)
-    progress = make_progress(cfg, run, tracker, start_step, "medusa", postfix=("loss",))
+    resumed = resume(cfg, run, optimizer, scheduler)   # + config.yaml, what runs from here on
+    progress = make_progress(cfg, run, tracker, resumed.step, "medusa", postfix=("loss",))
     batches = make_batches(cfg, run, examples)
     ... the recipe's own loop (optimizer_step, progress.update, save_checkpoint, validation_due) ...
     finish(cfg, run, result, export, cmd, tracker, "medusa")  # metrics.json, Hub push, W&B artifact, closing lines
@@ -21,12 +21,12 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -45,8 +45,9 @@ from train.data import (
 )
 from train.export import push_to_hub
 from train.launch import MIXED_PRECISION, make_accelerator, whole
-from train.loop import Progress, make_optimizer
+from train.loop import Progress, hyperparameters, make_optimizer, restore_hyperparameters
 from train.responses import cache_key, generate_responses
+from train.run_folder import RunLock, config_changes, describe_changes, truncate_log, write_config
 from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
 
@@ -65,6 +66,24 @@ def check_trainer(cfg: DictConfig) -> list[str]:
         problems.append("validate.max_new_tokens must be >= 1")
     if cfg.device not in ("auto", "cpu"):
         problems.append(f"device='{cfg.device}': use auto (the launcher's GPUs, else CPU) or cpu")
+    if cfg.trainer.max_grad_norm is not None and not cfg.trainer.max_grad_norm > 0:
+        problems.append(f"trainer.max_grad_norm={cfg.trainer.max_grad_norm} must be positive (or null: no clipping)")
+    return problems + check_optim(cfg.optim)
+
+
+def check_optim(o: DictConfig) -> list[str]:
+    """Problems with cfg.optim (the learning rate and its schedule, AdamW's settings)."""
+    problems = []
+    if not o.lr > 0:
+        problems.append(f"optim.lr={o.lr} must be positive")
+    if o.weight_decay < 0 or o.warmup_steps < 0:
+        problems.append(f"optim.weight_decay={o.weight_decay} and optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if o.schedule not in ("cosine", "linear", "constant"):
+        problems.append(f"optim.schedule='{o.schedule}': use cosine, linear or constant")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        problems.append(f"optim.betas={list(o.betas)}: two numbers in [0, 1)")
+    if not 0 <= o.min_lr_ratio <= 1:
+        problems.append(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     return problems
 
 
@@ -113,6 +132,7 @@ class Run:
     pad_id: int
     gen_cfg: Any  # the model's generation config, or None
     stop_ids: frozenset[int]
+    changes: dict[str, tuple] = field(default_factory=dict)  # settings changed since the run folder's config.yaml
 
     @property
     def main(self) -> bool:
@@ -135,11 +155,31 @@ class Run:
         return replace(self, tokenizer=tokenizer, pad_id=pad, stop_ids=frozenset({tokenizer.eos_token_id}))
 
 
+# Settings a resumed run may change without trainer.allow_changes (they do not change what is trained).
+RESUMABLE = (
+    "output_dir",
+    "trainer.max_steps",
+    "trainer.log_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.allow_changes",
+    "validate",
+    "tracking",
+    "hub",
+    "responses.cache_dir",
+    "data.cache_dir",
+)
+
+
 def start(cfg: DictConfig) -> Run:
-    """The accelerator, the run folder with the resolved config.yaml (rank 0 writes it), and the
-    tokenizer, generation config and stop ids of cfg.model.name (no weights yet). A recipe without
-    a `trainer` section (no training: layerskip) runs in full precision."""
+    """The accelerator; the run folder, locked for this run, and checked against the settings it
+    was resumed with (a resumable run refuses other settings unless trainer.allow_changes); the
+    tokenizer, generation config and stop ids of cfg.model.name (no weights yet). Nothing in the
+    folder is written but the lock: resume() records config.yaml when the run goes on. A recipe
+    without a `trainer` section (no training: layerskip) runs in full precision."""
     out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise SpecdecError(f"output_dir={out} is a file: give a folder for the run (it is created if missing)")
     trainer = cfg.get("trainer")
     accelerator = make_accelerator(
         mixed_precision=mixed_precision(trainer.mixed_precision) if trainer is not None else "no",
@@ -151,11 +191,40 @@ def start(cfg: DictConfig) -> Run:
         project_dir=str(out),
         cpu=True if cfg.get("device") == "cpu" else None,
     )
+    outcome: list[Any] = [None]  # rank 0 locks and compares; every process learns the outcome
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    accelerator.wait_for_everyone()
-    return Run(accelerator, out, *load_tokenizer(cfg.model.name))
+        try:
+            RunLock(out)
+            outcome[0] = {"changes": resumed_changes(cfg, out)}
+        except SpecdecError as e:
+            outcome[0] = {"error": str(e)}
+    broadcast_object_list(outcome)
+    if "error" in outcome[0]:
+        raise SpecdecError(outcome[0]["error"])
+    return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"])
+
+
+def resumed_changes(cfg: DictConfig, out: Path) -> dict[str, tuple]:
+    """Settings that differ from those of the run this one resumes (config.yaml, when there is a
+    checkpoint to resume from): the changes RESUMABLE allows, said; the others refused unless
+    trainer.allow_changes. {} for a fresh run."""
+    trainer = cfg.get("trainer")
+    saved = out / "config.yaml"
+    if trainer is None or not trainer.resume or not saved.is_file() or not any(out.glob("checkpoints/step-*")):
+        return {}
+    before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
+    now = OmegaConf.to_container(cfg, resolve=True)
+    changes = config_changes(before, now, allowed=("output_dir",))  # a moved folder is the same run
+    refused = config_changes(before, now, allowed=RESUMABLE)
+    if refused and not trainer.allow_changes:
+        raise SpecdecError(
+            f"{out} holds a run with other settings ({describe_changes(refused)}). To resume it, run with its "
+            f"settings (see {saved}); to start over, give another output_dir; to go on with the new settings "
+            "from its last checkpoint, add trainer.allow_changes=true (recorded in config_history.jsonl)"
+        )
+    if changes:
+        print(f"resuming {out} with changed settings: {describe_changes(changes)}", file=sys.stderr)
+    return changes
 
 
 def mixed_precision(setting: str) -> str:
@@ -305,9 +374,34 @@ def make_tracker(cfg: DictConfig, run: Run, recipe: str) -> Tracker:
     )
 
 
-def resume(cfg: DictConfig, run: Run) -> tuple[int, dict[str, torch.Tensor]]:
-    """(first step, extra tensors) from the latest checkpoint, or (0, {}) for a fresh run."""
-    return checkpoint.resume(run.accelerator, run.checkpoints) if cfg.trainer.resume else (0, {})
+@dataclass(frozen=True)
+class Resumed:
+    """Where a run goes on: its first step, and what its checkpoint recorded."""
+
+    step: int = 0
+    stats: dict[str, float] = field(default_factory=dict)  # the last step's (a finished run keeps them)
+    history: list[dict[str, Any]] = field(default_factory=list)  # validations during training so far
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # a recipe's own tensors
+
+
+def resume(cfg: DictConfig, run: Run, optimizer: Any, scheduler: Any) -> Resumed:
+    """Restore the newest intact checkpoint (trainer.resume) into the prepared objects, with the
+    configured optimizer settings; then record what runs from here on: config.yaml (the changed
+    settings in config_history.jsonl) and log.jsonl cut back to the checkpoint's step."""
+    configured = hyperparameters(optimizer)
+    step, state, extra = checkpoint.resume(run.accelerator, run.checkpoints) if cfg.trainer.resume else (0, {}, {})
+    restore_hyperparameters(optimizer, scheduler, configured)
+    if run.main:
+        write_config(run.out, OmegaConf.to_yaml(cfg, resolve=True), run.changes, step)
+        truncate_log(run.out / "log.jsonl", step)
+    run.accelerator.wait_for_everyone()
+    return Resumed(step, state.get("stats", {}), state.get("history", []), extra)
+
+
+def record_config(cfg: DictConfig, run: Run) -> None:
+    """config.yaml for a run that does not train (layerskip: its study records the rest)."""
+    if run.main:
+        write_config(run.out, OmegaConf.to_yaml(cfg, resolve=True), {}, 0)
 
 
 def make_batches(cfg: DictConfig, run: Run, examples: list[Any]) -> Batches:
@@ -352,6 +446,7 @@ def finish(
     """Rank 0: optional Hub push, metrics.json, the export as a W&B artifact, and the closing lines
     (tau, speedup, how to use it)."""
     result["export"] = str(export)
+    RunLock(run.out).release()  # the folder is free once its results are written
     if cfg.hub.repo_id:
         result["hub"] = push_to_hub(export, cfg.hub.repo_id, private=cfg.hub.private, revision=cfg.hub.revision)
         run.say(f"pushed to {result['hub']}")

@@ -95,15 +95,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     student, optimizer, scheduler = accelerator.prepare(SelectedLogits(drafter), optimizer, scheduler)
     loss = Distillation(SelectedLogits(target), student, vocab_ids, cfg.loss, run)
     tracker = make_tracker(cfg, run, "distill")
-    start_step, extra = resume(cfg, run)
-    if on_policy and "ids" in extra:
-        examples = unpack(extra)
+    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
+    if on_policy and "ids" in resumed.extra:
+        examples = unpack(resumed.extra)
     validation = Validation(cfg, run, data, target, student, vocab_ids, tracker)
 
     # ---------------------------------------------------------------- loop
-    progress = make_progress(cfg, run, tracker, start_step, "distill", postfix=("loss", "acceptance_est"))
-    batches, stats, history = None, {}, []
-    for step in range(start_step, T.max_steps):
+    progress = make_progress(cfg, run, tracker, resumed.step, "distill", postfix=("loss", "acceptance_est"))
+    batches, stats, history = None, resumed.stats, resumed.history
+    for step in range(resumed.step, T.max_steps):
         if on_policy and (step % r.refresh_every == 0 or not examples):  # the drafter's own samples
             examples, batches = drafter_responses(cfg, run, student, prompts, step), None
         batches = batches or make_batches(cfg, run, examples)
@@ -113,8 +113,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         progress.update(done, stats, epoch=batches.epoch(done))
         if every(T.checkpoint_every, done, T.max_steps):
             tensors = pack(examples) if on_policy else None
-            save_checkpoint(accelerator, run.checkpoints, step=done, state={"loss": stats["loss"]}, tensors=tensors,
-                            keep=T.keep_checkpoints)  # fmt: skip
+            state = {"stats": stats, "history": history}
+            save_checkpoint(
+                accelerator, run.checkpoints, step=done, state=state, tensors=tensors, keep=T.keep_checkpoints
+            )
         if validation_due(cfg, done):
             history.append({"step": done, **validation(done)})
     progress.close()

@@ -24,7 +24,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.common import Run, check_tracking, finish, make_tracker, refuse, run_or_exit, start
+from recipes.common import Run, check_tracking, finish, make_tracker, record_config, refuse, run_or_exit, start
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter
@@ -172,6 +172,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "device=cuda:N) with the same search.storage URL, and the workers share one study"
         )
     studies = open_studies(cfg, run, space)  # before the model loads: a bad storage or setting fails now
+    record_config(cfg, run)
     logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
     target = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.dtype)
     run.say(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")

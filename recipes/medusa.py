@@ -145,20 +145,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     loss = HeadsLoss(wrapped, run, m.cache_hidden)
     tracker = make_tracker(cfg, run, "medusa")
-    start_step, _ = resume(cfg, run)
+    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
 
     # ---------------------------------------------------------------- loop
     postfix = ("loss", "head1/top1", f"head{m.num_heads}/top1")
-    progress = make_progress(cfg, run, tracker, start_step, m.mode, postfix)
-    batches, stats = make_batches(cfg, run, examples), {}
-    for step in range(start_step, T.max_steps):
+    progress = make_progress(cfg, run, tracker, resumed.step, m.mode, postfix)
+    batches, stats = make_batches(cfg, run, examples), resumed.stats
+    for step in range(resumed.step, T.max_steps):
         stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
         per_head_rates(stats, m.num_heads)
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
         if every(T.checkpoint_every, done, T.max_steps):
-            save_checkpoint(accelerator, run.checkpoints, step=done, state={"loss": stats["loss"]},
-                            keep=T.keep_checkpoints)  # fmt: skip
+            state = {"stats": stats, "history": []}
+            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
     progress.close()
 
     # ---------------------------------------------------------------- calibrate + validate

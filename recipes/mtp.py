@@ -207,20 +207,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker = make_tracker(cfg, run, "mtp")
     backward = make_backward_fn(accelerator, wrapped, weights, sequential)
     held_out = HeldOut(model, val_seqs[: cfg.validate.eval_sequences], T.micro_batch, accelerator, tracker)
-    start_step, _ = resume(cfg, run)
+    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
 
     # ---------------------------------------------------------------- loop
-    progress = make_progress(cfg, run, tracker, start_step, "mtp", postfix=("loss", "loss_0", f"acc_{n - 1}"))
-    batches, stats, history = make_batches(cfg, run, examples), {}, []
-    for step in range(start_step, T.max_steps):
+    progress = make_progress(cfg, run, tracker, resumed.step, "mtp", postfix=("loss", "loss_0", f"acc_{n - 1}"))
+    batches, stats, history = make_batches(cfg, run, examples), resumed.stats, resumed.history
+    for step in range(resumed.step, T.max_steps):
         micro = batches.step(step)
         stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, micro, None, T.max_grad_norm,
                                backward_fn=backward)  # fmt: skip
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
         if every(T.checkpoint_every, done, T.max_steps):
-            save_checkpoint(accelerator, run.checkpoints, step=done, state={"loss": stats["loss"]},
-                            keep=T.keep_checkpoints)  # fmt: skip
+            state = {"stats": stats, "history": history}
+            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
         if validation_due(cfg, done):
             history.append({"step": done, **held_out(done)})
     progress.close()

@@ -14,6 +14,7 @@ Each output line holds the prompt's id, output_ids, text and stats; a summary ta
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -112,6 +113,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every setting generate and bench share, checked before anything is loaded or written."""
+    from specdec_runtime.loading import resolve_device, resolve_dtype
+    from specdec_runtime.sampling import Sampler
+
+    resolve_dtype(args.dtype, resolve_device(args.device))
+    Sampler(args.temperature, args.top_k, args.top_p)
+    problems = []
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.gamma is not None and args.gamma < 1:
+        problems.append(f"--gamma must be >= 1, got {args.gamma} (for autoregressive decoding: --drafter none)")
+    if args.max_gamma < 1:
+        problems.append(f"--max-gamma must be >= 1, got {args.max_gamma}")
+    if not 0 <= args.confidence < 1:
+        problems.append(f"--confidence must be in [0, 1), got {args.confidence}")
+    if args.threads < 0:
+        problems.append(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    if problems:
+        raise SpecdecError("; ".join(problems))
+
+
 def load_target(args: argparse.Namespace) -> "LoadedModel":  # noqa: F821
     """The target on its device, compiled for CUDA graphs when --compile asks (auto: on CUDA)."""
     import torch
@@ -145,13 +168,17 @@ def run_generate(args: argparse.Namespace) -> None:
     from specdec_runtime.prompts import Prompt, builtin_prompts, read_prompts
     from specdec_runtime.sampling import Sampler
 
+    # Everything a user can get wrong fails here, before a model loads or a file is written.
+    check_args(args)
+    if args.typical and not (0 < args.posterior_threshold < 1 and args.posterior_alpha > 0):
+        raise SpecdecError("--typical needs 0 < --posterior-threshold < 1 and --posterior-alpha > 0")
     if args.prompt is not None:
+        if not args.prompt.strip():
+            raise SpecdecError("--prompt is empty: give the text to continue")
         prompts = [Prompt("0", args.prompt)]
     else:
         prompts = read_prompts(args.prompts or builtin_prompts("smoke"))
-    Sampler(args.temperature, args.top_k, args.top_p)  # bad sampling options fail before loading anything
-    if args.typical and not (0 < args.posterior_threshold < 1 and args.posterior_alpha > 0):
-        raise SpecdecError("--typical needs 0 < --posterior-threshold < 1 and --posterior-alpha > 0")
+    output = Output(args.output, args.prompts) if args.output else None
     target = load_target(args)
     encoded = encode_all(target, prompts, args)
     drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
@@ -159,10 +186,6 @@ def run_generate(args: argparse.Namespace) -> None:
         args.gamma = (drafter.gamma if drafter is not None else None) or 4
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
-    out_file = None
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        out_file = args.output.open("w", encoding="utf-8")
 
     def write(i: int, g: "Generation", base: "Generation | None") -> None:  # noqa: F821
         """One JSON line per prompt, written as soon as it is done (an interrupted run keeps them)."""
@@ -179,8 +202,7 @@ def run_generate(args: argparse.Namespace) -> None:
         if base is not None:
             record["baseline_stats"] = base.stats.to_dict()
             record["identical_to_baseline"] = g.tokens == base.tokens
-        out_file.write(json.dumps(record) + "\n")
-        out_file.flush()
+        output.write(record)
 
     try:
         report = measure(
@@ -193,7 +215,7 @@ def run_generate(args: argparse.Namespace) -> None:
             baseline=args.baseline,
             warmup=not args.no_warmup,
             progress=bar,
-            on_result=write if out_file is not None else None,
+            on_result=write if output is not None else None,
             max_new_tokens=args.max_new_tokens,
             gamma=args.gamma,
             adaptive_gamma=args.adaptive_gamma,
@@ -201,9 +223,14 @@ def run_generate(args: argparse.Namespace) -> None:
             stop_ids=target.stop_ids,
             typical=typical,
         )
-    finally:
-        if out_file is not None:
-            out_file.close()
+    except KeyboardInterrupt:
+        done = output.records if output is not None else 0
+        kept = f"; their results are in {output.partial}, and {args.output} is unchanged" if output else ""
+        print(f"\nspecdec: interrupted after {done} of {len(prompts)} prompts{kept}. Run the same command "
+              "again to generate them all.", file=sys.stderr)  # fmt: skip
+        sys.exit(130)
+    if output is not None:
+        output.finish()
     if len(prompts) == 1:
         print(target.tokenizer.decode(report.spec[0].tokens, skip_special_tokens=True))
     title = f"target {args.target} · drafter {args.drafter} · T={args.temperature} · gamma {args.gamma}"
@@ -212,26 +239,50 @@ def run_generate(args: argparse.Namespace) -> None:
     print_summary(title, prompts, report)
 
 
+class Output:
+    """generate's --output: JSON lines streamed to FILE.part as prompts finish, renamed to FILE
+    when the run ends, so an earlier FILE survives a failed or interrupted run."""
+
+    def __init__(self, path: Path, prompts: Path | None):
+        if path.is_dir():
+            raise SpecdecError(f"--output {path} is a folder: give a file name (JSON lines)")
+        if prompts is not None and path.resolve() == prompts.resolve():
+            raise SpecdecError(f"--output {path} is the --prompts file: write the results to another file")
+        self.path, self.partial, self.records = path, path.with_name(path.name + ".part"), 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = self.partial.open("w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.records += 1
+
+    def finish(self) -> None:
+        self.file.close()
+        os.replace(self.partial, self.path)
+
+
 def run_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specdec_runtime import bench
     from specdec_runtime.loading import load_hf_model
     from specdec_runtime.prompts import builtin_prompts, first_per_category, read_prompts
-    from specdec_runtime.sampling import Sampler
 
-    # Everything a user can get wrong fails here, before a model loads.
+    # Everything a user can get wrong fails here, before a model loads or a file is written.
+    check_args(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(bench.MODES):
         raise SpecdecError(f"--modes {args.modes!r}: use greedy, sampled or greedy,sampled")
     if "sampled" in modes and args.temperature <= 0:
         raise SpecdecError("the sampled mode needs --temperature > 0 (or --modes greedy)")
-    Sampler(args.temperature, args.top_k, args.top_p)
     specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
     if not specs or len(set(specs)) != len(specs):
         raise SpecdecError(f"--drafters {args.drafters!r}: give a comma-separated list without repeats")
-    if args.gamma is not None and args.gamma < 1:
-        raise SpecdecError(f"--gamma must be >= 1, got {args.gamma}")
+    if args.per_category < 0:
+        raise SpecdecError(f"--per-category must be >= 0 (0 = every prompt), got {args.per_category}")
+    if args.output_dir.exists() and not args.output_dir.is_dir():
+        raise SpecdecError(f"--output-dir {args.output_dir} is a file: give a folder for the bench's results")
     prompts = read_prompts(args.prompts or builtin_prompts("prompts-val"))
     if args.per_category > 0:
         prompts = first_per_category(prompts, args.per_category)
@@ -268,6 +319,9 @@ def run_bench(args: argparse.Namespace) -> None:
     if args.wandb:
         bench.log_wandb(args.output_dir, settings, rows, plots, args.wandb_project)
     print(f"wrote {args.output_dir}/results.md, results.json, " + ", ".join(p.name for p in plots), file=sys.stderr)
+    failed = sorted({r["drafter"] for r in rows if "error" in r})
+    if failed:
+        raise SpecdecError(f"{len(failed)} of {len(specs)} drafters failed ({', '.join(failed)}): see the table above")
 
 
 def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa: F821

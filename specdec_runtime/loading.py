@@ -204,7 +204,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """'auto' (or None) is cuda when available, else cpu."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise SpecdecError(f"unknown device '{device}': use auto, cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SpecdecError(f"device '{device}': specdec_runtime runs on cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SpecdecError("device 'cuda' was asked for but no CUDA GPU is available: use --device cpu")
     return device

@@ -45,20 +45,38 @@ def parse_prompt(record: Any, where: str, index: int) -> Prompt:
     return Prompt(str(pid), text, None if category is None else str(category))
 
 
+def read_text(path: Path) -> str:
+    """A text file's contents; a file that is not UTF-8 is a user's error that says where."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecdecError(
+            f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): save it as UTF-8"
+        ) from None
+    except IsADirectoryError:
+        raise SpecdecError(f"{path} is a folder: give a file") from None
+
+
+def read_jsonl(path: Path) -> list[tuple[str, Any]]:
+    """The records of a JSON-lines file, each with where it is ("path:line") for error messages;
+    blank lines are skipped."""
+    records = []
+    for n, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return records
+
+
 def read_prompts(path: str | Path) -> list[Prompt]:
     """All prompts of a JSON-lines file, with errors that name the file and line."""
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"prompt file '{path}' does not exist")
-    prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecdecError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-        prompts.append(parse_prompt(record, f"{path}:{n}", len(prompts)))
+    prompts = [parse_prompt(record, where, i) for i, (where, record) in enumerate(read_jsonl(path))]
     if not prompts:
         raise SpecdecError(f"prompt file '{path}' has no prompts")
     return prompts

@@ -17,7 +17,6 @@ Spec-Bench / MT-Bench prompt form {"turns": [...]} and {"prompt": "..."}. Only r
 (assistant turns) carry loss.
 """
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.prompts import builtin_prompts
+from specdec_runtime.prompts import builtin_prompts, read_jsonl, read_text
 
 ROLES = {
     "human": "user",
@@ -104,48 +103,49 @@ def load_hub_dataset(source: str, split: str) -> Any:
         raise SpecdecError(f"could not load dataset '{name}' split '{split}' from the Hub: {e}") from e
 
 
-def _records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
-    """Raw records of a source and a label for error messages."""
+def _records(source: str, split: str) -> list[tuple[str, dict[str, Any]]]:
+    """Raw records of a source, each with where it is for error messages (file:line for jsonl)."""
     if source.startswith("builtin:"):
         path = builtin_prompts(f"prompts-{source.split(':', 1)[1]}")
         if not path.is_file():
             raise SpecdecError(f"unknown built-in prompt set '{source}': use builtin:train or builtin:val")
         source = str(path)
     if source.startswith("hub:"):
-        return list(load_hub_dataset(source, split)), source[4:]
+        return [(f"{source[4:]} record {i}", r) for i, r in enumerate(load_hub_dataset(source, split))]
     path = Path(source).expanduser()
     if not path.is_file():
         raise SpecdecError(
             f"data file '{source}' does not exist (use a .jsonl/.json/.parquet file, builtin:NAME or hub:ID)"
         )
     if path.suffix == ".jsonl":  # read directly: quicker and quieter than datasets for small files
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-            return [json.loads(line) for line in lines if line.strip()], str(path)
-        except json.JSONDecodeError as e:
-            raise SpecdecError(f"{path}: not valid JSON lines ({e})") from e
+        return read_jsonl(path)
     kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
     if kind is None:
         raise SpecdecError(f"data file '{source}': unsupported extension; use .jsonl, .json or .parquet")
     import datasets
 
-    return list(datasets.load_dataset(kind, data_files=str(path), split="train")), str(path)
+    if kind == "json":
+        read_text(path)  # a file that is not UTF-8 is refused with a message, not a traceback
+    records = datasets.load_dataset(kind, data_files=str(path), split="train")
+    return [(f"{path} record {i}", r) for i, r in enumerate(records)]
 
 
 def load_conversations(
     source: str, *, split: str = "train", column: str | None = None, max_samples: int | None = None
 ) -> list[Conversation]:
     """Conversations from builtin:NAME, a local jsonl/json/parquet file, or hub:ID[@SUBSET] (HF datasets)."""
-    records, label = _records(source, split)
+    records = _records(source, split)
     if max_samples:
         records = records[:max_samples]
     convs = []
-    for i, r in enumerate(records):
-        messages = to_messages(r, column, f"{label} record {i}")
+    for i, (where, r) in enumerate(records):
+        if not isinstance(r, dict):
+            raise SpecdecError(f"{where}: expected a JSON object, got {type(r).__name__}")
+        messages = to_messages(r, column, where)
         cid = str(r.get("question_id", r.get("id", i)))
         convs.append(Conversation(cid, messages, r.get("category")))
     if not convs:
-        raise SpecdecError(f"{label} has no records")
+        raise SpecdecError(f"{source} has no records")
     return convs
 
 

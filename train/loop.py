@@ -137,3 +137,25 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each parameter group's configured settings, which loading a checkpoint would overwrite with
+    the old ones: capture them before resuming and put them back with restore_hyperparameters."""
+    return [{k: g[k] for k in ("initial_lr", "betas", "weight_decay") if k in g} for g in optimizer.param_groups]
+
+
+def restore_hyperparameters(optimizer: Any, scheduler: Any, saved: list[dict[str, Any]]) -> None:
+    """After a checkpoint restored the optimizer and its schedule: the configured learning rate,
+    betas and weight decay again, and the current learning rate that of the (configured) schedule
+    at the restored step. With an unchanged config this reproduces the restored values exactly."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps the LambdaLR
+    groups = optimizer.param_groups
+    if not hasattr(inner, "lr_lambdas") or len(saved) != len(groups) or any("initial_lr" not in s for s in saved):
+        return
+    for g, s in zip(groups, saved):
+        g.update(s)
+    inner.base_lrs = [g["initial_lr"] for g in groups]
+    for g, base, factor in zip(groups, inner.base_lrs, inner.lr_lambdas):
+        g["lr"] = base * factor(inner.last_epoch)
+    inner._last_lr = [g["lr"] for g in groups]

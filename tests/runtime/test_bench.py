@@ -28,7 +28,9 @@ def argv(tiny_dir, tmp_path, out, drafters=DRAFTERS, *extra):
 def benched(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
     out = tmp / "out"
-    main(argv(tiny_dir, tmp, out))
+    with pytest.raises(SystemExit) as e:  # one drafter failed: the bench finishes the others, then exits 2
+        main(argv(tiny_dir, tmp, out))
+    assert e.value.code == 2
     return out
 
 
@@ -85,12 +87,14 @@ def test_reruns_resume_per_drafter_and_refuse_other_settings(benched, tiny_dir, 
     assert "max_new_tokens: 20 -> 21" in capsys.readouterr().err
 
 
-def test_a_drafter_that_fails_to_decode_is_reported_and_the_rest_run(tiny_dir, tmp_path, monkeypatch):
+def test_a_drafter_that_fails_to_decode_is_reported_and_the_rest_run(tiny_dir, tmp_path, monkeypatch, capsys):
     from specdec_runtime.drafters import NgramDrafter
 
     monkeypatch.setattr(NgramDrafter, "draft", lambda *a: 1 / 0)
     out = tmp_path / "out"
-    main(argv(tiny_dir, tmp_path, out, "ngram,truncate:2", "--modes", "greedy", "--no-reference"))
+    with pytest.raises(SystemExit) as e:
+        main(argv(tiny_dir, tmp_path, out, "ngram,truncate:2", "--modes", "greedy", "--no-reference"))
+    assert e.value.code == 2 and "1 of 2 drafters failed (ngram)" in capsys.readouterr().err
     rows = json.loads((out / "results.json").read_text())["summary"]
     assert rows[0]["error"] == "failed to decode: ZeroDivisionError: division by zero"
     assert rows[1]["categories"]["all"]["lossless"] == 1.0 and rows[1]["categories"]["all"]["ref_tok_s"] is None
@@ -119,9 +123,30 @@ def test_wandb_offline_run_has_the_summary_metrics_and_plots(tiny_dir, tmp_path,
         (["--temperature", "0"], "the sampled mode needs --temperature > 0"),
         (["--drafters", "ngram,ngram"], "without repeats"),
         (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--gamma", "0"], "--gamma must be >= 1"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--per-category", "-1"], "--per-category must be >= 0"),
     ],
 )
-def test_user_errors_stop_before_any_model_loads(tmp_path, capsys, extra, message):
+def test_user_errors_stop_before_any_model_loads_or_anything_is_written(tmp_path, capsys, extra, message):
+    out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        main(["bench", "--target", "/no/such/model", "--output-dir", str(tmp_path), *extra])
+        main(["bench", "--target", "/no/such/model", "--output-dir", str(out), *extra])
     assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not out.exists()  # no settings left behind to block the folder
+
+
+def test_output_dir_that_is_a_file_and_prompts_that_are_not_utf8_are_refused(tmp_path, capsys):
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    latin1 = tmp_path / "p.jsonl"
+    latin1.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    for extra, message in (
+        (["--output-dir", str(a_file)], "is a file: give a folder"),
+        (["--output-dir", str(tmp_path / "o"), "--prompts", str(latin1)], "is not UTF-8 text (byte 0xe9"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--target", "/no/such/model", *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "Traceback" not in err

@@ -98,6 +98,11 @@ def test_single_prompt_prints_its_text(tiny_dir, capsys):
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU"),
         ),
         (["--dtype", "int8"], "unknown dtype 'int8'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--gamma", "0"], "--gamma must be >= 1, got 0 (for autoregressive decoding: --drafter none)"),
+        (["--gamma", "-2"], "--gamma must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--prompt", " "], "--prompt is empty"),
     ],
 )
 def test_user_errors_exit_with_a_message_not_a_traceback(tiny_dir, capsys, argv, message):
@@ -110,6 +115,57 @@ def test_user_errors_exit_with_a_message_not_a_traceback(tiny_dir, capsys, argv,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_bad_value_or_an_interruption_leaves_an_earlier_output_file_as_it_was(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """Arguments are checked before --output is opened; results stream to FILE.part, which replaces
+    FILE only when the run ends; Ctrl-C says what was written and how to go on."""
+    import importlib
+
+    measure = importlib.import_module("specdec_runtime.measure")  # the module (the package exports its function)
+    out = tmp_path / "out.jsonl"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("abc", "hello", "why")))
+    base = ["generate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "6"]
+    main([*base, "--output", str(out), "--no-warmup"])
+    before = out.read_bytes()
+    assert len(before.splitlines()) == 3 and not out.with_name("out.jsonl.part").exists()
+    for bad, message in (
+        (["--gamma", "-2"], "--gamma must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--output", str(prompts)], "is the --prompts file"),
+        (["--output", str(tmp_path)], "is a folder"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main([*base, "--output", str(out), *bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+        assert out.read_bytes() == before
+    real = measure.generate
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while the second prompt decodes
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "generate", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--output", str(out), "--no-warmup"])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "interrupted after 1 of 3 prompts" in err and "out.jsonl.part" in err
+    assert out.read_bytes() == before and len(out.with_name("out.jsonl.part").read_text().splitlines()) == 1
+
+
+def test_a_prompt_file_that_is_not_utf8_is_refused_with_where(tiny_dir, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--target", str(tiny_dir), "--prompts", str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is not UTF-8 text (byte 0xe9 at offset 32)" in err and "Traceback" not in err
 
 
 @pytest.mark.gpu

@@ -199,3 +199,16 @@ def test_drafter_with_a_shorter_context_is_refused():
         SpecdecError, match="drafter 'short' has a context of 16 tokens, shorter than prompt \\+ max_new_tokens = 22"
     ):
         generate(target, [1, 2], short, max_new_tokens=20)
+
+
+def test_drafts_after_a_stop_token_are_not_counted_as_accepted():
+    """A round whose accepted draft holds the stop token outputs up to it: the drafts after it (and
+    the bonus token) are not output, so they do not count as accepted (tau and acceptance agree)."""
+    table = bigram_table(50, seed=1)
+    chain = bigram_greedy(table, 3, 6)  # the target's own continuation of token 3
+    target = BigramStub(table)
+    out = generate(target, [3], OracleDrafter(table, None), max_new_tokens=20, gamma=4, stop_ids={chain[2]})
+    assert out.tokens == chain[:3] and out.stop_reason == "stop_token"  # prefill: chain[0]; round 1: chain[1:3]
+    s = out.stats
+    assert s.target_forwards == 2 and s.drafted_at == [1, 1, 1, 1] and s.accepted_at == [1, 1, 0, 0]
+    assert s.new_tokens == 1 + s.accepted  # the prefill's token, then the two accepted drafts (no bonus)

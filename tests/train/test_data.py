@@ -65,6 +65,20 @@ def test_data_errors_say_what_to_do(tmp_path):
         load_conversations(str(tmp_path / "x.csv"))
 
 
+def test_data_file_errors_name_the_line_and_a_file_that_is_not_utf8(tmp_path):
+    """A fault on line 3 (a blank line 2 between) is reported at line 3, not at line 1 or record 1."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n{"prompt": "broken"\n')
+    with pytest.raises(SpecdecError, match=r"d\.jsonl:3: not valid JSON"):
+        load_conversations(str(path))
+    path.write_text('{"prompt": "fine"}\n\n{"text": "no conversation"}\n')
+    with pytest.raises(SpecdecError, match=r"d\.jsonl:3: no conversation column"):
+        load_conversations(str(path))
+    path.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(SpecdecError, match=r"d\.jsonl is not UTF-8 text \(byte 0xe9 at offset 15\): save it as UTF-8"):
+        load_conversations(str(path))
+
+
 def test_only_assistant_turns_carry_loss(smol_tokenizer):
     tok = smol_tokenizer
     msgs = [
