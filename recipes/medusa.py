@@ -49,17 +49,10 @@ from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids, with_responses
 from train.export import Card, export_medusa
+from train.hidden_cache import cache_key, cache_states, padded
 from train.launch import check_launch
 from train.loop import every, optimizer_step
-from train.medusa import (
-    MedusaTraining,
-    cache_hidden_states,
-    causal_lm,
-    head_accuracies,
-    hidden_cache_key,
-    padded_hidden,
-    per_head_rates,
-)
+from train.medusa import MedusaTraining, causal_lm, final_hidden, head_accuracies, per_head_rates
 from train.validate import runtime_decoder, validate
 
 MODES = ("medusa1", "medusa2")
@@ -232,15 +225,16 @@ def build_model(cfg: DictConfig, run: Run, target: Any) -> tuple[MedusaTraining,
 def hidden_states(cfg: DictConfig, run: Run, target: Any, examples: list[Example]) -> list[Example]:
     """The examples with the frozen target's hidden states attached, computed once into
     $SPECDEC_CACHE/hidden/<key> (keyed by target, examples and dtype)."""
-    key = hidden_cache_key(run.target_path, examples, target.dtype)
+    key = cache_key(run.target_path, examples, target.dtype, what="final-norm hidden states")
     root = Path(cfg.responses.cache_dir).expanduser() if cfg.responses.cache_dir else cache_root()
     folder = root / "hidden" / key
     run.say(f"hidden-state cache: {folder}")
     acc = run.accelerator
-    return cache_hidden_states(
+    return cache_states(
         target,
         examples,
         folder,
+        states=final_hidden,
         pad_id=run.pad_id,
         batch_size=cfg.trainer.micro_batch,
         rank=acc.process_index,
@@ -260,7 +254,7 @@ class HeadsLoss:
     def __call__(self, mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         device = self.run.device
         batch = {k: v.to(device) for k, v in collate(mb, self.run.pad_id).items()}
-        hidden = padded_hidden(mb, device) if self.cached else None
+        hidden = padded(mb, "hidden", device) if self.cached else None
         with self.run.accelerator.autocast():
             return self.wrapped(batch["input_ids"], batch["attention_mask"], batch["target_mask"], hidden)
 

@@ -4,7 +4,7 @@
     model = MedusaTraining(peft_target, heads, decay=0.8, target_weight=1.0)  # Medusa-2: + self-distillation
     loss, n, metrics = model(input_ids, attention_mask, target_mask)          # sums over response tokens
     loss, n, metrics = model(input_ids, attention_mask, target_mask, hidden=h)  # Medusa-1 on cached states
-    examples = cache_hidden_states(target, examples, folder, pad_id=2, batch_size=8)  # meta["hidden"] [T, H]
+    examples = cache_states(target, examples, folder, states=final_hidden, pad_id=2)  # train.hidden_cache
     acc = head_accuracies(model, examples, pad_id=2, top_k=10)                # [heads, 10] -> Tree.from_accuracies
 
 Positions: target_mask[b, t] says ids[b, t + 1] is a response token (the target predicts it at t).
@@ -18,9 +18,6 @@ parameters (so checkpoints and DDP do not carry it).
 """
 
 import copy
-import hashlib
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,72 +142,9 @@ def _batches(examples: list[Example], size: int) -> list[list[Example]]:
     return [examples[i : i + size] for i in range(0, len(examples), size)]
 
 
-def hidden_cache_key(target_path: str | Path, examples: list[Example], dtype: torch.dtype) -> str:
-    h = hashlib.sha256(json.dumps([str(Path(target_path).resolve()), str(dtype)]).encode())
-    for e in examples:
-        h.update(json.dumps(e.ids).encode())
-    return h.hexdigest()[:16]
-
-
-@torch.no_grad()
-def cache_hidden_states(
-    target: Any,
-    examples: list[Example],
-    folder: Path,
-    *,
-    pad_id: int,
-    batch_size: int = 8,
-    rank: int = 0,
-    world: int = 1,
-    barrier: Any = lambda: None,
-    progress: Any = None,
-) -> list[Example]:
-    """The frozen target's final hidden states for every example, computed once and kept on disk
-    (safetensors, the target's dtype); returns the examples with meta["hidden"] [T, H] attached.
-
-    Each process computes every world-th example into its own part file; all of them then read all parts.
-    """
-    from safetensors.torch import load_file, save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    part = folder / f"part-{rank}-of-{world}.safetensors"
-    if not (folder / "done").is_file() and not part.is_file():
-        mine = list(range(rank, len(examples), world))
-        states: dict[str, Tensor] = {}
-        bar = progress(len(mine)) if progress else None
-        lm = causal_lm(target)
-        for idx in _batches(mine, batch_size):
-            batch = collate([examples[i] for i in idx], pad_id)
-            ids, attn = batch["input_ids"].to(lm.device), batch["attention_mask"].to(lm.device)
-            h = lm.model(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
-            for b, i in enumerate(idx):
-                states[str(i)] = h[b, : len(examples[i].ids)].to("cpu").contiguous()
-            if bar is not None:
-                bar.update(len(idx))
-        if bar is not None:
-            bar.close()
-        save_file(states, str(part.with_suffix(".tmp")))
-        part.with_suffix(".tmp").rename(part)
-    barrier()
-    states = {}
-    for f in sorted(folder.glob("part-*.safetensors")):
-        states |= load_file(str(f))
-    missing = [i for i in range(len(examples)) if str(i) not in states]
-    if missing:
-        raise RuntimeError(f"hidden-state cache {folder} lacks {len(missing)} examples: delete it and rerun")
-    if rank == 0:
-        (folder / "done").write_text("")
-    return [Example(e.ids, e.loss_mask, {**e.meta, "hidden": states[str(i)]}) for i, e in enumerate(examples)]
-
-
-def padded_hidden(examples: list[Example], device: torch.device) -> Tensor:
-    """Cached hidden states of a micro-batch, right-padded like collate(): [B, T, H]."""
-    T = max(len(e.ids) for e in examples)
-    first = examples[0].meta["hidden"]
-    out = first.new_zeros(len(examples), T, first.shape[-1])
-    for b, e in enumerate(examples):
-        out[b, : len(e.ids)] = e.meta["hidden"]
-    return out.to(device)
+def final_hidden(target: Any, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
+    """The frozen target's final-norm hidden states [B, T, H], what the heads read (train.hidden_cache)."""
+    return {"hidden": causal_lm(target).model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state}
 
 
 @torch.no_grad()

@@ -1,0 +1,334 @@
+"""EAGLE-3 drafters (Li et al. 2025): the module that training and the runtime share, and its drafter.
+
+    config = Eagle3Config.for_target(target_config, aux_layers=(2, 15, 27), draft_vocab=ids)  # ids [N]
+    model = Eagle3Model(config)               # fc, one decoder layer, final norm, lm_head over the draft vocabulary
+    out = model.step(embeds, features, cos, sin, attend)     # (prenorm [B, T, H], logits [B, T, N])
+    drafter = Eagle3Drafter(model, target)                   # chain drafts; tree_budget > 0: EAGLE-2 trees
+    specdec generate --drafter runs/eagle3/export --baseline  # (export and load: specdec_runtime.eagle3_format)
+
+The drafter reads the target's residual streams after three of its layers (low, middle, high:
+`aux_layers`), concatenated [3 * H_target] and projected by fc to its width H. Its one decoder
+layer's attention reads [input_layernorm(embedding of the next token) ; hidden_norm(feature)]
+(2H wide); the feature is also the layer's residual. The result, before the final norm
+("prenorm"), is the feature of the drafter's next step, and after norm + lm_head its logits over
+the draft vocabulary: the N most frequent target tokens, draft id i being target id i + d2t[i].
+The token embedding is the target's own, frozen.
+
+Positions: the drafter's row p reads the target's feature at position p and the token at p + 1,
+and predicts the token at p + 2, at rope position p (+ 1 per step it has drafted ahead). At run
+time the generate loop hands the target's features of every accepted position to `observe`; the
+next `draft` runs the drafter on those rows (it needs the tokens after them, which `draft` sees),
+which rewrites the rows it had drafted speculatively, then drafts ahead from the last one: a chain
+of gamma tokens, or an EAGLE-2 dynamic tree (expand the top_k most likely nodes of each level,
+keep the tree_budget most likely nodes overall), verified by the target with tree attention.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec_runtime.config import DecoderConfig, rope_inv_freq
+from specdec_runtime.drafters import Draft, Drafter
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.model import Decoder
+from specdec_runtime.sampling import Sampler
+from specdec_runtime.tree import Tree
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B, h, T, D], k, v [B, h_kv, T, D]) -> [B, h, T, D]
+MAX_DEPTH = 16  # the deepest tree the drafter builds
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high taps, as vLLM and SpecForge take them: the residual streams after
+    layers 2, N // 2 and N - 3 (vLLM reads them as the inputs of those layers' indices)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    layer: DecoderConfig  # the drafter's decoder layer (num_layers 1; rope settings as the target's)
+    target_hidden_size: int
+    aux_layers: tuple[int, ...]
+    draft_vocab_size: int
+    norm_before_residual: bool = False  # the residual is hidden_norm(feature) instead of the feature
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size  # the target's
+
+    @classmethod
+    def for_target(cls, target: DecoderConfig, *, aux_layers: tuple[int, ...] | None, draft_vocab_size: int, **kw):
+        """A drafter as wide as the target (EAGLE-3's choice), one layer with the target's heads and rope."""
+        n = target.num_layers
+        aux = tuple(aux_layers) if aux_layers else default_aux_layers(n)
+        bad = [k for k in aux if not 1 <= k < n]
+        if len(aux) != 3 or bad:
+            raise SpecdecError(
+                f"eagle3 aux layers {list(aux)}: give 3 layer counts in 1..{n - 1} (the residual streams after "
+                f"that many of the target's {n} layers), e.g. {list(default_aux_layers(n))}"
+            )
+        if not 0 < draft_vocab_size <= target.vocab_size:
+            raise SpecdecError(
+                f"eagle3 draft vocabulary of {draft_vocab_size} tokens: need 1..{target.vocab_size} (the target's)"
+            )
+        return cls(replace(target, num_layers=1), target.hidden_size, aux, draft_vocab_size, **kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x: Tensor) -> Tensor:  # as transformers: normalize in fp32, scale in the input dtype
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class Eagle3Layer(nn.Module):
+    """The decoder layer, with transformers' Llama weight names (q/k/v read 2H)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * H, cfg.num_heads * D, bias=cfg.qkv_bias)
+        self.self_attn.k_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
+        self.self_attn.v_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
+        self.self_attn.o_proj = nn.Linear(cfg.num_heads * D, H, bias=cfg.o_bias)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp.up_proj = nn.Linear(H, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, H, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(
+        self, embeds: Tensor, feature: Tensor, cos: Tensor, sin: Tensor, attend: Attend, norm_before_residual: bool
+    ) -> Tensor:
+        """The layer's output before the model's final norm (= the next step's feature) [B, T, H]."""
+        B, T, _ = feature.shape
+        a = self.self_attn
+        h = self.hidden_norm(feature)
+        residual = h if norm_before_residual else feature
+        x = torch.cat([self.input_layernorm(embeds), h], dim=-1)  # [B, T, 2H]
+        q = a.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos, sin [B or 1, 1, T, D]
+        out = attend(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        residual = residual + a.o_proj(out)
+        m = self.mlp
+        h = self.post_attention_layernorm(residual)
+        return residual + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+
+
+class Eagle3Model(nn.Module):
+    """fc [H, 3 H_target], layers.0, norm, lm_head [N, H], d2t [N] (int64), t2d [V] (bool): the
+    speculators checkpoint's tensors, under its names."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        H, N = cfg.layer.hidden_size, cfg.draft_vocab_size
+        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg.layer)])
+        self.norm = RMSNorm(H, cfg.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(H, N, bias=False)
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)
+
+    def set_draft_vocab(self, ids: Tensor) -> None:
+        """Draft id i <-> target id ids[i] (ids sorted [N])."""
+        ids = ids.to(self.d2t.device, torch.long)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_ids(self) -> Tensor:
+        """Target id of each draft id [N]."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [B or 1, 1, T, D] of positions [T] or [B, T] (rotate-half layout, as transformers)."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        if emb.dim() == 2:
+            emb = emb[None]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    def project(self, features: Tensor) -> Tensor:
+        """The target's concatenated taps [..., 3 H_target] -> the drafter's feature [..., H]."""
+        return self.fc(features)
+
+    def step(self, embeds: Tensor, feature: Tensor, positions: Tensor, attend: Attend) -> tuple[Tensor, Tensor]:
+        """One pass of the layer over T rows: (prenorm [B, T, H], draft logits [B, T, N]).
+        embeds: the target's embeddings of the next tokens; feature: fc's output (first step) or
+        the previous step's prenorm."""
+        cos, sin = self.rope(positions, feature.dtype)
+        prenorm = self.layers[0](embeds, feature, cos, sin, attend, self.config.norm_before_residual)
+        return prenorm, self.lm_head(self.norm(prenorm))
+
+
+# ---------------------------------------------------------------- drafter
+
+
+def grouped(k: Tensor, n_heads: int) -> Tensor:
+    """Key/value heads repeated for their query groups [B, h_kv, S, D] -> [B, h, S, D]."""
+    return k.repeat_interleave(n_heads // k.shape[1], dim=1)
+
+
+class Eagle3Drafter(Drafter):
+    """Drafts with an EAGLE-3 model for a target (see the module docstring).
+
+    tree_budget 0: a chain of gamma tokens (greedy, or sampled from the draft distribution);
+    tree_budget > 0: an EAGLE-2 dynamic tree of that many nodes, at most gamma deep, expanding
+    the top_k most likely nodes of each level (by the product of draft probabilities on the path).
+    """
+
+    def __init__(self, model: Eagle3Model, target: Decoder, *, tree_budget: int = 0, top_k: int = 8,
+                 gamma: int | None = None, name: str = "eagle3"):  # fmt: skip
+        cfg = model.config
+        if cfg.target_hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
+            raise SpecdecError(
+                f"this EAGLE-3 drafter was trained for a target of hidden size {cfg.target_hidden_size} and vocabulary "
+                f"{cfg.vocab_size}; the target has {target.config.hidden_size} and {target.config.vocab_size}: "
+                "train one for it (python -m recipes.eagle3)"
+            )
+        if max(cfg.aux_layers) >= target.config.num_layers:
+            raise SpecdecError(
+                f"EAGLE-3 aux layers {list(cfg.aux_layers)} do not fit a {target.config.num_layers}-layer target"
+            )
+        if tree_budget < 0 or top_k < 1:
+            raise SpecdecError(f"eagle3 tree: need tree_budget >= 0 and top_k >= 1 (got {tree_budget}, {top_k})")
+        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.target, self.name, self.gamma = target, name, gamma
+        self.tree_budget, self.top_k = tree_budget, top_k
+        self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
+        self.hidden_layers = tuple(cfg.aux_layers)
+        self.draft_ids = self.model.draft_ids  # [N] target id of each draft id
+        self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
+        self.kv: Tensor | None = None  # [2, 1, h_kv, S, D] the drafter's own cache, row p at slot p
+
+    def start(self, prompt: Tensor, capacity: int) -> None:
+        cfg = self.model.config.layer
+        size = capacity + MAX_DEPTH * self.top_k  # + the rows a tree's levels write
+        if self.kv is None or self.kv.shape[3] < size:
+            shape = (2, 1, cfg.num_kv_heads, size, cfg.head_dim)
+            self.kv = torch.zeros(shape, device=self.target.device, dtype=self.target.dtype)
+        self.pending = []
+
+    def observe(self, hidden: Tensor) -> None:
+        self.pending.append(hidden)  # the loop's copies (indexed rows), kept until the next draft
+
+    def _rows(self, tokens: Tensor, feature: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple:
+        """Run rows (tokens [T], features [T, H], rope positions [T]) writing K/V at slots [T],
+        each attending to the cache slots mask [T, S'] allows: (prenorm [T, H], logits [T, N])."""
+        S = mask.shape[1]
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            self.kv[0, :, :, slots] = k  # [1, h_kv, T, D] at slots
+            self.kv[1, :, :, slots] = v
+            keys, values = (grouped(self.kv[i, :, :, :S], q.shape[1]) for i in (0, 1))
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+        embeds = self.target.embed_tokens(tokens[None])
+        prenorm, logits = self.model.step(embeds, feature[None], positions, attend)
+        return prenorm[0], logits[0]
+
+    @torch.inference_mode()
+    def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
+        if not self.pending:
+            raise RuntimeError("Eagle3Drafter.draft before observe(): the generate loop feeds it hidden states")
+        L, dev = ids.shape[0], ids.device
+        feats = self.model.project(torch.cat(self.pending).to(self.model.fc.weight.dtype))  # [k, H]
+        self.pending = []
+        k = feats.shape[0]
+        # Rows L-1-k .. L-2: the accepted positions' features, with the tokens after them (causal).
+        pos = torch.arange(L - 1 - k, L - 1, device=dev)
+        mask = torch.arange(L - 1, device=dev)[None, :] <= pos[:, None]
+        prenorm, logits = self._rows(ids[L - k : L], feats, pos, pos, mask)
+        if self.tree_budget:
+            return self._tree(prenorm[-1], logits[-1], L, gamma)
+        return self._chain(prenorm[-1], logits[-1], L, gamma, sampler)
+
+    def _chain(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int, sampler: Sampler) -> Draft:
+        tokens, probs, dev = [], [], prenorm.device
+        for i in range(gamma):
+            if sampler.greedy:  # draft ids ascend with target ids: the same first maximum
+                token = self.draft_ids[logits.argmax()]
+            else:
+                full = logits.new_full((self.target.config.vocab_size,), float("-inf"))
+                full = full.index_copy_(0, self.draft_ids, logits)  # ids outside the draft vocabulary: probability 0
+                p = sampler.probs(full)
+                token = sampler.sample(p)
+                probs.append(p)
+            tokens.append(token)
+            if i + 1 < gamma:  # row L-1+i: the token just drafted, the previous row's prenorm
+                pos = torch.tensor([L - 1 + i], device=dev)
+                mask = torch.arange(L + i, device=dev)[None, :] <= pos[:, None]
+                prenorm, logits = self._rows(token.view(1), prenorm[None], pos, pos, mask)
+                prenorm, logits = prenorm[0], logits[0]
+        return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
+
+    def _tree(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int) -> Draft:
+        """EAGLE-2's dynamic tree: level by level, the top_k children of each expanded node; the
+        top_k of them (by path log-probability) are expanded next; the tree_budget best nodes of
+        all are drafted. One host sync per level (the chosen nodes' structure)."""
+        K, dev = self.top_k, prenorm.device
+        logp = logits.float().log_softmax(-1)
+        top = logp.topk(K)
+        # Every node: (score, draft id, parent node index or -1, rank among its siblings, row slot or -1).
+        scores, tok, parent, rank = top.values, top.indices, [-1] * K, list(range(K))
+        frontier = list(range(K))  # node indices to expand
+        ancestors: dict[int, list[int]] = {i: [] for i in range(K)}  # row slots of a node's ancestors
+        features = prenorm[None].expand(K, -1)  # the feature each frontier node's row reads
+        slot = L - 1
+        for depth in range(1, min(gamma, MAX_DEPTH)):  # nodes of depth `depth` get rows; their children depth + 1
+            F_ = len(frontier)
+            slots = torch.arange(slot, slot + F_, device=dev)
+            pos = torch.full((F_,), L - 2 + depth, device=dev)
+            mask = torch.zeros(F_, slot + F_, dtype=torch.bool, device=dev)
+            mask[:, : L - 1] = True
+            for r, node in enumerate(frontier):
+                mask[r, ancestors[node]] = True
+                mask[r, slot + r] = True
+            rows_prenorm, rows_logits = self._rows(tok[frontier], features, pos, slots, mask)
+            child = rows_logits.float().log_softmax(-1).topk(K)  # [F, K]
+            cand = (scores[frontier][:, None] + child.values).flatten()  # [F * K]
+            keep = cand.topk(min(K, cand.numel())).indices
+            base = len(parent)
+            scores = torch.cat([scores, cand])
+            tok = torch.cat([tok, child.indices.flatten()])
+            keep_list = keep.tolist()  # host sync: which candidates are expanded next
+            for j in range(F_ * K):
+                r = j // K
+                parent.append(frontier[r])
+                rank.append(j % K)
+                ancestors[base + j] = ancestors[frontier[r]] + [slot + r]
+            frontier = [base + j for j in keep_list]
+            features = rows_prenorm[[j // K for j in keep_list]]
+            slot += F_
+        score_list = scores.tolist()  # host sync
+        paths: dict[int, tuple[int, ...]] = {}  # the tree_budget best nodes, parents before children
+        for i in sorted(range(len(parent)), key=lambda i: (-score_list[i], i)):
+            if len(paths) == self.tree_budget:
+                break
+            if parent[i] < 0 or parent[i] in paths:  # a child never scores above its parent
+                paths[i] = (paths[parent[i]] if parent[i] >= 0 else ()) + (rank[i],)
+        tree = Tree.from_paths(list(paths.values()))
+        order = {p: i for i, p in paths.items()}
+        draft_ids = tok[[order[p] for p in tree.paths]]
+        return Draft(self.draft_ids[draft_ids], None, tree=tree)
