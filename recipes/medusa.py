@@ -51,8 +51,8 @@ from train.data import Example, collate, prompt_ids, with_responses
 from train.export import Card, export_medusa
 from train.hidden_cache import cache_key, cache_states, padded
 from train.launch import check_launch
-from train.loop import every, optimizer_step
-from train.medusa import MedusaTraining, causal_lm, final_hidden, head_accuracies, per_head_rates
+from train.loop import every, optimizer_step, per_group_rates
+from train.medusa import MedusaTraining, causal_lm, final_hidden, head_accuracies
 from train.validate import runtime_decoder, validate
 
 MODES = ("medusa1", "medusa2")
@@ -146,7 +146,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     batches, stats = make_batches(cfg, run, examples), resumed.stats
     for step in range(resumed.step, T.max_steps):
         stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
-        per_head_rates(stats, m.num_heads)
+        per_group_rates(stats, [f"head{k}" for k in range(1, m.num_heads + 1)])
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
         if every(T.checkpoint_every, done, T.max_steps):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from specdec_runtime.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec_runtime.eagle3_format import is_eagle3_folder, load_eagle3
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, is_skipset_file, skip_drafter
 from specdec_runtime.loading import LoadedModel, check_same_vocab, load_model
@@ -40,6 +41,8 @@ def build_drafter(
     ngram[:N]       prompt lookup with n-grams of up to N tokens (default 3)
     truncate:K      the target's first K layers + its final norm and lm_head (no training)
     mtp             the target's own multi-token-prediction heads (a target exported by recipes.mtp)
+    DIR             an EAGLE-3 drafter (speculators format); tree: 'chain' for chains, None for
+                    the drafting of its export (an EAGLE-2 tree, or chains)
     DIR             exported Medusa heads (FasterDecoding or vLLM layout); tree: a JSON file of
                     paths, 'chain', or None for the tree calibrated at export
     FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
@@ -60,6 +63,10 @@ def build_drafter(
         return load_mtp(target)
     if is_skipset_file(spec):
         return skip_drafter(target, SkipSet.load(spec), confidence=confidence, name=spec)
+    if is_eagle3_folder(Path(spec).expanduser()):
+        if tree not in (None, "chain"):
+            raise SpecdecError(f"--tree {tree}: an EAGLE-3 drafter builds its own trees; use --tree chain for chains")
+        return load_eagle3(Path(spec).expanduser(), target, tree_budget=0 if tree == "chain" else None)
     if is_medusa_folder(Path(spec).expanduser()):
         return load_medusa(Path(spec).expanduser(), target, tree)
     if tree is not None:

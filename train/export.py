@@ -7,6 +7,7 @@ it to the Hub. One module for all four recipes:
     export_medusa(heads, out / "export", card, base=target_name, lm_head=w, tree=calibration)
     export_mtp(model.lm, heads_sd, meta, tokenizer, out / "export", card, generation_config=gen_cfg)
     export_skipset(skipset, out / "export", card)
+    export_eagle3(model, out / "export", card, verifier=target_name, verifier_path=path, drafting={"gamma": 5, ...})
     push_to_hub(out / "export", "me/smollm2-drafter", private=True, revision="v1")   # token: $HF_TOKEN
 
 Formats: a stand-alone drafter is a plain transformers folder (config, model.safetensors, tokenizer,
@@ -15,7 +16,8 @@ assistant_model. With a draft vocabulary, lm_head is saved full-size with zero r
 (transformers sees ordinary logits there, 0) and the vocabulary ids go to draft_vocab.safetensors,
 from which the runtime builds the small head. Medusa heads are written in the FasterDecoding layout
 (folder root) and vLLM's (vllm/); MTP as the causal LM (trunk + head 0) plus mtp_heads.safetensors;
-a layer-skip set as skipset.json. Every folder gets a README.md model card (target, recipe, data,
+a layer-skip set as skipset.json; an EAGLE-3 drafter in the speculators format (config.json with
+speculators_config, model.safetensors). Every folder gets a README.md model card (target, recipe, data,
 measured tau and speedup, usage with specdec, transformers and vLLM where they apply) and
 specdec_metrics.json, and is written to NAME.tmp and renamed, so a reader never sees half of one.
 """
@@ -33,7 +35,7 @@ import torch
 from specdec_runtime.loading import DRAFT_VOCAB_FILE
 from train.draft_model import full_state_dict
 
-KINDS = ("standalone", "medusa", "mtp", "layerskip")
+KINDS = ("standalone", "medusa", "mtp", "layerskip", "eagle3")
 
 
 def write_hf_model(
@@ -104,6 +106,9 @@ SUMMARIES = {  # {target}, {recipe}: a card's opening paragraph unless it brings
     "`{recipe}` recipe. " + LOSSLESS,
     "mtp": "A model with multi-token-prediction heads that drafts for itself (blockwise parallel decoding), "
     "trained with specdec's `{recipe}` recipe. " + LOSSLESS,
+    "eagle3": "An EAGLE-3 drafter (one decoder layer reading the target's low, middle and high hidden states) for "
+    "speculative decoding of **{target}**, trained with specdec's `{recipe}` recipe, in the speculators format "
+    "vLLM and SGLang load. " + LOSSLESS,
     "layerskip": "A layer-skip set for self-speculative decoding of **{target}** (Draft & Verify), found by "
     "specdec's `{recipe}` recipe: the target drafts for itself with the listed sublayers skipped and "
     "verifies with all of them, so the output is exactly the target's.",
@@ -332,3 +337,41 @@ def push_to_hub(
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, commit_message=commit_message)
     return str(getattr(info, "commit_url", info))
+
+
+def export_eagle3(
+    model: Any, out: Path, card: Card, *, verifier: str, verifier_path: Path, drafting: dict[str, int]
+) -> Path:
+    """An EAGLE-3 drafter in the speculators format (specdec_runtime.eagle3_format), with its card."""
+    from specdec_runtime.eagle3_format import save_speculators
+
+    architectures = json.loads((Path(verifier_path) / "config.json").read_text()).get("architectures") or []
+    get, folder = _fetch(card, out)
+    k, tree = drafting["gamma"], drafting["tree_budget"]
+    drafts = f"a tree of {tree} nodes up to {k} deep" if tree else f"chains of {k} tokens"
+    usage = f"""With specdec's runtime ({drafts}; greedy output identical to the target's):
+
+```bash
+{get}specdec generate --target {card.target} --drafter {folder} --prompt "Write a haiku about the sea." --baseline
+```
+
+With vLLM, which reads the speculators format (not run by specdec's tests):
+
+```bash
+vllm serve {card.target} \\
+    --speculative-config '{{"model": "{folder}", "num_speculative_tokens": {k}, "method": "eagle3"}}'
+```
+
+With SGLang (not run by specdec's tests):
+
+```bash
+python -m sglang.launch_server --model-path {card.target} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path {folder} --speculative-num-steps {k} --speculative-eagle-topk {drafting["top_k"]} \\
+    --speculative-num-draft-tokens {max(tree, k) + 1}
+```"""
+
+    def write(tmp: Path) -> None:
+        save_speculators(model, tmp, verifier=verifier, verifier_architectures=architectures, drafting=drafting)
+        write_card(tmp, "eagle3", card, usage)
+
+    return _atomic(out, write)

@@ -114,6 +114,16 @@ def optimizer_step(
     return out
 
 
+def per_group_rates(stats: dict[str, float], groups: list[str]) -> None:
+    """Turn a step's token-normalized sums of per-group metrics ("head1/top1", with the group's
+    own "head1/count" of tokens) into means over the group's tokens, in place."""
+    for g in groups:
+        count = stats.pop(f"{g}/count", 0.0)
+        if count:
+            for key in [k for k in stats if k.startswith(g + "/")]:
+                stats[key] /= count
+
+
 def every(n: int, done: int, last: int) -> bool:
     """Whether something done every n steps (and at the last) is due after `done` steps."""
     return done % n == 0 or done == last

@@ -128,16 +128,6 @@ class MedusaTraining(nn.Module):
         return loss, int(rows.numel()), metrics
 
 
-def per_head_rates(stats: dict[str, float], num_heads: int) -> None:
-    """Turn the loop's token-normalized head sums into per-head means (in place)."""
-    for k in range(1, num_heads + 1):
-        count = stats.pop(f"head{k}/count", 0.0)
-        if count:
-            for m in ("ce", "top1", "top5"):
-                if f"head{k}/{m}" in stats:
-                    stats[f"head{k}/{m}"] /= count
-
-
 def _batches(examples: list[Example], size: int) -> list[list[Example]]:
     return [examples[i : i + size] for i in range(0, len(examples), size)]
 

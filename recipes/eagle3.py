@@ -1,0 +1,300 @@
+"""Train an EAGLE-3 drafter for the target, validate it on specdec_runtime (chain or EAGLE-2 tree),
+export it in the speculators format that vLLM and SGLang load.
+
+    python -m recipes.eagle3 output_dir=runs/eagle3
+    python -m recipes.eagle3 experiment=eagle3_quickstart output_dir=runs/eagle3-quick
+    accelerate launch --config_file conf/accelerate/multi_gpu.yaml -m recipes.eagle3 model=llama-3.2-1b-instruct
+    specdec generate --drafter runs/eagle3-quick/export --baseline
+
+Setup (config checks against the target's config.json, target, self-distilled responses, draft
+vocabulary, the drafter warm-started from the target, the target's states cached), loop (the
+training-time test: steps unrolled on the drafter's own outputs, forward KL to the target per
+step; per-step top-1 logged), validate (a tau estimate from held-out per-step accuracies, then tau,
+speedup and losslessness on the runtime), export (speculators format + model card).
+"""
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from recipes.common import (
+    Conversations,
+    Run,
+    check_conversations,
+    conversations,
+    finish,
+    load_target,
+    make_batches,
+    make_optimizer_from,
+    make_progress,
+    make_tracker,
+    refuse,
+    resume,
+    run_or_exit,
+    start,
+    target_responses,
+    training_examples,
+    validation_due,
+)
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from specdec_runtime.loading import cache_root, load_hf_config, resolve_dtype, resolve_model
+from specdec_runtime.tree import Tree
+from train.checkpoint import save_checkpoint
+from train.data import Example, collate, prompt_ids, with_responses
+from train.draft_model import draft_vocab
+from train.eagle3 import Eagle3Training, accuracies, target_states, tau_estimate, warm_start
+from train.export import Card, export_eagle3
+from train.hidden_cache import cache_key, cache_states, padded
+from train.launch import check_launch
+from train.loop import every, optimizer_step, per_group_rates
+from train.validate import runtime_decoder, validate
+
+INITS = ("target", "random")
+
+
+def check_config(cfg: DictConfig) -> Eagle3Config:
+    """Refuse bad values before anything is loaded (the aux layers and the draft vocabulary are
+    checked against the target's config.json); returns the drafter's config."""
+    e, v = cfg.eagle3, cfg.validate
+    problems = check_conversations(cfg, ("target", "dataset"))
+    if not isinstance(e.ttt_steps, int) or e.ttt_steps < 1:
+        problems.append(f"eagle3.ttt_steps={e.ttt_steps} must be a positive integer")
+    if not 0 < e.step_decay <= 1:
+        problems.append(f"eagle3.step_decay={e.step_decay} must be in (0, 1]")
+    if e.init not in INITS:
+        problems.append(f"eagle3.init='{e.init}': use target (warm start from the target) or random")
+    if v.gamma < 1 or v.tree_budget < 0 or v.top_k < 1 or v.estimate_prompts < 0:
+        problems.append("validate: need gamma >= 1, tree_budget >= 0, top_k >= 1 and estimate_prompts >= 0")
+    refuse(problems)
+    target = DecoderConfig.from_hf(load_hf_config(resolve_model(cfg.model.name)))
+    aux = tuple(e.aux_layers) if e.aux_layers is not None else None
+    return Eagle3Config.for_target(target, aux_layers=aux, draft_vocab_size=e.draft_vocab_size)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    # ---------------------------------------------------------------- setup
+    config = check_config(cfg)
+    run = start(cfg)
+    data = conversations(cfg, run)
+    accelerator, T, e = run.accelerator, cfg.trainer, cfg.eagle3
+    check_launch(accelerator, "eagle3", ("zero1", "zero2"), "the drafter is small and validated and exported whole")
+    target = load_target(cfg, run)
+    examples, _ = training_examples(cfg, run, target, data)
+    held_out = estimate_examples(cfg, run, data, target)
+    draft_ids = draft_vocab([x.ids for x in examples], config.draft_vocab_size, config.vocab_size, run.stop_ids)
+    model = build_model(cfg, run, config, target, draft_ids)
+    if e.cache_hidden:  # the frozen target runs once per example, not once per epoch
+        examples, held_out = (target_features(cfg, run, target, config, x) for x in (examples, held_out))
+    head_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(run.device)]
+    embed = target.get_input_embeddings().weight.detach()
+    training = Eagle3Training(model, embed, head_rows, steps=e.ttt_steps, decay=e.step_decay, ranks=cfg.validate.top_k)
+    optimizer, scheduler = make_optimizer_from(cfg, model.parameters())
+    wrapped, optimizer, scheduler = accelerator.prepare(training, optimizer, scheduler)
+    loss = TTTLoss(wrapped, run, target, config)
+    tracker = make_tracker(cfg, run, "eagle3")
+    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
+    validation = Validation(cfg, run, data, target, accelerator.unwrap_model(wrapped), held_out, loss, tracker)
+
+    # ---------------------------------------------------------------- loop
+    steps = [f"step{k}" for k in range(e.ttt_steps)]
+    progress = make_progress(cfg, run, tracker, resumed.step, "eagle3", ("loss", "step0/top1", f"{steps[-1]}/top1"))
+    batches, stats, history = make_batches(cfg, run, examples), resumed.stats, resumed.history
+    for step in range(resumed.step, T.max_steps):
+        stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
+        per_group_rates(stats, steps)
+        stats["tau_estimate"] = tau_estimate([stats[f"{s}/top1"] for s in steps])  # training data
+        done = step + 1
+        progress.update(done, stats, epoch=batches.epoch(done))
+        if every(T.checkpoint_every, done, T.max_steps):
+            state = {"stats": stats, "history": history}
+            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
+        if validation_due(cfg, done):
+            history.append({"step": done, **validation(done)})
+    progress.close()
+
+    # ---------------------------------------------------------------- validate
+    metrics = validation(T.max_steps)
+    result = {"validation": metrics, "train": stats, "history": history, "step": T.max_steps}
+
+    # ---------------------------------------------------------------- export
+    if run.main:
+        export = write_export(cfg, run, validation.model, metrics, len(examples))
+        finish(cfg, run, result, export, f"specdec generate --target {cfg.model.name} --drafter {export} --baseline",
+               tracker, "eagle3")  # fmt: skip
+    tracker.finish()
+    accelerator.wait_for_everyone()
+    return result
+
+
+def build_model(cfg: DictConfig, run: Run, config: Eagle3Config, target: Any, draft_ids: torch.Tensor) -> Eagle3Model:
+    """The drafter in fp32 master weights (autocast does bf16/fp16), warm-started from the target."""
+    torch.manual_seed(cfg.seed)
+    model = Eagle3Model(config).to(run.device)
+    model.set_draft_vocab(draft_ids)
+    if cfg.eagle3.init == "target":
+        warm_start(model, target, draft_ids)
+    covered = sum(1 for _ in draft_ids)
+    run.say(
+        f"EAGLE-3 drafter: taps after layers {list(config.aux_layers)} of {target.config.num_hidden_layers}, "
+        f"draft vocabulary {covered} of {config.vocab_size}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, init {cfg.eagle3.init}"
+    )
+    return model.float()
+
+
+def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config, examples: list) -> list[Example]:
+    """The examples with the frozen target's taps and final states attached, computed once into
+    $SPECDEC_CACHE/hidden/<key> (keyed by target, aux layers, examples and dtype)."""
+    if not examples:
+        return examples
+    key = cache_key(run.target_path, examples, target.dtype, what=f"eagle3 taps {list(config.aux_layers)} + final")
+    root = Path(cfg.responses.cache_dir).expanduser() if cfg.responses.cache_dir else cache_root()
+    folder = root / "hidden" / key
+    run.say(f"target states cache: {folder}")
+    acc = run.accelerator
+    return cache_states(
+        target,
+        examples,
+        folder,
+        states=target_states(config.aux_layers),
+        pad_id=run.pad_id,
+        batch_size=cfg.trainer.micro_batch,
+        rank=acc.process_index,
+        world=acc.num_processes,
+        barrier=acc.wait_for_everyone,
+        progress=lambda n: tqdm(total=n, desc="target states", unit="example", disable=not run.main),
+    )
+
+
+class TTTLoss:
+    """The loop's loss_fn: the training-time test on a micro-batch, on cached target states when
+    there are, else on states computed now by the frozen target."""
+
+    def __init__(self, wrapped: Any, run: Run, target: Any, config: Eagle3Config):
+        self.wrapped, self.run, self.target = wrapped, run, target
+        self.states = target_states(config.aux_layers)
+
+    def __call__(self, mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        device = self.run.device
+        batch = {k: v.to(device) for k, v in collate(mb, self.run.pad_id).items()}
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        if "taps" in mb[0].meta:
+            taps, final = padded(mb, "taps", device), padded(mb, "final", device)
+        else:
+            with torch.no_grad():
+                s = self.states(self.target, ids, attn)
+            taps, final = s["taps"], s["final"]
+        with self.run.accelerator.autocast():
+            return self.wrapped(ids, attn, batch["target_mask"], taps, final)
+
+
+def estimate_examples(cfg: DictConfig, run: Run, data: Conversations, target: Any) -> list[Example]:
+    """Held-out examples for the tau estimate: the target's responses to validation prompts not used
+    for validation (validate.estimate_prompts of them)."""
+    convs = data.rest_val[: cfg.validate.estimate_prompts]
+    if not convs:
+        return []
+    prompts = [prompt_ids(run.tokenizer, c) for c in convs]
+    return with_responses(prompts, target_responses(cfg, run, target, prompts), cfg.trainer.max_seq_len)
+
+
+class Validation:
+    """Rank 0 (the others wait): the training-time test on held-out examples (per-step accuracy and
+    the tau it predicts, chain and tree), then the drafter on specdec_runtime (tau, speedup,
+    losslessness; a tree of validate.tree_budget nodes, or a chain), logged as val/*."""
+
+    def __init__(self, cfg, run, data, target, training, held_out, loss, tracker):  # noqa: ANN001
+        self.cfg, self.run, self.data, self.target, self.training = cfg, run, data, target, training
+        self.held_out, self.loss, self.tracker = held_out, loss, tracker
+        self.model: Eagle3Model = training.drafter
+        self.runtime = None  # the target on the runtime, built at the first validation
+
+    def estimate(self) -> dict[str, Any]:
+        """Per-step top-k accuracy on held-out examples and the tau a chain / tree would reach."""
+        v, e = self.cfg.validate, self.cfg.eagle3
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for i in range(0, len(self.held_out), self.cfg.trainer.micro_batch):
+                _, _, m = self.loss(self.held_out[i : i + self.cfg.trainer.micro_batch])
+                for k, x in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(x)
+        per_group_rates(sums, [f"step{k}" for k in range(e.ttt_steps)])
+        acc = accuracies(sums, e.ttt_steps, v.top_k)
+        chain = [a[0] for a in acc] + [acc[-1][0]] * max(0, v.gamma - len(acc))  # steps past ttt_steps: as the last
+        out = {"step_top1": [a[0] for a in acc], "tau_estimate_chain": tau_estimate(chain[: v.gamma])}
+        if v.tree_budget:
+            depth = [acc[min(k, len(acc) - 1)] for k in range(v.gamma)]
+            tree = Tree.from_accuracies(depth, v.tree_budget)
+            out["tau_estimate_tree"] = Tree.expected_tau(tree.paths, depth)
+        return out
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        cfg, run, v = self.cfg, self.run, self.cfg.validate
+        metrics: dict[str, Any] = {}
+        if cfg.validate.enabled and run.main:
+            self.training.eval()
+            estimate = self.estimate() if self.held_out else {}
+            dtype = resolve_dtype("auto", run.device)
+            self.runtime = self.runtime or runtime_decoder(self.target, None, run.device, dtype)
+            drafter = Eagle3Drafter(copy.deepcopy(self.model), self.runtime, tree_budget=v.tree_budget,
+                                    top_k=v.top_k, gamma=v.gamma, name="eagle3")  # fmt: skip
+            metrics = validate(
+                self.runtime,
+                drafter,
+                self.data.val_prompts,
+                self.data.val_categories,
+                stop_ids=run.stop_ids,
+                gamma=v.gamma,
+                max_new_tokens=v.max_new_tokens,
+            )
+            metrics |= {"device": str(run.device), "nodes": v.tree_budget or None, **estimate}
+            self.training.train()
+            self.tracker.log({f"val/{k}": x for k, x in metrics.items() if isinstance(x, int | float)}, step)
+        run.accelerator.wait_for_everyone()
+        return metrics
+
+
+def write_export(cfg: DictConfig, run: Run, model: Eagle3Model, metrics: dict[str, Any], n_examples: int) -> Path:
+    """export/: the speculators folder (config.json, model.safetensors) and a model card."""
+    e, v = cfg.eagle3, cfg.validate
+    card = Card(
+        target=cfg.model.name,
+        recipe="eagle3",
+        data=cfg.data.train,
+        setup={
+            "taps (layers)": list(model.config.aux_layers),
+            "draft vocabulary": model.config.draft_vocab_size,
+            "training-time test": f"{e.ttt_steps} steps, decay {e.step_decay}",
+            "init": e.init,
+            "responses": cfg.responses.source,
+            "examples": n_examples,
+            "steps": cfg.trainer.max_steps,
+            "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
+            "validation drafts": f"tree of {v.tree_budget} nodes, depth {v.gamma}, top-{v.top_k}"
+            if v.tree_budget
+            else f"chain of {v.gamma}",
+        },
+        metrics=metrics or None,
+        title=f"EAGLE-3 drafter for {cfg.model.name}",
+        tags=["eagle3", "eagle"],
+        base_model=cfg.model.name if "/" in cfg.model.name else None,
+        hub_id=cfg.hub.repo_id,
+    )
+    drafting = {"gamma": v.gamma, "tree_budget": v.tree_budget, "top_k": v.top_k}
+    return export_eagle3(copy.deepcopy(model).float(), run.out / "export", card, verifier=cfg.model.name,
+                         verifier_path=run.target_path, drafting=drafting)  # fmt: skip
+
+
+@hydra.main(config_path="../conf", config_name="eagle3", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_or_exit(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""EAGLE-3 drafters on disk, in the speculators format vLLM and SGLang load.
+
+    save_speculators(model, folder, verifier="meta-llama/Llama-3.1-8B-Instruct", verifier_architectures=[...],
+                     speculative_tokens=5)
+    model, drafting = read_speculators(folder)             # an Eagle3Model (fp32, CPU) and the drafting settings
+    drafter = load_eagle3(folder, target)                  # an Eagle3Drafter for a LoadedModel
+    is_eagle3_folder(folder)                               # what `specdec generate --drafter DIR` detects
+
+config.json: `speculators_model_type: "eagle3"`, `speculators_config` (algorithm, proposal methods
+with the draft length, the verifier's name and architectures), `transformer_layer_config` (the
+drafter layer as a Llama config with one layer and the target's vocabulary), `draft_vocab_size`,
+`target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_residual`. model.safetensors:
+`fc.weight` [H, 3 H_target], `layers.0.*` (q/k/v read 2H; `hidden_norm`, `input_layernorm`,
+`post_attention_layernorm`, the MLP), `norm.weight`, `lm_head.weight` [draft_vocab, H], `d2t`
+(int64, target id = draft id + d2t[draft id]) and `t2d` (bool [target vocabulary]). The token
+embedding is the target's and is not stored. specdec's own drafting settings (tree budget, top-k)
+sit beside it in specdec_drafting.json.
+"""
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from specdec_runtime.errors import SpecdecError
+
+if TYPE_CHECKING:
+    from specdec_runtime.loading import LoadedModel
+
+WEIGHTS = "model.safetensors"
+DRAFTING = "specdec_drafting.json"  # {"gamma", "tree_budget", "top_k"}: how specdec drafts with it by default
+SPECULATORS_VERSION = "0.4.0"
+
+
+def layer_config(cfg: DecoderConfig) -> dict[str, Any]:
+    """transformer_layer_config: the drafter's layer as a one-layer Llama config (transformers' names)."""
+    out = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) or None,
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+    }
+    return out
+
+
+def speculators_config(
+    cfg: Eagle3Config, *, verifier: str, verifier_architectures: list[str], speculative_tokens: int
+) -> dict[str, Any]:
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
+        },
+        "transformer_layer_config": layer_config(cfg.layer),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        "norm_before_residual": cfg.norm_before_residual,
+        "embed_requires_grad": False,
+        "torch_dtype": "float32",
+    }
+
+
+def save_speculators(
+    model: Eagle3Model,
+    folder: Path,
+    *,
+    verifier: str,
+    verifier_architectures: list[str],
+    drafting: dict[str, int],
+) -> Path:
+    """config.json + model.safetensors (+ specdec_drafting.json) in `folder`."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = speculators_config(
+        model.config,
+        verifier=verifier,
+        verifier_architectures=verifier_architectures,
+        speculative_tokens=int(drafting["gamma"]),
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    sd["d2t"], sd["t2d"] = sd["d2t"].to(torch.int64), sd["t2d"].to(torch.bool)
+    save_file(sd, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / DRAFTING).write_text(json.dumps(drafting, indent=2) + "\n")
+    return folder
+
+
+def is_eagle3_folder(folder: Path) -> bool:
+    cfg = Path(folder) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("speculators_model_type") == "eagle3"
+    except ValueError:
+        return False
+
+
+def read_speculators(folder: Path) -> tuple[Eagle3Model, dict[str, int]]:
+    """The model (fp32, CPU) of a speculators EAGLE-3 folder and its drafting settings."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    folder = Path(folder)
+    c = json.loads((folder / "config.json").read_text())
+    if c.get("speculators_model_type") != "eagle3":
+        raise SpecdecError(f"{folder}/config.json is not a speculators EAGLE-3 config (speculators_model_type)")
+    if not (folder / WEIGHTS).is_file():
+        raise SpecdecError(f"{folder} has an EAGLE-3 config but no {WEIGHTS}")
+    settings = {k: v for k, v in c["transformer_layer_config"].items() if v is not None}
+    layer = DecoderConfig.from_hf(LlamaConfig(**settings))
+    sd = load_file(str(folder / WEIGHTS))
+    aux = tuple(c["eagle_aux_hidden_state_layer_ids"])
+    target_hidden = c.get("target_hidden_size") or sd["fc.weight"].shape[1] // len(aux)
+    cfg = Eagle3Config(
+        layer,
+        target_hidden,
+        aux,
+        c["draft_vocab_size"],
+        norm_before_residual=bool(c.get("norm_before_residual", False)),
+    )
+    model = Eagle3Model(cfg)
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in sd.items() if not k.startswith("embed")}, strict=False
+    )
+    if missing or unexpected:
+        raise SpecdecError(f"{folder}/{WEIGHTS}: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
+    method = next(iter(c["speculators_config"].get("proposal_methods") or []), {})
+    drafting = {"gamma": int(method.get("speculative_tokens", 4)), "tree_budget": 0, "top_k": 4}
+    if (folder / DRAFTING).is_file():
+        drafting |= json.loads((folder / DRAFTING).read_text())
+    return model.float().eval(), drafting
+
+
+def load_eagle3(folder: str | Path, target: "LoadedModel", tree_budget: int | None = None) -> Eagle3Drafter:
+    """An Eagle3Drafter from an exported folder for a loaded target (tree_budget: override; 0 = chains)."""
+    model, d = read_speculators(Path(folder))
+    budget = d["tree_budget"] if tree_budget is None else tree_budget
+    return Eagle3Drafter(model, target.model, tree_budget=budget, top_k=d["top_k"], gamma=d["gamma"],
+                         name=f"eagle3:{Path(folder).name}")  # fmt: skip

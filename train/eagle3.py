@@ -1,0 +1,172 @@
+"""Training EAGLE-3 drafters: the target's features, the training-time test, a warm start.
+
+    states = target_states(aux_layers=(2, 15, 27))           # for train.hidden_cache: taps [B, T, 3H], final [B, T, H]
+    model = Eagle3Training(drafter, embed_weight, head_rows, steps=4, decay=0.8)
+    loss, n, metrics = model(input_ids, attention_mask, target_mask, taps, final)   # sums over response tokens
+    tau = tau_estimate([0.8, 0.6, 0.5, 0.4])                 # tokens per target forward of a chain of 4
+
+The training-time test (EAGLE-3's "TTT") unrolls `steps` draft steps in training, each fed the
+drafter's own previous output as at run time. Row p of step 0 reads the target's features at p and
+the token at p + 1; row p of step k reads step k-1's output at p and the token at p + 1 + k, sits
+at rope position p + k and predicts the token at p + k + 2. It attends to step 0's rows 0..p (the
+positions whose features came from the target) and to its own earlier steps at p, which is
+exactly what the runtime drafter's row p + k sees after drafting k tokens past position p.
+
+The loss of step k is the forward KL from the target's next-token distribution restricted to the
+draft vocabulary (softmax over those logits) to the drafter's, at every response position whose
+token is in the draft vocabulary, weighted by decay^k and summed over tokens. Per step it logs the
+drafter's top-1 agreement with the target (conditional on the earlier steps' tokens being right,
+as a chain's acceptance is), from which tau_estimate predicts the tokens per target forward.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec_runtime.eagle3 import Eagle3Model, grouped
+
+
+def target_states(aux_layers: Sequence[int]) -> Callable[[Any, Tensor, Tensor], dict[str, Tensor]]:
+    """A train.hidden_cache states function: the residual streams after the aux layers,
+    concatenated ("taps" [B, T, 3H]), and the final-norm hidden state ("final" [B, T, H])."""
+
+    def states(target: Any, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
+        out = target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        hs = out.hidden_states  # [embeddings, after layer 1, ..., after the last layer + final norm]
+        return {"taps": torch.cat([hs[k] for k in aux_layers], dim=-1), "final": out.last_hidden_state}
+
+    return states
+
+
+def shifted(x: Tensor, k: int, fill: float | int = 0) -> Tensor:
+    """x [B, T, ...] moved k positions earlier (x[:, k:]), padded at the end with `fill` to length T."""
+    pad = x.new_full((x.shape[0], k, *x.shape[2:]), fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+class TTTAttention:
+    """Attention of the training-time test: step 0 is causal over step 0's rows; step k's row p
+    also sees its own earlier steps' keys at p (one extra key per step)."""
+
+    def __init__(self, length: int, device: torch.device):
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        h, scale = q.shape[1], q.shape[-1] ** -0.5
+        k0, v0 = grouped(self.keys[0], h), grouped(self.values[0], h)
+        first = (q @ k0.transpose(-1, -2)).float() * scale  # [B, h, T, T]
+        first = first.masked_fill(~self.causal, float("-inf"))
+        later = [(q * grouped(kj, h)).sum(-1, keepdim=True).float() * scale for kj in self.keys[1:]]  # [B, h, T, 1]
+        w = torch.cat([first, *later], dim=-1).softmax(-1).to(q.dtype)
+        T = first.shape[-1]
+        out = w[..., :T] @ v0
+        for j, vj in enumerate(self.values[1:]):
+            out = out + w[..., T + j : T + j + 1] * grouped(vj, h)
+        return out
+
+
+class Eagle3Training(nn.Module):
+    """The trained drafter with what it reads from the frozen target (kept out of its parameters:
+    checkpoints and DDP carry the drafter only); forward returns the TTT loss."""
+
+    def __init__(
+        self, drafter: Eagle3Model, embed: Tensor, head_rows: Tensor, *, steps: int, decay: float, ranks: int = 1
+    ):
+        super().__init__()
+        self.drafter, self.steps, self.decay, self.ranks = drafter, steps, decay, ranks
+        self._frozen = [
+            embed,
+            head_rows,
+        ]  # the target's embeddings [V, H_t] and lm_head rows of the draft vocab [N, H_t]
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, target_mask: Tensor, taps: Tensor, final: Tensor
+    ) -> tuple[Tensor, int, dict[str, Tensor]]:
+        """(loss summed over tokens and steps, response tokens, {step{k}/...: sums}); target_mask[b, t]
+        says input_ids[b, t + 1] is a response token. taps, final: the target's states [B, T, *]."""
+        d = self.drafter
+        embed, head_rows = self._frozen
+        T, dev = input_ids.shape[1], input_ids.device
+        target_mask = F.pad(target_mask, (0, T - target_mask.shape[1]))  # [B, T]
+        with torch.no_grad():
+            t_logits = (final @ head_rows.to(final.dtype).t()).float()  # [B, T, N]: the target's, draft vocabulary
+            t_logp = t_logits.log_softmax(-1)
+            t_arg = t_logits.argmax(-1)
+            in_vocab = d.t2d[input_ids]  # [B, T]: the (target-chosen) token is in the draft vocabulary
+        attend = TTTAttention(T, dev)
+        feature = d.project(taps.to(d.fc.weight.dtype))  # [B, T, H]
+        loss = t_logits.new_zeros(())
+        metrics: dict[str, Tensor] = {}
+        for k in range(self.steps):
+            tokens = shifted(input_ids, 1 + k)  # row p: the token at p + 1 + k
+            embeds = F.embedding(tokens, embed).to(feature.dtype)
+            positions = torch.arange(T, device=dev) + k
+            feature, logits = d.step(embeds, feature, positions, attend)
+            # Row p predicts the token at p + k + 2, which the target predicts at position p + k + 1.
+            valid = shifted(target_mask, k + 1, False) & shifted(in_vocab, k + 2, False)  # [B, T]
+            target_logp = shifted(t_logp, k + 1)
+            logp = logits.float().log_softmax(-1)
+            kl = (target_logp.exp() * (target_logp - logp)).sum(-1)  # [B, T]
+            loss = loss + self.decay**k * kl[valid].sum()
+            with torch.no_grad():  # how often the target's token is the drafter's rank-r choice, r < ranks
+                ranked = logits.topk(self.ranks, dim=-1).indices == shifted(t_arg, k + 1)[..., None]  # [B, T, R]
+                hits = ranked[valid].float().sum(0)  # [R]
+                metrics |= {f"step{k}/kl": kl[valid].sum().detach(), f"step{k}/top1": hits[0]}
+                metrics |= {f"step{k}/rank{r}": hits[r] for r in range(1, self.ranks)}
+                metrics[f"step{k}/count"] = torch.tensor(float(valid.sum()), device=dev)
+        return loss, int(target_mask.sum()), metrics
+
+
+def accuracies(stats: dict[str, float], steps: int, ranks: int) -> list[list[float]]:
+    """acc[k][r]: how often step k's rank-r candidate was the target's token (per_group_rates'd stats)."""
+    return [[stats[f"step{k}/top1" if r == 0 else f"step{k}/rank{r}"] for r in range(ranks)] for k in range(steps)]
+
+
+def tau_estimate(accuracies: Sequence[float]) -> float:
+    """Tokens per target forward of a greedy chain drafting len(accuracies) tokens, when draft k
+    is right with probability accuracies[k] given the ones before it were: 1 (the target's own
+    token) + the expected accepted length, sum_j prod_{i<j} acc_i."""
+    tau, run = 1.0, 1.0
+    for a in accuracies:
+        run *= a
+        tau += run
+    return tau
+
+
+@torch.no_grad()
+def warm_start(model: Eagle3Model, target: Any, draft_ids: Tensor) -> None:
+    """Start from the target instead of noise: lm_head = the target's rows of the draft vocabulary,
+    the final norm = the target's, the layer = the target's last layer reading the feature (its q, k, v
+    columns for the feature half; zero for the embedding half), fc = the high tap passed through.
+    The drafter then begins as the target's last layer applied to the high tap."""
+    lm, cfg = target.model, model.config
+    last = lm.layers[-1]
+    layer = model.layers[0]
+    H = cfg.layer.hidden_size
+    if H != cfg.target_hidden_size:
+        return  # a narrower drafter has no target weights to copy
+    model.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids.to(model.lm_head.weight.device)])
+    model.norm.weight.copy_(lm.norm.weight)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(layer.self_attn, name)
+        src = getattr(last.self_attn, name)
+        w.weight.zero_()
+        w.weight[:, H:].copy_(src.weight)
+        if w.bias is not None:
+            w.bias.copy_(src.bias)
+    layer.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(layer.mlp, name).load_state_dict(getattr(last.mlp, name).state_dict())
+    layer.hidden_norm.weight.copy_(last.input_layernorm.weight)
+    layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+    layer.input_layernorm.weight.fill_(1.0)
+    model.fc.weight.zero_()
+    n = len(cfg.aux_layers)
+    model.fc.weight[:, (n - 1) * H : n * H].copy_(torch.eye(H))
