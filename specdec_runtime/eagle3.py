@@ -173,13 +173,21 @@ class Eagle3Model(nn.Module):
         """The target's concatenated taps [..., 3 H_target] -> the drafter's feature [..., H]."""
         return self.fc(features)
 
-    def step(self, embeds: Tensor, feature: Tensor, positions: Tensor, attend: Attend) -> tuple[Tensor, Tensor]:
-        """One pass of the layer over T rows: (prenorm [B, T, H], draft logits [B, T, N]).
+    def layer_step(self, embeds: Tensor, feature: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        """One pass of the layer over T rows: the prenorm [B, T, H] (the next step's feature).
         embeds: the target's embeddings of the next tokens; feature: fc's output (first step) or
         the previous step's prenorm."""
         cos, sin = self.rope(positions, feature.dtype)
-        prenorm = self.layers[0](embeds, feature, cos, sin, attend, self.config.norm_before_residual)
-        return prenorm, self.lm_head(self.norm(prenorm))
+        return self.layers[0](embeds, feature, cos, sin, attend, self.config.norm_before_residual)
+
+    def head(self, prenorm: Tensor) -> Tensor:
+        """Draft logits [..., N] over the draft vocabulary."""
+        return self.lm_head(self.norm(prenorm))
+
+    def step(self, embeds: Tensor, feature: Tensor, positions: Tensor, attend: Attend) -> tuple[Tensor, Tensor]:
+        """layer_step and head: (prenorm [B, T, H], draft logits [B, T, N])."""
+        prenorm = self.layer_step(embeds, feature, positions, attend)
+        return prenorm, self.head(prenorm)
 
 
 # ---------------------------------------------------------------- drafter
@@ -233,9 +241,9 @@ class Eagle3Drafter(Drafter):
     def observe(self, hidden: Tensor) -> None:
         self.pending.append(hidden)  # the loop's copies (indexed rows), kept until the next draft
 
-    def _rows(self, tokens: Tensor, feature: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple:
+    def _rows(self, tokens: Tensor, feature: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
         """Run rows (tokens [T], features [T, H], rope positions [T]) writing K/V at slots [T],
-        each attending to the cache slots mask [T, S'] allows: (prenorm [T, H], logits [T, N])."""
+        each attending to the cache slots mask [T, S'] allows: their prenorm [T, H]."""
         S = mask.shape[1]
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -245,8 +253,7 @@ class Eagle3Drafter(Drafter):
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
         embeds = self.target.embed_tokens(tokens[None])
-        prenorm, logits = self.model.step(embeds, feature[None], positions, attend)
-        return prenorm[0], logits[0]
+        return self.model.layer_step(embeds, feature[None], positions, attend)[0]
 
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
@@ -259,10 +266,11 @@ class Eagle3Drafter(Drafter):
         # Rows L-1-k .. L-2: the accepted positions' features, with the tokens after them (causal).
         pos = torch.arange(L - 1 - k, L - 1, device=dev)
         mask = torch.arange(L - 1, device=dev)[None, :] <= pos[:, None]
-        prenorm, logits = self._rows(ids[L - k : L], feats, pos, pos, mask)
+        last = self._rows(ids[L - k : L], feats, pos, pos, mask)[-1]  # the newest row drafts the next token
+        logits = self.model.head(last)
         if self.tree_budget:
-            return self._tree(prenorm[-1], logits[-1], L, gamma)
-        return self._chain(prenorm[-1], logits[-1], L, gamma, sampler)
+            return self._tree(last, logits, L, gamma)
+        return self._chain(last, logits, L, gamma, sampler)
 
     def _chain(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int, sampler: Sampler) -> Draft:
         tokens, probs, dev = [], [], prenorm.device
@@ -279,8 +287,8 @@ class Eagle3Drafter(Drafter):
             if i + 1 < gamma:  # row L-1+i: the token just drafted, the previous row's prenorm
                 pos = torch.tensor([L - 1 + i], device=dev)
                 mask = torch.arange(L + i, device=dev)[None, :] <= pos[:, None]
-                prenorm, logits = self._rows(token.view(1), prenorm[None], pos, pos, mask)
-                prenorm, logits = prenorm[0], logits[0]
+                prenorm = self._rows(token.view(1), prenorm[None], pos, pos, mask)[0]
+                logits = self.model.head(prenorm)
         return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
 
     def _tree(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int) -> Draft:
@@ -305,8 +313,8 @@ class Eagle3Drafter(Drafter):
             for r, node in enumerate(frontier):
                 mask[r, ancestors[node]] = True
                 mask[r, slot + r] = True
-            rows_prenorm, rows_logits = self._rows(tok[frontier], features, pos, slots, mask)
-            child = rows_logits.float().log_softmax(-1).topk(K)  # [F, K]
+            rows_prenorm = self._rows(tok[frontier], features, pos, slots, mask)
+            child = self.model.head(rows_prenorm).float().log_softmax(-1).topk(K)  # [F, K]
             cand = (scores[frontier][:, None] + child.values).flatten()  # [F * K]
             keep = cand.topk(min(K, cand.numel())).indices
             base = len(parent)

@@ -137,14 +137,38 @@ def rope_table(cfg: DecoderConfig, size: int, device: torch.device, dtype: torch
     return torch.stack([cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], dim=1)
 
 
+Weights = tuple  # (W [in, out], W^T [out, in] or None, bias or None): a Linear's tensors (Linear.params)
+
+
+def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
+    """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. One row reads W [in, out]
+    (the GEMV streams it once). Several rows read W^T [out, in] when the model keeps it (on a
+    CPU, MKL's x @ W re-reads W for every few rows, while W^T @ x^T streams it once: verifying 5
+    tokens then costs about 1.25 decode steps instead of 2.5; scripts/bench_tree_cost.py)."""
+    weight, weight_t, bias = w
+    if weight_t is not None and x.shape[0] > 1:
+        if x.stride(-1) != 1:  # MKL's fast kernel wants x^T as a transposed view of row-major x
+            x = x.contiguous()
+        y = (weight_t @ x.t()).t()
+        if residual is None and bias is None:
+            return y.contiguous()  # row-major out, for the next product (and elementwise ops)
+        if residual is not None:
+            y = y + residual
+    elif residual is not None:
+        y = torch.addmm(residual, x, weight)  # the residual add folded into the matmul
+    elif bias is not None:
+        return torch.addmm(bias, x, weight)
+    else:
+        return x @ weight
+    return y if bias is None else y + bias
+
+
 def attention(
     x: Tensor,
     B: int,
     norm: Tensor,
-    qkv_w: Tensor,
-    qkv_b: Tensor | None,
-    o_w: Tensor,
-    o_b: Tensor | None,
+    qkv: Weights,
+    o: Weights,
     cos: Tensor,
     sin: Tensor,
     kv: Tensor,
@@ -158,52 +182,46 @@ def attention(
     every slot). A function of tensors, so that one compiled version serves every layer."""
     D = cos.shape[-1]
     Hkv = kv.shape[1] // 2
-    H = qkv_w.shape[1] // D - 2 * Hkv
+    H = qkv[0].shape[1] // D - 2 * Hkv
     T = x.shape[0] // B
     h = rms_norm(x, norm, eps)
-    qkv = h @ qkv_w if qkv_b is None else torch.addmm(qkv_b, h, qkv_w)
-    qkv = qkv.view(B, T, H + 2 * Hkv, D)
-    apply_rope_(qkv[:, :, : H + Hkv], cos, sin)  # q and k heads at once
-    kv[:, :, slots] = qkv[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
+    qkv_out = linear(h, qkv).view(B, T, H + 2 * Hkv, D)
+    apply_rope_(qkv_out[:, :, : H + Hkv], cos, sin)  # q and k heads at once
+    kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
     # GQA without repeating keys: each kv head's query group is folded into the sequence axis.
-    q = qkv[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
+    q = qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
     k, v = kv[:, :, :bound].split(Hkv, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-    y = torch.addmm(x, out, o_w)  # residual folded into the matmul
-    return y if o_b is None else y + o_b
+    return linear(out, o, residual=x)
 
 
-def mlp(
-    x: Tensor,
-    norm: Tensor,
-    gate_up_w: Tensor,
-    gate_up_b: Tensor | None,
-    down_w: Tensor,
-    down_b: Tensor | None,
-    eps: float,
-) -> Tensor:
+def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) -> Tensor:
     """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H]."""
     h = rms_norm(x, norm, eps)
-    gu = h @ gate_up_w if gate_up_b is None else torch.addmm(gate_up_b, h, gate_up_w)
-    gate, up = gu.chunk(2, dim=-1)
-    y = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), down_w)
-    return y if down_b is None else y + down_b
+    gate, up = linear(h, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate).mul_(up), down, residual=x)
 
 
 class Linear(nn.Module):
-    """Holds a weight stored [in, out] (+ bias); the decoder calls torch.mm/addmm on it directly."""
+    """Holds a weight stored [in, out] (+ bias), and on request its transpose [out, in] for
+    products of several rows (see linear()); the decoder calls linear() on them directly."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+        self.register_buffer("weight_t", None, persistent=False)
+
+    @property
+    def params(self) -> Weights:
+        return self.weight, self.weight_t, self.bias
+
+    def keep_transpose(self) -> None:
+        self.weight_t = self.weight.detach().t().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x.reshape(-1, x.shape[-1]) @ self.weight
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], -1)
+        return linear(x.reshape(-1, x.shape[-1]), self.params).view(*x.shape[:-1], -1)
 
 
 class Block(nn.Module):
@@ -220,12 +238,12 @@ class Block(nn.Module):
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
     @property
-    def attn_weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-        return self.attn_norm, self.qkv.weight, self.qkv.bias, self.o.weight, self.o.bias
+    def attn_weights(self) -> tuple[Tensor, Weights, Weights]:
+        return self.attn_norm, self.qkv.params, self.o.params
 
     @property
-    def mlp_weights(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-        return self.mlp_norm, self.gate_up.weight, self.gate_up.bias, self.down.weight, self.down.bias
+    def mlp_weights(self) -> tuple[Tensor, Weights, Weights]:
+        return self.mlp_norm, self.gate_up.params, self.down.params
 
 
 class AttentionInputs(NamedTuple):
@@ -297,10 +315,19 @@ class Decoder(nn.Module):
         self.layer_fns = (torch.compile(attention, **opts), torch.compile(mlp, **opts))
         self.steps = {}
 
+    def keep_transposes(self) -> None:
+        """Keep every weight also as [out, in] (twice the weights' memory): products of several
+        rows (verification, tree and batch forwards) then stream each weight once on a CPU."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.keep_transpose()
+
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """Token embeddings [B, T, H]."""
-        table = self.lm_head.weight.t() if self.embed is None else self.embed.weight
-        return F.embedding(ids, table)
+        if self.embed is not None:
+            return F.embedding(ids, self.embed.weight)
+        head = self.lm_head  # tied: the lm_head's [H, V] columns (rows of its transpose when kept)
+        return F.embedding(ids, head.weight.t() if head.weight_t is None else head.weight_t)
 
     def attention_inputs(
         self, start: Tensor, T: int, bound: int | None, tree: tuple[Tensor, Tensor] | None = None
@@ -454,12 +481,14 @@ class Decoder(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         vocab_ids: Tensor | None = None,
+        transposes: bool | None = None,
     ) -> "Decoder":
         """Build from a transformers Llama/Mistral/Qwen2 state dict: q/k/v and gate/up fused, weights
         stored [in, out], q/k rows interleaved for rope. Parameters are created once, on `device`.
 
         vocab_ids [N]: keep only these rows of the lm_head (a drafter's draft vocabulary); its
         logits then cover those ids, in that order, and `model.vocab_ids` maps them back.
+        transposes: also keep every weight [out, in] (see linear(); default: on a CPU).
         """
         with torch.device("meta"):
             model = cls(cfg, None if vocab_ids is None else len(vocab_ids))
@@ -478,6 +507,8 @@ class Decoder(nn.Module):
         model.load_state_dict(own, strict=True, assign=True)
         if vocab_ids is not None:
             model.vocab_ids = vocab_ids.to(device=device, dtype=torch.long)
+        if transposes if transposes is not None else torch.device(device).type == "cpu":
+            model.keep_transposes()
         return model.eval()
 
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Block, Decoder, KVCache, attention, block_state_dict, mlp, rms_norm
+from specdec_runtime.model import Block, Decoder, KVCache, Linear, attention, block_state_dict, mlp, rms_norm
 from specdec_runtime.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -81,6 +81,10 @@ class MTPHeads(nn.Module):
         for i in range(1, num_heads):
             own |= block_state_dict(cfg, sd, f"heads.{i}.", f"layers.{i - 1}.", prep)
         heads.load_state_dict(own, strict=True, assign=True)
+        if torch.device(device).type == "cpu":  # several rows per call: see model.linear
+            for m in heads.modules():
+                if isinstance(m, Linear):
+                    m.keep_transpose()
         return heads.eval()
 
 

@@ -95,32 +95,30 @@ class Eagle3Training(nn.Module):
         embed, head_rows = self._frozen
         T, dev = input_ids.shape[1], input_ids.device
         target_mask = F.pad(target_mask, (0, T - target_mask.shape[1]))  # [B, T]
-        with torch.no_grad():
-            t_logits = (final @ head_rows.to(final.dtype).t()).float()  # [B, T, N]: the target's, draft vocabulary
-            t_logp = t_logits.log_softmax(-1)
-            t_arg = t_logits.argmax(-1)
-            in_vocab = d.t2d[input_ids]  # [B, T]: the (target-chosen) token is in the draft vocabulary
+        in_vocab = d.t2d[input_ids]  # [B, T]: the (target-chosen) token is in the draft vocabulary
         attend = TTTAttention(T, dev)
         feature = d.project(taps.to(d.fc.weight.dtype))  # [B, T, H]
-        loss = t_logits.new_zeros(())
+        loss = feature.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
         for k in range(self.steps):
             tokens = shifted(input_ids, 1 + k)  # row p: the token at p + 1 + k
             embeds = F.embedding(tokens, embed).to(feature.dtype)
-            positions = torch.arange(T, device=dev) + k
-            feature, logits = d.step(embeds, feature, positions, attend)
-            # Row p predicts the token at p + k + 2, which the target predicts at position p + k + 1.
+            feature = d.layer_step(embeds, feature, torch.arange(T, device=dev) + k, attend)
+            # Row p predicts the token at p + k + 2, which the target predicts at position p + k + 1:
+            # logits only where that token is a response token in the draft vocabulary.
             valid = shifted(target_mask, k + 1, False) & shifted(in_vocab, k + 2, False)  # [B, T]
-            target_logp = shifted(t_logp, k + 1)
-            logp = logits.float().log_softmax(-1)
-            kl = (target_logp.exp() * (target_logp - logp)).sum(-1)  # [B, T]
-            loss = loss + self.decay**k * kl[valid].sum()
+            logp = d.head(feature[valid]).float().log_softmax(-1)  # [n, N]
+            with torch.no_grad():
+                t_logits = (shifted(final, k + 1)[valid] @ head_rows.to(final.dtype).t()).float()  # the target's
+                target_logp = t_logits.log_softmax(-1)
+            kl = (target_logp.exp() * (target_logp - logp)).sum(-1)  # [n]
+            loss = loss + self.decay**k * kl.sum()
             with torch.no_grad():  # how often the target's token is the drafter's rank-r choice, r < ranks
-                ranked = logits.topk(self.ranks, dim=-1).indices == shifted(t_arg, k + 1)[..., None]  # [B, T, R]
-                hits = ranked[valid].float().sum(0)  # [R]
-                metrics |= {f"step{k}/kl": kl[valid].sum().detach(), f"step{k}/top1": hits[0]}
+                ranked = logp.topk(self.ranks, dim=-1).indices == t_logits.argmax(-1)[:, None]  # [n, R]
+                hits = ranked.float().sum(0)  # [R]
+                metrics |= {f"step{k}/kl": kl.sum().detach(), f"step{k}/top1": hits[0]}
                 metrics |= {f"step{k}/rank{r}": hits[r] for r in range(1, self.ranks)}
-                metrics[f"step{k}/count"] = torch.tensor(float(valid.sum()), device=dev)
+                metrics[f"step{k}/count"] = torch.tensor(float(kl.numel()), device=dev)
         return loss, int(target_mask.sum()), metrics
 
 
@@ -142,31 +140,12 @@ def tau_estimate(accuracies: Sequence[float]) -> float:
 
 @torch.no_grad()
 def warm_start(model: Eagle3Model, target: Any, draft_ids: Tensor) -> None:
-    """Start from the target instead of noise: lm_head = the target's rows of the draft vocabulary,
-    the final norm = the target's, the layer = the target's last layer reading the feature (its q, k, v
-    columns for the feature half; zero for the embedding half), fc = the high tap passed through.
-    The drafter then begins as the target's last layer applied to the high tap."""
-    lm, cfg = target.model, model.config
-    last = lm.layers[-1]
-    layer = model.layers[0]
-    H = cfg.layer.hidden_size
-    if H != cfg.target_hidden_size:
+    """Start the output side from the target: lm_head = the target's rows of the draft vocabulary,
+    the final norm = the target's (the drafter's states then live in the target's final space from
+    the first step); fc and the layer keep their random initialization. (Copying the target's last
+    layer as well is no help: with the feature of position p it predicts the token at p + 1, which
+    the drafter already reads; it must predict p + 2.)"""
+    if model.config.layer.hidden_size != model.config.target_hidden_size:
         return  # a narrower drafter has no target weights to copy
     model.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids.to(model.lm_head.weight.device)])
-    model.norm.weight.copy_(lm.norm.weight)
-    for name in ("q_proj", "k_proj", "v_proj"):
-        w = getattr(layer.self_attn, name)
-        src = getattr(last.self_attn, name)
-        w.weight.zero_()
-        w.weight[:, H:].copy_(src.weight)
-        if w.bias is not None:
-            w.bias.copy_(src.bias)
-    layer.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        getattr(layer.mlp, name).load_state_dict(getattr(last.mlp, name).state_dict())
-    layer.hidden_norm.weight.copy_(last.input_layernorm.weight)
-    layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
-    layer.input_layernorm.weight.fill_(1.0)
-    model.fc.weight.zero_()
-    n = len(cfg.aux_layers)
-    model.fc.weight[:, (n - 1) * H : n * H].copy_(torch.eye(H))
+    model.norm.weight.copy_(target.model.norm.weight)

@@ -1,0 +1,234 @@
+"""EAGLE-3: the training-time test against a naive step-by-step computation (which is what the
+runtime drafter does), the runtime drafter's logits against the training module's, greedy output
+equal to the target's (chains and EAGLE-2 trees), sampled output following the target's exact
+distribution, the speculators format (names, shapes, dtypes; a round trip with identical logits),
+and bad values refused."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, grouped
+from specdec_runtime.eagle3_format import is_eagle3_folder, read_speculators, save_speculators
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.generate import generate
+from specdec_runtime.sampling import Sampler, warp
+from tests.conftest import runtime_from_hf, tiny_hf_model
+from train.eagle3 import Eagle3Training, shifted, target_states, warm_start
+
+AUX = (1, 2, 3)
+
+
+def tiny(seed: int = 0, vocab: int = 256, draft_vocab: int = 200, warm: bool = False, **over):
+    """(HF target, runtime target, EAGLE-3 model): a 4-layer target, a drafter over a draft vocabulary."""
+    hf = tiny_hf_model("llama", seed, num_hidden_layers=4, vocab_size=vocab, **over)
+    target = runtime_from_hf(hf)
+    cfg = Eagle3Config.for_target(target.config, aux_layers=AUX, draft_vocab_size=draft_vocab)
+    torch.manual_seed(seed + 1)
+    model = Eagle3Model(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    model.set_draft_vocab(ids)
+    if warm:
+        warm_start(model, hf, ids)
+    return hf, target, model.eval()
+
+
+def naive_logits(model: Eagle3Model, embed: torch.Tensor, taps: torch.Tensor, ids: torch.Tensor, steps: int) -> dict:
+    """{(k, p): logits of draft step k at row p}, computed as the runtime does: step 0 over the
+    sequence (causal), then, for each p, one row per step attending to step 0's rows 0..p and its
+    own earlier rows."""
+    T = ids.shape[1]
+    kept = {}
+
+    def causal(q, k, v):
+        kept["k"], kept["v"] = k, v
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, grouped(k, q.shape[1]), grouped(v, q.shape[1]), attn_mask=mask)
+
+    tokens = shifted(ids, 1)
+    pre0, log0 = model.step(F.embedding(tokens, embed), model.project(taps), torch.arange(T), causal)
+    out = {(0, p): log0[0, p] for p in range(T)}
+    for p in range(T):
+        feature, own = pre0[:, p : p + 1], []
+        for k in range(1, steps):
+            tok = ids[:, p + 1 + k : p + 2 + k] if p + 1 + k < T else torch.zeros(1, 1, dtype=torch.long)
+
+            def attend(q, kk, vv, own=own, p=p):
+                own.append((kk, vv))
+                K = torch.cat([kept["k"][:, :, : p + 1], *[o[0] for o in own]], dim=2)
+                V = torch.cat([kept["v"][:, :, : p + 1], *[o[1] for o in own]], dim=2)
+                return F.scaled_dot_product_attention(q, grouped(K, q.shape[1]), grouped(V, q.shape[1]))
+
+            feature, logits = model.step(F.embedding(tok, embed), feature, torch.tensor([p + k]), attend)
+            out[(k, p)] = logits[0, 0]
+    return out
+
+
+@torch.no_grad()
+def test_training_time_test_loss_equals_the_naive_step_by_step_loss():
+    hf, _, model = tiny()
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(1, 13, dtype=torch.bool)
+    mask[0, 4:] = True  # ids[5:] are the "response"
+    states = target_states(AUX)(hf, ids, torch.ones_like(ids))
+    embed = hf.get_input_embeddings().weight
+    head_rows = hf.get_output_embeddings().weight[model.draft_ids]
+    steps = 3
+    loss, _, metrics = Eagle3Training(model, embed, head_rows, steps=steps, decay=0.8)(
+        ids, torch.ones_like(ids), mask, states["taps"], states["final"]
+    )
+    naive = naive_logits(model, embed, states["taps"], ids, steps)
+    t_logp = (states["final"] @ head_rows.t()).log_softmax(-1)[0]  # [T, N]
+    want, T = torch.zeros(()), ids.shape[1]
+    full_mask = F.pad(mask, (0, 1))[0]
+    for k in range(steps):
+        for p in range(T):
+            if p + k + 2 < T and full_mask[p + k + 1] and model.t2d[ids[0, p + k + 2]]:
+                target = t_logp[p + k + 1]
+                want += 0.8**k * (target.exp() * (target - naive[(k, p)].log_softmax(-1))).sum()
+    assert metrics["step2/count"] > 0
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_runtime_drafter_logits_equal_the_training_modules():
+    """A chain drafted by the runtime drafter (its own KV cache, fed the target's taps as the generate
+    loop feeds them) comes from exactly the logits of the naive computation on the same sequence."""
+    hf, target, model = tiny()
+    drafter = Eagle3Drafter(model, target)
+    seen, real_head = [], drafter.model.head
+
+    def recording(prenorm):
+        out = real_head(prenorm)
+        seen.append(out.reshape(-1, out.shape[-1])[-1])
+        return out
+
+    drafter.model.head = recording
+    prompt = torch.arange(7, 19)
+    P = len(prompt)
+    target.setup_cache(1, 64)
+    prefill = target.prefill(prompt[None], logits_to_keep=1, taps=drafter.hidden_layers)
+    ids = torch.cat([prompt, prefill.logits[0, -1].argmax().view(1)])
+    drafter.start(prompt, 64)
+    drafter.observe(prefill.hidden[0])
+    draft = drafter.draft(ids, 3, Sampler())
+    del drafter.model.head  # the class's own again
+    seq = torch.cat([ids, draft.tokens])[None]
+    taps = target_states(AUX)(hf, seq, torch.ones_like(seq))["taps"]
+    naive = naive_logits(model, hf.get_input_embeddings().weight, taps, seq, 3)
+    assert len(seen) == 3  # the prompt's newest row, then two single rows
+    for k in range(3):  # step k of row P - 1: what drafted token k
+        torch.testing.assert_close(seen[k], naive[(k, P - 1)], rtol=1e-4, atol=1e-5)
+        assert int(draft.tokens[k]) == int(model.draft_ids[naive[(k, P - 1)].argmax()])
+
+
+@pytest.mark.parametrize("budget", [0, 6, 16])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_speculative_output_equals_the_targets(budget, kind):
+    hf, target, model = tiny()
+    if kind == "qwen2":  # a target with qkv biases: a drafter layer with them too
+        hf = tiny_hf_model("qwen2", 0, num_hidden_layers=4)
+        target = runtime_from_hf(hf)
+        cfg = Eagle3Config.for_target(target.config, aux_layers=AUX, draft_vocab_size=200)
+        model = Eagle3Model(cfg).eval()
+        model.set_draft_vocab(torch.arange(200))
+    prompt = [5, 9, 11, 2, 7, 3, 9, 11]
+    ar = generate(target, prompt, None, max_new_tokens=48)
+    drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
+    spec = generate(target, prompt, drafter, max_new_tokens=48, gamma=4)
+    assert spec.tokens == ar.tokens and spec.stats.drafted > 0
+    if budget:  # trees of the budget's size, up to gamma deep
+        assert spec.stats.drafted_at[0] == spec.stats.rounds_with_draft and len(spec.stats.drafted_at) <= 4
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_sampled_output_follows_the_targets_exact_distribution(budget):
+    """Two sampled tokens (top-k 3): the joint of the output equals the target's, enumerated
+    exactly (chi-square), with a chain drafter (rejection sampling) and a tree (multi-candidate)."""
+    from tests.conftest import assert_follows
+
+    hf, target, model = tiny(warm=True, initializer_range=0.05)
+    prompt, w = [3, 1, 4], dict(temperature=1.0, top_k=3)
+    target.setup_cache(1, 8)
+    first = warp(target.prefill(torch.tensor([prompt])).logits[0, -1], **w)
+    V = first.numel()
+    joint = torch.zeros(V * V)
+    for a in first.nonzero().flatten().tolist():
+        second = warp(target.prefill(torch.tensor([prompt + [a]])).logits[0, -1], **w)
+        for b in second.nonzero().flatten().tolist():
+            joint[a * V + b] = first[a] * second[b]
+    drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=2)
+    samples = []
+    for seed in range(1500):
+        out = generate(target, prompt, drafter, Sampler(**w, seed=seed), max_new_tokens=2, gamma=2)
+        samples.append(out.tokens[0] * V + out.tokens[1])
+    assert_follows(samples, joint)
+
+
+def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
+    _, target, model = tiny()
+    H, N, V = 64, 200, 256
+    drafting = {"gamma": 4, "tree_budget": 8, "top_k": 3}
+    arch = ["LlamaForCausalLM"]
+    folder = save_speculators(
+        model, tmp_path / "e3", verifier="org/target", verifier_architectures=arch, drafting=drafting
+    )
+    from safetensors.torch import load_file
+
+    sd = load_file(str(folder / "model.safetensors"))
+    heads, kv = target.config.num_heads * 16, target.config.num_kv_heads * 16
+    expected = {  # the speculators EAGLE-3 checkpoint (vLLM's llama_eagle3 / speculators' Eagle3 model)
+        "fc.weight": ((H, 3 * H), torch.float32),
+        "layers.0.self_attn.q_proj.weight": ((heads, 2 * H), torch.float32),
+        "layers.0.self_attn.k_proj.weight": ((kv, 2 * H), torch.float32),
+        "layers.0.self_attn.v_proj.weight": ((kv, 2 * H), torch.float32),
+        "layers.0.self_attn.o_proj.weight": ((H, heads), torch.float32),
+        "layers.0.mlp.gate_proj.weight": ((128, H), torch.float32),
+        "layers.0.mlp.up_proj.weight": ((128, H), torch.float32),
+        "layers.0.mlp.down_proj.weight": ((H, 128), torch.float32),
+        "layers.0.hidden_norm.weight": ((H,), torch.float32),
+        "layers.0.input_layernorm.weight": ((H,), torch.float32),
+        "layers.0.post_attention_layernorm.weight": ((H,), torch.float32),
+        "norm.weight": ((H,), torch.float32),
+        "lm_head.weight": ((N, H), torch.float32),
+        "d2t": ((N,), torch.int64),
+        "t2d": ((V,), torch.bool),
+    }
+    assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == expected
+    ids = model.draft_ids
+    assert torch.equal(torch.arange(N) + sd["d2t"], ids) and torch.equal(sd["t2d"].nonzero().flatten(), ids)
+    c = json.loads((folder / "config.json").read_text())
+    assert c["speculators_model_type"] == "eagle3" and c["draft_vocab_size"] == N and c["target_hidden_size"] == H
+    assert c["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    s = c["speculators_config"]
+    assert s["algorithm"] == "eagle3" and s["verifier"] == {
+        "name_or_path": "org/target",
+        "architectures": ["LlamaForCausalLM"],
+    }
+    assert s["proposal_methods"][0]["speculative_tokens"] == 4 and s["default_proposal_method"] == "greedy"
+    t = c["transformer_layer_config"]
+    assert (t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]) == (H, 1, V)
+    assert is_eagle3_folder(folder)
+    loaded, drafting = read_speculators(folder)
+    assert drafting == {"gamma": 4, "tree_budget": 8, "top_k": 3}
+    x, f = torch.randn(1, 5, H), torch.randn(1, 5, 3 * H)
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q, grouped(k, q.shape[1]), grouped(v, q.shape[1]), is_causal=True)
+
+    with torch.no_grad():
+        a = model.step(x, model.project(f), torch.arange(5), causal)
+        b = loaded.step(x, loaded.project(f), torch.arange(5), causal)
+    torch.testing.assert_close(b[1], a[1], rtol=0, atol=0)
+
+
+def test_bad_aux_layers_and_draft_vocabularies_are_refused():
+    _, target, _ = tiny()
+    with pytest.raises(SpecdecError, match=r"aux layers \[1, 2, 4\]: give 3 layer counts in 1..3"):
+        Eagle3Config.for_target(target.config, aux_layers=(1, 2, 4), draft_vocab_size=10)
+    with pytest.raises(SpecdecError, match=r"draft vocabulary of 300 tokens: need 1..256"):
+        Eagle3Config.for_target(target.config, aux_layers=AUX, draft_vocab_size=300)
