@@ -48,7 +48,7 @@ from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids, with_responses
 from train.draft_model import draft_vocab
-from train.eagle3 import Eagle3Training, accuracies, target_states, tau_estimate, warm_start
+from train.eagle3 import Eagle3Training, accuracies, replay_chain, target_states, tau_estimate, warm_start
 from train.export import Card, export_eagle3
 from train.hidden_cache import cache_key, cache_states, padded
 from train.launch import check_launch
@@ -69,6 +69,8 @@ def check_config(cfg: DictConfig) -> Eagle3Config:
         problems.append(f"eagle3.step_decay={e.step_decay} must be in (0, 1]")
     if e.init not in INITS:
         problems.append(f"eagle3.init='{e.init}': use target (warm start from the target) or random")
+    if not e.train_lm_head and e.init != "target":
+        problems.append("eagle3.train_lm_head=false keeps the lm_head as initialized: it needs eagle3.init=target")
     if v.gamma < 1 or v.tree_budget < 0 or v.top_k < 1 or v.estimate_prompts < 0:
         problems.append("validate: need gamma >= 1, tree_budget >= 0, top_k >= 1 and estimate_prompts >= 0")
     refuse(problems)
@@ -94,9 +96,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     head_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(run.device)]
     embed = target.get_input_embeddings().weight.detach()
     training = Eagle3Training(model, embed, head_rows, steps=e.ttt_steps, decay=e.step_decay, ranks=cfg.validate.top_k)
-    optimizer, scheduler = make_optimizer_from(cfg, model.parameters())
+    optimizer, scheduler = make_optimizer_from(cfg, [p for p in model.parameters() if p.requires_grad])
     wrapped, optimizer, scheduler = accelerator.prepare(training, optimizer, scheduler)
-    loss = TTTLoss(wrapped, run, target, config)
+    loss = TTTLoss(wrapped, run, target, config, e.prompt_loss)
     tracker = make_tracker(cfg, run, "eagle3")
     resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
     validation = Validation(cfg, run, data, target, accelerator.unwrap_model(wrapped), held_out, loss, tracker)
@@ -139,6 +141,8 @@ def build_model(cfg: DictConfig, run: Run, config: Eagle3Config, target: Any, dr
     model.set_draft_vocab(draft_ids)
     if cfg.eagle3.init == "target":
         warm_start(model, target, draft_ids)
+    if not cfg.eagle3.train_lm_head:  # as speculators trains: the target's own rows, frozen
+        model.lm_head.requires_grad_(False)
     covered = sum(1 for _ in draft_ids)
     run.say(
         f"EAGLE-3 drafter: taps after layers {list(config.aux_layers)} of {target.config.num_hidden_layers}, "
@@ -174,13 +178,14 @@ def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config
 
 class TTTLoss:
     """The loop's loss_fn: the training-time test on a micro-batch, on cached target states when
-    there are, else on states computed now by the frozen target."""
+    there are, else on states computed now by the frozen target. prompt_loss: the prompts'
+    positions carry loss as well (the target's distributions there are data too)."""
 
-    def __init__(self, wrapped: Any, run: Run, target: Any, config: Eagle3Config):
-        self.wrapped, self.run, self.target = wrapped, run, target
+    def __init__(self, wrapped: Any, run: Run, target: Any, config: Eagle3Config, prompt_loss: bool = False):
+        self.wrapped, self.run, self.target, self.prompt_loss = wrapped, run, target, prompt_loss
         self.states = target_states(config.aux_layers)
 
-    def __call__(self, mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    def __call__(self, mb: list[Example], responses_only: bool = False) -> tuple:
         device = self.run.device
         batch = {k: v.to(device) for k, v in collate(mb, self.run.pad_id).items()}
         ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -190,8 +195,9 @@ class TTTLoss:
             with torch.no_grad():
                 s = self.states(self.target, ids, attn)
             taps, final = s["taps"], s["final"]
+        mask = batch["target_mask"] if responses_only or not self.prompt_loss else attn[:, 1:].bool()
         with self.run.accelerator.autocast():
-            return self.wrapped(ids, attn, batch["target_mask"], taps, final)
+            return self.wrapped(ids, attn, mask, taps, final)
 
 
 def estimate_examples(cfg: DictConfig, run: Run, data: Conversations, target: Any) -> list[Example]:
@@ -216,22 +222,35 @@ class Validation:
         self.runtime = None  # the target on the runtime, built at the first validation
 
     def estimate(self) -> dict[str, Any]:
-        """Per-step top-k accuracy on held-out examples and the tau a chain / tree would reach."""
-        v, e = self.cfg.validate, self.cfg.eagle3
+        """On held-out examples: per-step top-k accuracy, the tau a greedy chain reaches (the
+        training-time test's hits replayed round by round, as the runtime decodes) and the tau
+        the best static tree of tree_budget nodes would reach with those accuracies."""
+        v, e, B = self.cfg.validate, self.cfg.eagle3, self.cfg.trainer.micro_batch
         sums: dict[str, float] = {}
+        tokens = forwards = 0
+        lengths = []  # tokens each held-out response makes (within the budget)
         with torch.no_grad():
-            for i in range(0, len(self.held_out), self.cfg.trainer.micro_batch):
-                _, _, m = self.loss(self.held_out[i : i + self.cfg.trainer.micro_batch])
+            for i in range(0, len(self.held_out), B):
+                batch = self.held_out[i : i + B]
+                self.training.hits = []
+                _, _, m = self.loss(batch, responses_only=True)
                 for k, x in m.items():
                     sums[k] = sums.get(k, 0.0) + float(x)
+                for b, ex in enumerate(batch):
+                    first = ex.loss_mask.index(True)  # the prefill makes the first response token
+                    end = min(len(ex.ids), first + v.max_new_tokens)
+                    t, f = replay_chain([h[b] for h in self.training.hits], first, end, v.gamma)
+                    tokens, forwards = tokens + t, forwards + f
+                    lengths.append(t)
+        self.training.hits = None
         per_group_rates(sums, [f"step{k}" for k in range(e.ttt_steps)])
         acc = accuracies(sums, e.ttt_steps, v.top_k)
-        chain = [a[0] for a in acc] + [acc[-1][0]] * max(0, v.gamma - len(acc))  # steps past ttt_steps: as the last
-        out = {"step_top1": [a[0] for a in acc], "tau_estimate_chain": tau_estimate(chain[: v.gamma])}
+        out = {"step_top1": [a[0] for a in acc], "tau_estimate_chain": tokens / max(forwards, 1)}
         if v.tree_budget:
             depth = [acc[min(k, len(acc) - 1)] for k in range(v.gamma)]
             tree = Tree.from_accuracies(depth, v.tree_budget)
-            out["tau_estimate_tree"] = Tree.expected_tau(tree.paths, depth)
+            per_round = Tree.expected_tau(tree.paths, depth)  # tokens per verify round; + each prefill's one
+            out["tau_estimate_tree"] = sum(lengths) / sum(1 + (n - 1) / per_round for n in lengths)
         return out
 
     def __call__(self, step: int) -> dict[str, Any]:

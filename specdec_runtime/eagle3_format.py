@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 WEIGHTS = "model.safetensors"
 DRAFTING = "specdec_drafting.json"  # {"gamma", "tree_budget", "top_k"}: how specdec drafts with it by default
-SPECULATORS_VERSION = "0.4.0"
+SPECULATORS_VERSION = "0.7.0.1"  # the speculators release whose format this follows (vLLM does not check it)
+SGLANG = "sglang"  # export/sglang/: SGLang's flat layout (LlamaForCausalLMEagle3, midlayer.* weights)
 
 
 def layer_config(cfg: DecoderConfig) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def speculators_config(
     cfg: Eagle3Config, *, verifier: str, verifier_architectures: list[str], speculative_tokens: int
 ) -> dict[str, Any]:
     return {
-        "architectures": ["Eagle3Speculator"],
+        "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
@@ -81,12 +82,33 @@ def speculators_config(
         },
         "transformer_layer_config": layer_config(cfg.layer),
         "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
-        "norm_before_residual": cfg.norm_before_residual,
+        # null when the drafter is as wide as the target (as speculators writes it)
+        "target_hidden_size": None if cfg.target_hidden_size == cfg.layer.hidden_size else cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),  # vLLM's ids: the residual stream entering layer i
+        "norm_before_residual": cfg.norm_before_residual,  # always written: vLLM reads a missing one as true
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
         "embed_requires_grad": False,
-        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+        "dtype": "float32",
     }
+
+
+def sglang_layout(model: Eagle3Model, num_target_layers: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, weights) in SGLang's flat EAGLE-3 layout: a one-layer Llama config with
+    architecture LlamaForCausalLMEagle3 and `midlayer.*` weights. SGLang reads aux layer ids as
+    "after layer i" and adds one: they are written only when they differ from its default."""
+    cfg = model.config
+    config = layer_config(cfg.layer) | {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": cfg.draft_vocab_size,
+    }
+    n = num_target_layers
+    if list(cfg.aux_layers) != [2, n // 2, n - 3]:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.aux_layers]}
+    sd = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights(model).items()}
+    return config, sd
 
 
 def save_speculators(
@@ -96,8 +118,10 @@ def save_speculators(
     verifier: str,
     verifier_architectures: list[str],
     drafting: dict[str, int],
+    num_target_layers: int | None = None,
 ) -> Path:
-    """config.json + model.safetensors (+ specdec_drafting.json) in `folder`."""
+    """config.json + model.safetensors (+ specdec_drafting.json) in `folder`; with
+    num_target_layers, also SGLang's flat layout in folder/sglang/."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -108,11 +132,22 @@ def save_speculators(
         speculative_tokens=int(drafting["gamma"]),
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(weights(model), str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / DRAFTING).write_text(json.dumps(drafting, indent=2) + "\n")
+    if num_target_layers is not None:
+        sg_config, sg_weights = sglang_layout(model, num_target_layers)
+        (folder / SGLANG).mkdir(exist_ok=True)
+        (folder / SGLANG / "config.json").write_text(json.dumps(sg_config, indent=2) + "\n")
+        save_file(sg_weights, str(folder / SGLANG / WEIGHTS), metadata={"format": "pt"})
+    return folder
+
+
+def weights(model: Eagle3Model) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: d2t int64, t2d bool, the rest as the model holds them (the token
+    embedding is the target's and is left out: vLLM and SGLang then take the target's)."""
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     sd["d2t"], sd["t2d"] = sd["d2t"].to(torch.int64), sd["t2d"].to(torch.bool)
-    save_file(sd, str(folder / WEIGHTS), metadata={"format": "pt"})
-    (folder / DRAFTING).write_text(json.dumps(drafting, indent=2) + "\n")
-    return folder
+    return sd
 
 
 def is_eagle3_folder(folder: Path) -> bool:
@@ -134,6 +169,11 @@ def read_speculators(folder: Path) -> tuple[Eagle3Model, dict[str, int]]:
     c = json.loads((folder / "config.json").read_text())
     if c.get("speculators_model_type") != "eagle3":
         raise SpecdecError(f"{folder}/config.json is not a speculators EAGLE-3 config (speculators_model_type)")
+    unsupported = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if c.get(k)]
+    if unsupported or c["transformer_layer_config"].get("num_hidden_layers", 1) != 1:
+        raise SpecdecError(
+            f"{folder}: an EAGLE-3 variant specdec_runtime does not run ({', '.join(unsupported) or 'several layers'})"
+        )
     if not (folder / WEIGHTS).is_file():
         raise SpecdecError(f"{folder} has an EAGLE-3 config but no {WEIGHTS}")
     settings = {k: v for k, v in c["transformer_layer_config"].items() if v is not None}

@@ -81,6 +81,7 @@ class Eagle3Training(nn.Module):
     ):
         super().__init__()
         self.drafter, self.steps, self.decay, self.ranks = drafter, steps, decay, ranks
+        self.hits: list[Tensor] | None = None  # set to [] to record each step's top-1 hits [B, T] (replay_chain)
         self._frozen = [
             embed,
             head_rows,
@@ -115,6 +116,8 @@ class Eagle3Training(nn.Module):
             loss = loss + self.decay**k * kl.sum()
             with torch.no_grad():  # how often the target's token is the drafter's rank-r choice, r < ranks
                 ranked = logp.topk(self.ranks, dim=-1).indices == t_logits.argmax(-1)[:, None]  # [n, R]
+                if self.hits is not None:
+                    self.hits.append(torch.zeros_like(valid).masked_scatter_(valid, ranked[:, 0]))
                 hits = ranked.float().sum(0)  # [R]
                 metrics |= {f"step{k}/kl": kl.sum().detach(), f"step{k}/top1": hits[0]}
                 metrics |= {f"step{k}/rank{r}": hits[r] for r in range(1, self.ranks)}
@@ -125,6 +128,24 @@ class Eagle3Training(nn.Module):
 def accuracies(stats: dict[str, float], steps: int, ranks: int) -> list[list[float]]:
     """acc[k][r]: how often step k's rank-r candidate was the target's token (per_group_rates'd stats)."""
     return [[stats[f"step{k}/top1" if r == 0 else f"step{k}/rank{r}"] for r in range(ranks)] for k in range(steps)]
+
+
+def replay_chain(hits: Sequence[Tensor], first: int, end: int, gamma: int) -> tuple[int, int]:
+    """(tokens, target forwards) of greedy chain decoding of one sequence from the training-time
+    test's hits (hits[k][p]: step k of row p drafts the target's token p + k + 2), replayed as the
+    runtime decodes: the prefill makes the token at `first`; a round whose newest token is at q
+    drafts from row q - 1 and accepts its leading hits, then the target adds one; until `end`
+    (exclusive: the tokens generated, at most the generation budget)."""
+    q, forwards = first, 1
+    while q + 1 < end:
+        accepted = 0
+        for k in range(min(gamma, end - q - 2, len(hits))):  # drafts stop before the budget's last token
+            if not hits[k][q - 1]:
+                break
+            accepted += 1
+        q += accepted + 1
+        forwards += 1
+    return end - first, forwards
 
 
 def tau_estimate(accuracies: Sequence[float]) -> float:

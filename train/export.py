@@ -342,12 +342,15 @@ def push_to_hub(
 def export_eagle3(
     model: Any, out: Path, card: Card, *, verifier: str, verifier_path: Path, drafting: dict[str, int]
 ) -> Path:
-    """An EAGLE-3 drafter in the speculators format (specdec_runtime.eagle3_format), with its card."""
+    """An EAGLE-3 drafter in the speculators format (specdec_runtime.eagle3_format) and SGLang's
+    flat layout (sglang/), with its card."""
     from specdec_runtime.eagle3_format import save_speculators
 
-    architectures = json.loads((Path(verifier_path) / "config.json").read_text()).get("architectures") or []
+    target_config = json.loads((Path(verifier_path) / "config.json").read_text())
+    architectures = target_config.get("architectures") or []
     get, folder = _fetch(card, out)
     k, tree = drafting["gamma"], drafting["tree_budget"]
+    topk, draft_tokens = (drafting["top_k"], tree + 1) if tree else (1, k + 1)  # SGLang: a chain is top-k 1
     drafts = f"a tree of {tree} nodes up to {k} deep" if tree else f"chains of {k} tokens"
     usage = f"""With specdec's runtime ({drafts}; greedy output identical to the target's):
 
@@ -362,16 +365,18 @@ vllm serve {card.target} \\
     --speculative-config '{{"model": "{folder}", "num_speculative_tokens": {k}, "method": "eagle3"}}'
 ```
 
-With SGLang (not run by specdec's tests):
+With SGLang, from its flat layout in `{folder}/sglang` (not run by specdec's tests):
 
 ```bash
 python -m sglang.launch_server --model-path {card.target} --speculative-algorithm EAGLE3 \\
-    --speculative-draft-model-path {folder} --speculative-num-steps {k} --speculative-eagle-topk {drafting["top_k"]} \\
-    --speculative-num-draft-tokens {max(tree, k) + 1}
+    --speculative-draft-model-path {folder}/sglang --speculative-num-steps {k} \\
+    --speculative-eagle-topk {topk} --speculative-num-draft-tokens {draft_tokens}
 ```"""
 
     def write(tmp: Path) -> None:
-        save_speculators(model, tmp, verifier=verifier, verifier_architectures=architectures, drafting=drafting)
+        layers = target_config.get("num_hidden_layers")
+        save_speculators(model, tmp, verifier=verifier, verifier_architectures=architectures, drafting=drafting,
+                         num_target_layers=layers)  # fmt: skip
         write_card(tmp, "eagle3", card, usage)
 
     return _atomic(out, write)

@@ -175,7 +175,12 @@ def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
     drafting = {"gamma": 4, "tree_budget": 8, "top_k": 3}
     arch = ["LlamaForCausalLM"]
     folder = save_speculators(
-        model, tmp_path / "e3", verifier="org/target", verifier_architectures=arch, drafting=drafting
+        model,
+        tmp_path / "e3",
+        verifier="org/target",
+        verifier_architectures=arch,
+        drafting=drafting,
+        num_target_layers=4,
     )
     from safetensors.torch import load_file
 
@@ -202,7 +207,9 @@ def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
     ids = model.draft_ids
     assert torch.equal(torch.arange(N) + sd["d2t"], ids) and torch.equal(sd["t2d"].nonzero().flatten(), ids)
     c = json.loads((folder / "config.json").read_text())
-    assert c["speculators_model_type"] == "eagle3" and c["draft_vocab_size"] == N and c["target_hidden_size"] == H
+    assert c["speculators_model_type"] == "eagle3" and c["draft_vocab_size"] == N and c["target_hidden_size"] is None
+    assert c["architectures"] == ["Eagle3DraftModel"] and c["norm_before_residual"] is False
+    assert not (c["norm_before_fc"] or c["fc_norm"] or c["norm_output"])
     assert c["eagle_aux_hidden_state_layer_ids"] == list(AUX)
     s = c["speculators_config"]
     assert s["algorithm"] == "eagle3" and s["verifier"] == {
@@ -213,6 +220,12 @@ def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
     t = c["transformer_layer_config"]
     assert (t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]) == (H, 1, V)
     assert is_eagle3_folder(folder)
+    # SGLang's flat layout: midlayer.* names, ids "after layer i" (aux (1, 2, 3) is not its default (2, 2, 1))
+    sg = json.loads((folder / "sglang" / "config.json").read_text())
+    assert sg["architectures"] == ["LlamaForCausalLMEagle3"] and sg["draft_vocab_size"] == N
+    assert sg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]} and sg["num_hidden_layers"] == 1
+    flat = load_file(str(folder / "sglang" / "model.safetensors"))
+    assert set(flat) == {k.replace("layers.0.", "midlayer.") for k in expected}
     loaded, drafting = read_speculators(folder)
     assert drafting == {"gamma": 4, "tree_budget": 8, "top_k": 3}
     x, f = torch.randn(1, 5, H), torch.randn(1, 5, 3 * H)

@@ -70,7 +70,7 @@ def logged(out: Path, key: str = "train/loss") -> list[float]:
 
 
 # Pinned on torch 2.13.0 CPU (seeded tiny run; data, draft vocabulary and drafter are deterministic).
-PINNED = [0.0] * 8
+PINNED = [4.984434605, 3.863532066, 3.148716211, 2.535025835, 2.213505745, 2.11321497, 1.858638763, 1.918724298]
 
 
 def test_tiny_run_pinned_losses_learning_validation_and_export(tiny, tmp_path):
@@ -98,12 +98,13 @@ def test_tiny_run_pinned_losses_learning_validation_and_export(tiny, tmp_path):
 
 def test_the_drafter_learns_the_targets_continuations(tiny, tmp_path):
     """A longer run on the tiny data: the drafter is accepted (tau > 1.5), and the training-time
-    estimate of a chain's tau is within 20% of what a chain measures on the same held-out prompts."""
+    estimate of a chain's tau (its hits replayed round by round) is within 10% of what the runtime
+    measures with a chain."""
     out = tmp_path / "learn"
     more = ("trainer.max_steps=80", "trainer.checkpoint_every=80", "validate.tree_budget=0", "validate.num_prompts=8")
     v = eagle3.run(config(tiny, out, *more))["validation"]
     assert v["lossless"] == 1.0 and v["tau"] > 1.5
-    assert v["tau_estimate_chain"] == pytest.approx(v["tau"], rel=0.2)
+    assert v["tau_estimate_chain"] == pytest.approx(v["tau"], rel=0.1)
 
 
 def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
@@ -131,15 +132,17 @@ def test_live_target_states_give_the_cached_runs_losses(tiny, tmp_path):
     assert logged(live) == pytest.approx(logged(cached), rel=1e-5, abs=1e-6)
 
 
-def test_two_processes_match_one_and_zero3_is_refused(tiny, tmp_path):
+def test_two_processes_match_one_on_the_same_global_batch_and_zero3_is_refused(tiny, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.enabled=false")
-    eagle3.run(config(tiny, one, *short))
+    eagle3.run(config(tiny, one, *short, "trainer.micro_batch=4"))  # 4 x 2 accumulation = 2 x 2 x 2 processes
     proc = accelerate_launch("multi_cpu", ["-m", "recipes.eagle3", *overrides(tiny, two, *short)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert logged(two) == pytest.approx(logged(one), rel=1e-5, abs=1e-6)
-    refused = accelerate_launch("deepspeed_zero3", ["-m", "recipes.eagle3", *overrides(tiny, tmp_path / "z3", *short)])
-    assert refused.returncode == 2 and "recipes.eagle3 does not run under DeepSpeed ZeRO-3" in refused.stderr
+    z3 = tmp_path / "z3"
+    refused = accelerate_launch("deepspeed_zero3", ["-m", "recipes.eagle3", *overrides(tiny, z3, *short)])
+    assert refused.returncode != 0 and "recipes.eagle3 does not run under DeepSpeed ZeRO-3" in refused.stderr
+    assert not (z3 / "checkpoints").exists() and not (z3 / "log.jsonl").exists()
 
 
 @pytest.mark.parametrize(
