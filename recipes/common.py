@@ -264,7 +264,7 @@ class Conversations:
 
 def conversations(cfg: DictConfig, run: Run) -> Conversations:
     d = cfg.data
-    train = load_conversations(d.train, split=d.split, column=d.column, max_samples=d.max_samples)
+    train = spread(load_conversations(d.train, split=d.split, column=d.column), d.max_samples or 0)
     all_val = load_conversations(d.val, split=d.split, column=d.column)
     val = spread(list(all_val), cfg.validate.num_prompts)
     chosen = {id(c) for c in val}

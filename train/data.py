@@ -48,7 +48,10 @@ class Conversation:
 
     @property
     def prompt(self) -> list[dict[str, str]]:
-        """The messages before the first assistant reply (what a response is generated for)."""
+        """What a response is generated for: the whole conversation when it ends with the user's
+        turn (a multi-turn prompt), else the messages before the first assistant reply."""
+        if self.messages[-1]["role"] == "user":
+            return self.messages
         for i, m in enumerate(self.messages):
             if m["role"] == "assistant":
                 return self.messages[:i]

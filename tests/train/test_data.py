@@ -20,7 +20,10 @@ def smol_tokenizer():
 
 def test_builtin_prompt_set_is_large_varied_and_split():
     train, val = load_conversations("builtin:train"), load_conversations("builtin:val")
-    assert len(train) + len(val) >= 300
+    assert len(train) >= 2000 and len(val) == 64
+    assert len({c.messages[0]["content"] for c in train}) == len(train)  # no prompt twice
+    multi = [c for c in train if len(c.messages) == 3]
+    assert len(multi) > 100 and all(c.prompt == c.messages for c in multi)  # the model answers the follow-up
     cats = {"coding", "math", "reasoning", "writing", "summarization", "extraction", "translation", "qa"}
     assert set(Counter(c.category for c in train)) == cats == set(Counter(c.category for c in val))
     assert not {c.messages[0]["content"] for c in train} & {c.messages[0]["content"] for c in val}
