@@ -96,6 +96,10 @@ METRIC_NAMES = {
     "max_new_tokens": "max new tokens",
     "prompts": "validation prompts",
     "device": "device",
+    "measured_against": "speedup measured against",
+    "target_agreement": "adapted target: teacher-forced top-1 agreement with the original",
+    "target_kl": "adapted target: KL(original || adapted) per token",
+    "identical_to_original": "adapted target: greedy outputs identical to the original's",
 }
 
 LOSSLESS = "Speculative decoding with it produces exactly the target's output."

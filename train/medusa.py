@@ -159,3 +159,23 @@ def head_accuracies(
             hits[k] += (cand == labels[rows + 2 + k][:, None]).double().sum(0).cpu()
             counts[k] += rows.numel()
     return hits / counts.clamp(min=1)[:, None]
+
+
+@torch.no_grad()
+def target_drift(original: Any, adapted: Any, sequences: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    """How far Medusa-2 moved the target: on sequences (prompt ids, response ids), teacher-forced,
+    the top-1 agreement of the adapted target with the original and the mean KL(original ||
+    adapted) per response token (both causal LMs, on the same device)."""
+    device = next(adapted.parameters()).device
+    agree = kl = tokens = 0.0
+    for prompt, response in sequences:
+        if not response:
+            continue
+        ids = torch.tensor([list(prompt) + list(response)], device=device)
+        rows = slice(len(prompt) - 1, ids.shape[1] - 1)  # the positions that predict the response
+        p = causal_lm(original)(input_ids=ids).logits[0, rows].float().log_softmax(-1)
+        q = causal_lm(adapted)(input_ids=ids).logits[0, rows].float().log_softmax(-1)
+        agree += (p.argmax(-1) == q.argmax(-1)).sum().item()
+        kl += (p.exp() * (p - q)).sum().item()
+        tokens += len(response)
+    return {"agreement": agree / max(tokens, 1), "kl": kl / max(tokens, 1), "tokens": int(tokens)}
