@@ -1,10 +1,15 @@
-"""What a token tree costs the target: one forward over 1 + N tree tokens vs one decode step.
+"""The CPU cost model of speculative decoding on a target: what each piece costs in decode steps.
 
-    python scripts/bench_tree_cost.py --nodes 4,8,16,32,64
+    python scripts/bench_cost.py                      # fp32, and bf16 when this CPU does it fast
+    python scripts/bench_cost.py --dtypes float32,bfloat16 --nodes 4,8,16
 
-Trees come from a fixed accuracy profile (their shape barely matters for the cost); the prefix is
-200 tokens. Prints ms per forward and the ratio to a single-token decode step, plus the cost of 4
-Medusa heads with shared and with own lm_heads.
+For each dtype: one decode step (ms) against the memory-bandwidth bound (the bytes a step reads,
+weights + KV cache, over the bandwidth measured here by streaming a 1 GiB tensor), so the table
+says how close autoregressive decoding runs to the machine's limit; one verify forward of a chain
+of T tokens and of a tree of 1 + N tokens, in decode steps; and one draft step of each drafter
+kind (an EAGLE-3 layer + draft-vocabulary head, 4 Medusa heads, the target's first 2 layers), in
+decode steps. Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay.
+Random drafter weights of the shapes the recipes train (the cost does not depend on the values).
 """
 
 import argparse
@@ -12,44 +17,120 @@ import time
 
 import torch
 
-from specdec_runtime.loading import load_model
+from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from specdec_runtime.loading import fast_bf16, load_model, resolve_dtype
 from specdec_runtime.medusa import MedusaHeads
+from specdec_runtime.model import Decoder
+from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
+
+PREFIX = 200  # tokens in the cache while timing
 
 
 def timed(fn, reps: int) -> float:
+    """Median ms of fn over reps calls (after 3 warm-up calls)."""
     for _ in range(3):
         fn()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps * 1000
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1000
+
+
+def bandwidth_gbs() -> float:
+    """Read bandwidth (GB/s) with torch's threads: the best of 5 sums over a 1 GiB fp32 tensor."""
+    x = torch.ones(256 * 2**20)
+    best = min(timed(x.sum, 1) for _ in range(5)) / 1000
+    return x.numel() * 4 / best / 1e9
+
+
+def step_bytes(m: Decoder, prefix: int) -> int:
+    """Bytes one decode step reads: every weight matrix once (the embedding row aside) + the K/V of prefix tokens."""
+    c = m.config
+    seen, total = set(), 0
+    for name, p in m.named_parameters():
+        if "embed" in name and not c.tie_word_embeddings or p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * prefix * m.dtype.itemsize
+    return total + kv
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--nodes", default="4,8,16,24,32,48,64")
+    p.add_argument("--dtypes", default="auto", help="auto: float32, plus bfloat16 where this CPU does it fast")
+    p.add_argument("--chains", default="1,2,3,4,5,6,8")
+    p.add_argument("--nodes", default="4,8,12,16,32")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
-    m = load_model(args.target, device="cpu", dtype="float32").model
-    V, H = m.config.vocab_size, m.config.hidden_size
-    m.setup_cache(1, 512)
-    m.prefill(torch.randint(0, V, (1, 200)))
-    one = timed(lambda: m(torch.randint(0, V, (1, 1)), 200), args.reps)
-    print(f"| tokens verified | ms | x one decode step |\n|---|---:|---:|\n| 1 | {one:.1f} | 1.00 |")
-    profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
-    for n in map(int, args.nodes.split(",")):
-        t = Tree.from_accuracies(profile, n).tensors
-        x = torch.randint(0, V, (1, n + 1))
-        ms = timed(lambda x=x, t=t: m(x, 200, tree=(t["depth"], t["ancestor"])), args.reps)
-        print(f"| 1 + {n} | {ms:.1f} | {ms / one:.2f} |")
-    for share in (True, False):
-        heads = MedusaHeads(H, V, 4, 1, share_lm_head=share)
-        h = torch.randn(1, H)
-        with torch.inference_mode():
-            ms = timed(lambda heads=heads, h=h: heads(h, m.lm_head).topk(8, dim=-1), args.reps)
-        print(f"4 heads, {'shared' if share else 'own'} lm_head: {ms:.1f} ms per round")
+    cpu = torch.device("cpu")
+    dtypes = (
+        ["float32"] + (["bfloat16"] if fast_bf16(cpu).fast else []) if args.dtypes == "auto" else args.dtypes.split(",")
+    )
+    bw = bandwidth_gbs()
+    print(f"{fast_bf16(cpu)}; {torch.get_num_threads()} threads; read bandwidth {bw:.1f} GB/s")
+    for dtype in dtypes:
+        dt = resolve_dtype(dtype, cpu)
+        loaded = load_model(args.target, device="cpu", dtype=dt)
+        m = loaded.model
+        V, H = m.config.vocab_size, m.config.hidden_size
+        m.setup_cache(1, PREFIX + 512)
+        m.prefill(torch.randint(0, V, (1, PREFIX)))
+        x = torch.randint(0, V, (1, 1))
+        one = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
+        bound = step_bytes(m, PREFIX) / (bw * 1e9) * 1000
+        print(
+            f"\n## {dtype}: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth bound {bound:.1f} ms "
+            f"({step_bytes(m, PREFIX) / 1e6:.0f} MB a step): {bound / one:.0%} of the limit\n"
+        )
+        print("| verified | ms | decode steps |\n|---|---:|---:|")
+        for T in map(int, args.chains.split(",")):
+            x = torch.randint(0, V, (1, T))
+            ms = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
+            print(f"| chain of {T} | {ms:.1f} | {ms / one:.2f} |")
+        profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
+        for n in map(int, args.nodes.split(",")):
+            t = Tree.from_accuracies(profile, n).tensors
+            x = torch.randint(0, V, (1, n + 1))
+            ms = timed(lambda m=m, x=x, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"])), args.reps)
+            print(f"| tree of 1 + {n} | {ms:.1f} | {ms / one:.2f} |")
+        print("\n| draft step | ms | decode steps |\n|---|---:|---:|")
+        for gamma in (1, 3):
+            e3 = Eagle3Drafter(
+                Eagle3Model(Eagle3Config.for_target(m.config, aux_layers=None, draft_vocab_size=8192)), m
+            )
+            e3.model.set_draft_vocab(torch.arange(8192))
+            ids, feature = torch.randint(0, V, (PREFIX + 1,)), torch.randn(1, 3 * H, dtype=dt)
+            e3.start(ids, PREFIX + 64)
+
+            def eagle3(e3=e3, ids=ids, gamma=gamma, feature=feature):
+                e3.observe(feature)
+                e3.draft(ids, gamma, Sampler())
+
+            ms = timed(eagle3, args.reps)
+            print(
+                f"| EAGLE-3 (8192-token head), chain of {gamma}: per step | {ms / gamma:.2f} | {ms / gamma / one:.3f} |"
+            )
+        for share in (True, False):
+            heads = MedusaHeads(H, V, 4, 1, share_lm_head=share).to(dt)
+            h = torch.randn(1, H, dtype=dt)
+            with torch.inference_mode():
+                ms = timed(lambda heads=heads, h=h, m=m: heads(h, m.lm_head).topk(8, dim=-1), args.reps)
+            print(f"| 4 Medusa heads, {'shared' if share else 'own'} lm_head: a round | {ms:.2f} | {ms / one:.3f} |")
+        for gamma in (1, 3):
+            early = build_drafter("truncate:2", loaded)  # the target's first 2 layers + its lm_head
+            ids = torch.randint(0, V, (PREFIX + 1,))
+            early.start(ids, PREFIX + 64)
+            ms = timed(lambda d=early, ids=ids, gamma=gamma: d.draft(ids, gamma, Sampler()), args.reps)
+            print(
+                f"| truncate:2 (2 layers + the full lm_head), chain of {gamma}: per step | {ms / gamma:.2f} | "
+                f"{ms / gamma / one:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@
     results = run_bench(target, prompts, encoded, ["none", "ngram"], settings, Path("runs/bench"))
     write_report(Path("runs/bench"), settings, results)    # results.md, results.json, *.png
 
-For each drafter and mode, every prompt is decoded autoregressively, then with the drafter, then
-by transformers' (assisted) generation with the same drafter where transformers has one
-(reference.py), interleaved per prompt so that machine noise hits all three alike: speedups are
-ratios measured side by side. A spec may end in @G to fix its draft length (`truncate:28@1`).
+Each mode first decodes every prompt autoregressively, once, shared by all drafters (it was once
+per drafter: a bench of 3 drafters now decodes 3 + 1 passes instead of 6); then each drafter decodes
+every prompt, followed per prompt by transformers' (assisted) generation with the same drafter
+where transformers has one (reference.py). Speedups are ratios of runs in the same bench, on the
+same prompts. The expected duration is printed after the first autoregressive pass, and one
+progress bar covers the whole bench. A spec may end in @G to fix its draft length (`truncate:28@1`).
 
 Each drafter's results go to drafters/<name>.json as soon as it is done; a rerun with the same
 settings skips what is there (an interrupted bench resumes per drafter). A drafter that fails to
@@ -124,23 +126,73 @@ def run_bench(
     *,
     modes: Sequence[str] = MODES,
     hf: Any = None,
-    progress: Callable | None = None,
+    progress: Callable[[int], Any] | None = None,
 ) -> list[dict]:
-    """Measure every drafter spec in every mode; one result dict per spec (see module docstring)."""
-    results = []
+    """Measure every drafter spec in every mode; one result dict per spec (see module docstring).
+    progress(total) -> a tqdm-like bar over every decoding run of the bench (update, set_postfix_str)."""
+    done = {}
     for spec in specs:
         path = out / "drafters" / f"{slug(spec)}.json"
-        done = json.loads(path.read_text()) if path.is_file() else {"drafter": spec, "modes": {}}
-        todo = [m for m in modes if m not in done["modes"]]
-        if not todo:
+        done[spec] = json.loads(path.read_text()) if path.is_file() else {"drafter": spec, "modes": {}}
+        if all(m in done[spec]["modes"] for m in modes):
             print(f"bench: {spec}: resumed from {path}", file=sys.stderr)
-        for mode in todo:
-            done["modes"][mode] = bench_drafter(target, prompts, encoded, spec, mode, settings, hf, progress)
-            ok = {m: e for m, e in done["modes"].items() if "error" not in e}  # failures are retried next run
-            if ok:
-                write_json(path, {"drafter": spec, "modes": ok})
-        results.append({"drafter": spec, "modes": {m: done["modes"][m] for m in modes if m in done["modes"]}})
-    return results
+    todo = [(spec, m) for spec in specs for m in modes if m not in done[spec]["modes"]]
+    ar_modes = sorted({m for _, m in todo}, key=modes.index)
+    bar = progress(len(encoded) * (len(ar_modes) + len(todo))) if progress and todo else None
+    ar: dict[str, list[dict]] = {}
+    for mode in ar_modes:  # one autoregressive pass per mode, shared by every drafter
+        ar[mode] = autoregressive(target, encoded, mode, settings, bar)
+        if len(ar) == 1:
+            print(expected_duration(ar[mode], len(ar_modes) - 1, len(todo), hf is not None), file=sys.stderr)
+    for spec, mode in todo:
+        if bar is not None:
+            bar.set_postfix_str(f"{spec} ({mode})")
+        done[spec]["modes"][mode] = bench_drafter(target, prompts, encoded, spec, mode, settings, hf, ar[mode], bar)
+        ok = {m: e for m, e in done[spec]["modes"].items() if "error" not in e}  # failures are retried next run
+        if ok:
+            write_json(out / "drafters" / f"{slug(spec)}.json", {"drafter": spec, "modes": ok})
+    if bar is not None:
+        bar.close()
+    return [{"drafter": s, "modes": {m: done[s]["modes"][m] for m in modes if m in done[s]["modes"]}} for s in specs]
+
+
+def sampler_for(settings: BenchSettings, mode: str, device: torch.device) -> Callable[[int], Sampler]:
+    """Prompt i's sampler in a mode (seeded per prompt: the drafter's run and the AR run draw alike)."""
+    temperature = settings.temperature if mode == "sampled" else 0.0
+    return lambda i: Sampler(temperature, settings.top_k, settings.top_p, seed=settings.seed + i, device=device)
+
+
+def autoregressive(
+    target: LoadedModel, encoded: Sequence[list[int]], mode: str, settings: BenchSettings, bar: Any
+) -> list[dict]:
+    """Every prompt decoded autoregressively in a mode (after a warm-up): {"tokens", "stats"} each."""
+    sampler = sampler_for(settings, mode, target.model.device)
+    kw = dict(max_new_tokens=settings.max_new_tokens, stop_ids=target.stop_ids, capacity=capacity_of(encoded, settings))
+    if bar is not None:
+        bar.set_postfix_str(f"autoregressive ({mode})")
+    generate(target.model, encoded[0], None, sampler(0), **{**kw, "max_new_tokens": min(8, settings.max_new_tokens)})
+    runs = []
+    for i, ids in enumerate(encoded):
+        g = generate(target.model, ids, None, sampler(i), **kw)
+        runs.append({"tokens": g.tokens, "stats": g.stats.to_dict()})
+        if bar is not None:
+            bar.update()
+    return runs
+
+
+def capacity_of(encoded: Sequence[list[int]], settings: BenchSettings) -> int:
+    return max(len(ids) for ids in encoded) + settings.max_new_tokens  # caches sized once
+
+
+def expected_duration(ar: Sequence[dict], ar_left: int, runs: int, reference: bool) -> str:
+    """What the rest of the bench should take, from the first autoregressive pass: each drafter run
+    about one AR pass, transformers' reference about one more."""
+    seconds = sum(r["stats"]["total_s"] for r in ar)
+    left = seconds * (ar_left + runs * (2 if reference else 1))
+    return (
+        f"bench: autoregressive decoding took {seconds:.0f} s for {len(ar)} prompts; {runs} drafter runs "
+        f"{'with' if reference else 'without'} transformers' reference should take about {left / 60:.0f} min more"
+    )
 
 
 def bench_drafter(
@@ -151,25 +203,27 @@ def bench_drafter(
     mode: str,
     settings: BenchSettings,
     hf: Any,
-    progress: Callable | None,
+    ar: Sequence[dict],
+    bar: Any = None,
 ) -> dict:
-    """One drafter in one mode: {"gamma", "reference", "records": [...]} or {"error": ...}."""
+    """One drafter in one mode against the mode's shared autoregressive runs `ar`: {"gamma",
+    "reference", "records": [...]} or {"error": ...}."""
     name, gamma = parse_spec(spec)
     try:
         drafter = build_drafter(name, target, confidence=settings.confidence, dtype=settings.dtype, tree=settings.tree)
     except Exception as e:  # reported in the table; the other drafters still run
+        if bar is not None:
+            bar.update(len(encoded))
         return failure(spec, "load", e)
     gamma = gamma or settings.gamma or (drafter.gamma if drafter is not None else None) or 4
-    temperature = settings.temperature if mode == "sampled" else 0.0
     assist, why_not = reference_kwargs(hf, drafter, name, gamma, settings)
-
+    temperature = settings.temperature if mode == "sampled" else 0.0
     sampling = dict(temperature=temperature, top_k=settings.top_k, top_p=settings.top_p)
     kw = dict(max_new_tokens=settings.max_new_tokens, stop_ids=target.stop_ids)
-    capacity = max(len(ids) for ids in encoded) + settings.max_new_tokens  # caches sized once
-    ours = dict(kw, capacity=capacity)
-    spec_kw = dict(ours, gamma=gamma, adaptive_gamma=settings.adaptive_gamma, max_gamma=settings.max_gamma)
+    spec_kw = dict(kw, capacity=capacity_of(encoded, settings), gamma=gamma)
+    spec_kw |= dict(adaptive_gamma=settings.adaptive_gamma, max_gamma=settings.max_gamma)
     device = target.model.device
-    sampler = lambda i: Sampler(**sampling, seed=settings.seed + i, device=device)  # noqa: E731
+    sampler = sampler_for(settings, mode, device)
 
     def reference(ids: list[int], i: int, max_new_tokens: int) -> tuple[list[int], float]:
         t0 = perf_counter(device)
@@ -179,28 +233,36 @@ def bench_drafter(
 
     try:  # warm-up: first calls pay for allocations, lazy init and compilation
         short = min(8, settings.max_new_tokens)
-        generate(target.model, encoded[0], None, sampler(0), **{**ours, "max_new_tokens": short})
         if drafter is not None:
             generate(target.model, encoded[0], drafter, sampler(0), **{**spec_kw, "max_new_tokens": short})
         if assist is not None:
             reference(encoded[0], 0, short)
         records = []
-        bar = progress(list(enumerate(encoded)), f"{spec} ({mode})") if progress else enumerate(encoded)
-        for i, ids in bar:
-            ar = generate(target.model, ids, None, sampler(i), **ours)
-            run = ar if drafter is None else generate(target.model, ids, drafter, sampler(i), **spec_kw)
+        for i, ids in enumerate(encoded):
+            base = ar[i]
+            if drafter is None:
+                tokens, stats = base["tokens"], base["stats"]
+            else:
+                run = generate(target.model, ids, drafter, sampler(i), **spec_kw)
+                tokens, stats = run.tokens, run.stats.to_dict()
             record = {
                 "id": prompts[i].id,
                 "category": prompts[i].category or "-",
-                "tokens": run.tokens,
-                "stats": run.stats.to_dict(),
-                "ar_tokens": ar.tokens,
-                "ar_stats": ar.stats.to_dict(),
+                "tokens": tokens,
+                "stats": stats,
+                "ar_tokens": base["tokens"],
+                "ar_stats": base["stats"],
             }
             if assist is not None:
-                tokens, seconds = reference(ids, i, settings.max_new_tokens)
-                record["reference"] = {"new_tokens": len(tokens), "seconds": seconds, "same_as_ar": tokens == ar.tokens}
+                ref_tokens, seconds = reference(ids, i, settings.max_new_tokens)
+                record["reference"] = {
+                    "new_tokens": len(ref_tokens),
+                    "seconds": seconds,
+                    "same_as_ar": ref_tokens == base["tokens"],
+                }
             records.append(record)
+            if bar is not None:
+                bar.update()
     except Exception as e:
         return failure(spec, "decode", e)
     return {"gamma": gamma if drafter is not None else 0, "reference": why_not or "yes", "records": records}

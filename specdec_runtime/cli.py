@@ -25,7 +25,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The target and where it runs (every command that decodes)."""
     p.add_argument("--target", default="smollm2-135m-instruct", help="bundled alias, local HF folder or Hub id")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (fp32 on CPU, bf16 on CUDA) | fast (bf16 where measured faster than fp32) | float32 | bfloat16 "
+        "| float16",
+    )
     p.add_argument(
         "--compile",
         default="auto",
@@ -310,7 +315,7 @@ def run_bench(args: argparse.Namespace) -> None:
     )
     bench.check_settings(args.output_dir, settings, args.fresh)
     hf = None if args.no_reference else load_hf_model(args.target, dtype=m.dtype).to(m.device).eval()
-    bar = lambda xs, desc: tqdm(xs, desc=desc, unit="prompt", file=sys.stderr)  # noqa: E731
+    bar = lambda total: tqdm(total=total, desc="bench", unit="run", file=sys.stderr)  # noqa: E731
     results = bench.run_bench(
         target, prompts, encoded, specs, settings, args.output_dir, modes=modes, hf=hf, progress=bar
     )

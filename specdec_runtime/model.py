@@ -144,7 +144,7 @@ def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
     """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. One row reads W [in, out]
     (the GEMV streams it once). Several rows read W^T [out, in] when the model keeps it (on a
     CPU, MKL's x @ W re-reads W for every few rows, while W^T @ x^T streams it once: verifying 5
-    tokens then costs about 1.25 decode steps instead of 2.5; scripts/bench_tree_cost.py)."""
+    tokens then costs 1.3-1.6 decode steps instead of 2.5; scripts/bench_cost.py)."""
     weight, weight_t, bias = w
     if weight_t is not None and x.shape[0] > 1:
         if x.stride(-1) != 1:  # MKL's fast kernel wants x^T as a transposed view of row-major x

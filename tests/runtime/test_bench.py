@@ -66,6 +66,10 @@ def test_outputs_and_numbers_follow_from_the_records(benched):
         assert (sum(drafted) > 0) == (spec != "none")
         assert row["gamma"] == {"none": 0, "ngram": 4, "truncate:2@2": 2}[spec]
     assert rows[("none", "greedy")]["categories"]["all"]["tau"] == 1.0
+    for mode in ("greedy", "sampled"):  # one autoregressive pass per mode, shared by every drafter
+        ar = [json.loads((benched / "drafters" / f"{bench.slug(d)}.json").read_text())["modes"][mode]["records"]
+              for d in ("none", "ngram", "truncate:2@2")]  # fmt: skip
+        assert [r["ar_stats"] for r in ar[0]] == [r["ar_stats"] for r in ar[1]] == [r["ar_stats"] for r in ar[2]]
     table = (benched / "results.md").read_text()
     assert "| truncate:2@2 | greedy | 2 |" in table and "failed to load: unknown model" in table
     assert "tau / speedup by category" in table
@@ -79,8 +83,12 @@ def test_reruns_resume_per_drafter_and_refuse_other_settings(benched, tiny_dir, 
     calls = []
     real = bench.bench_drafter
     monkeypatch.setattr(bench, "bench_drafter", lambda *a: calls.append((a[3], a[4])) or real(*a))
+    ar_passes = []
+    real_ar = bench.autoregressive
+    monkeypatch.setattr(bench, "autoregressive", lambda *a: ar_passes.append(a[2]) or real_ar(*a))
     main(argv(tiny_dir, tmp_path, benched, "none,ngram,truncate:1"))
     assert calls == [("truncate:1", "greedy"), ("truncate:1", "sampled")]
+    assert ar_passes == ["greedy", "sampled"]  # one shared autoregressive pass per mode
     assert (benched / "drafters" / "ngram.json").read_text() == before
     with pytest.raises(SystemExit):
         main(argv(tiny_dir, tmp_path, benched, "none", "--max-new-tokens", "21"))
