@@ -31,7 +31,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype, resolve_model, stop_token_ids
+from specdec_runtime.loading import (
+    cache_root,
+    fast_bf16,
+    load_hf_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+    stop_token_ids,
+)
 from train import checkpoint
 from train.data import (
     Batches,
@@ -57,8 +65,8 @@ from train.tracking import Tracker
 def check_trainer(cfg: DictConfig) -> list[str]:
     """Problems with the keys every training recipe has (trainer, tracking, validate, device)."""
     problems = check_tracking(cfg)
-    if cfg.trainer.mixed_precision not in ("auto", *MIXED_PRECISION):
-        problems.append(f"trainer.mixed_precision='{cfg.trainer.mixed_precision}': use auto, no, bf16 or fp16")
+    if cfg.trainer.mixed_precision not in ("auto", "fast", *MIXED_PRECISION):
+        problems.append(f"trainer.mixed_precision='{cfg.trainer.mixed_precision}': use auto, fast, no, bf16 or fp16")
     for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
         if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
             problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
@@ -98,9 +106,14 @@ def check_conversations(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
     problems = check_trainer(cfg)
     if cfg.responses.source not in sources:
         problems.append(f"responses.source='{cfg.responses.source}': use one of {', '.join(sources)}")
-    for key in ("max_new_tokens", "batch_size"):
+    for key in ("max_new_tokens", "batch_size", "samples_per_prompt"):
         if cfg.responses[key] < 1:
             problems.append(f"responses.{key}={cfg.responses[key]} must be >= 1")
+    if cfg.responses.samples_per_prompt > 1 and (cfg.responses.temperature <= 0 or cfg.responses.source != "target"):
+        problems.append(
+            f"responses.samples_per_prompt={cfg.responses.samples_per_prompt} samples the target several times "
+            "per prompt: it needs responses.source=target and responses.temperature > 0 (greedy repeats itself)"
+        )
     return problems
 
 
@@ -182,7 +195,9 @@ def start(cfg: DictConfig) -> Run:
         raise SpecdecError(f"output_dir={out} is a file: give a folder for the run (it is created if missing)")
     trainer = cfg.get("trainer")
     accelerator = make_accelerator(
-        mixed_precision=mixed_precision(trainer.mixed_precision) if trainer is not None else "no",
+        mixed_precision=mixed_precision(trainer.mixed_precision, cfg.get("device", "auto"))
+        if trainer is not None
+        else "no",
         grad_accum=trainer.grad_accum if trainer is not None else 1,
         micro_batch=trainer.micro_batch if trainer is not None else 1,
         max_grad_norm=trainer.max_grad_norm if trainer is not None else None,
@@ -227,10 +242,15 @@ def resumed_changes(cfg: DictConfig, out: Path) -> dict[str, tuple]:
     return changes
 
 
-def mixed_precision(setting: str) -> str:
-    """trainer.mixed_precision: auto takes the accelerate config's (`accelerate launch`), else no."""
+def mixed_precision(setting: str, device: str) -> str:
+    """trainer.mixed_precision: auto takes the accelerate config's (`accelerate launch`), else no;
+    fast is bf16 where this machine multiplies bf16 measurably faster than fp32 (said), else no."""
     if setting == "auto":
         return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if setting == "fast":
+        speed = fast_bf16(resolve_device("cpu" if device == "cpu" else "auto"))
+        print(f"trainer.mixed_precision=fast: {speed}", file=sys.stderr)
+        return "bf16" if speed.fast else "no"
     return setting
 
 
@@ -274,6 +294,8 @@ def conversations(cfg: DictConfig, run: Run) -> Conversations:
 
 def load_target(cfg: DictConfig, run: Run, dtype: torch.dtype | None = None) -> Any:
     """The HF target on the run's device, frozen, in `dtype` (default: model.dtype)."""
+    if dtype is None and cfg.model.dtype == "fast":
+        run.say(f"model.dtype=fast: {fast_bf16(run.device)}")
     dtype = dtype or resolve_dtype(cfg.model.dtype, run.device)
     run.say(f"target {cfg.model.name} ({run.target_path}) on {run.device} in {dtype}")
     with whole(run.accelerator):
@@ -333,6 +355,8 @@ def training_examples(
     if len(keep) < len(prompts):
         run.say(f"skipping {len(prompts) - len(keep)} prompts longer than trainer.max_seq_len={max_len}")
     prompts = [prompts[i] for i in keep]
+    if cfg.responses.source == "target" and cfg.responses.samples_per_prompt > 1:  # independent samples each
+        prompts = [p for p in prompts for _ in range(cfg.responses.samples_per_prompt)]
     if cfg.responses.source == "dataset":
         examples = [encode_conversation(run.tokenizer, data.train[i], max_len) for i in keep]
         return [e for e in examples if e.n_targets], prompts

@@ -15,6 +15,7 @@ generation config) under $SPECDEC_CACHE (default ~/.cache/specdec); later loads 
 """
 
 import difflib
+import functools
 import importlib.util
 import os
 import re
@@ -182,11 +183,14 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """'auto' (or None) is float32 on CPU and bfloat16 on CUDA."""
+    """'auto' (or None) is float32 on CPU and bfloat16 on CUDA; 'fast' is bfloat16 where this
+    device multiplies bf16 matrices measurably faster than fp32 (fast_bf16), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "fast":
+        return torch.bfloat16 if fast_bf16(device).fast else torch.float32
     table = {
         "float32": torch.float32,
         "fp32": torch.float32,
@@ -196,8 +200,45 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         "fp16": torch.float16,
     }
     if dtype not in table:
-        raise SpecdecError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
+        raise SpecdecError(f"unknown dtype '{dtype}': use auto, fast, float32, bfloat16 or float16")
     return table[dtype]
+
+
+@dataclass(frozen=True)
+class Bf16Speed:
+    """What fast_bf16 measured: bf16 matmul time / fp32 matmul time on a device, and the verdict."""
+
+    device: str
+    ratio: float  # < 1: bf16 is faster
+    fast: bool
+
+    def __str__(self) -> str:
+        verdict = "using bf16" if self.fast else "using fp32"
+        return f"bf16 matmuls take {self.ratio:.2f}x the time of fp32 on this {self.device}: {verdict}"
+
+
+@functools.cache
+def _bf16_speed(device_type: str) -> Bf16Speed:
+    if device_type == "cuda":
+        return Bf16Speed("GPU", 0.0, torch.cuda.is_bf16_supported())
+    from torch.utils import benchmark
+
+    a = torch.randn(256, 1024)
+    b = torch.randn(1024, 1024)
+    times = {}
+    for dt in (torch.float32, torch.bfloat16):
+        x, w = a.to(dt), b.to(dt)
+        timer = benchmark.Timer("x @ w", globals={"x": x, "w": w}, num_threads=torch.get_num_threads())
+        times[dt] = timer.blocked_autorange(min_run_time=0.2).median
+    ratio = times[torch.bfloat16] / times[torch.float32]
+    return Bf16Speed("CPU", ratio, ratio < 0.8)
+
+
+def fast_bf16(device: torch.device) -> Bf16Speed:
+    """Whether bf16 pays on this device: on CUDA, if the GPU supports it; on a CPU, a 256 x 1024 x
+    1024 matmul timed in both dtypes (~0.5 s, once per process): bf16 must take under 0.8x of
+    fp32's time (CPUs with AMX or AVX512-BF16 take ~0.3x; without them bf16 is emulated, ~5-20x)."""
+    return _bf16_speed(torch.device(device).type)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -99,3 +99,21 @@ def test_cached_conversion_is_reused(bundled, monkeypatch):
     assert resolve_model("smollm2-135m-instruct") == bundled.path
     config = json.loads((bundled.path / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
+
+
+def test_fast_dtype_follows_the_measured_bf16_speed(monkeypatch):
+    """'fast' is bf16 exactly when a bf16 matmul took under 0.8x of fp32's time on this device
+    (measured once per process); both verdicts reach model.dtype and trainer.mixed_precision."""
+    from recipes.common import mixed_precision
+    from specdec_runtime import loading
+
+    cpu = torch.device("cpu")
+    speed = loading.fast_bf16(cpu)
+    assert speed.ratio > 0 and speed.fast == (speed.ratio < 0.8) and loading.fast_bf16(cpu) is speed
+    assert loading.resolve_dtype("fast", cpu) == (torch.bfloat16 if speed.fast else torch.float32)
+    for ratio, dtype, mp in ((0.3, torch.bfloat16, "bf16"), (9.0, torch.float32, "no")):
+        verdict = loading.Bf16Speed("CPU", ratio, ratio < 0.8)
+        monkeypatch.setattr(loading, "_bf16_speed", lambda device_type, v=verdict: v)
+        monkeypatch.setattr("recipes.common.fast_bf16", lambda device, v=verdict: v)
+        assert loading.resolve_dtype("fast", cpu) == dtype and mixed_precision("fast", "cpu") == mp
+        assert ("using bf16" if dtype == torch.bfloat16 else "using fp32") in str(verdict)

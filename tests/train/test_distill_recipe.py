@@ -117,6 +117,7 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
         ("model.name=no-such-model", "no-such-model"),
         ("data.train=missing.jsonl", "does not exist"),
         ("drafter.num_layers=5", "choose 1..1"),
+        ("responses.samples_per_prompt=2", "temperature > 0"),
     ],
 )
 def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, override, message):
@@ -204,3 +205,23 @@ def test_dataset_responses_train_on_the_assistant_turns(tiny, tmp_path):
     tokens = [json.loads(line)["train/tokens"] for line in (out / "log.jsonl").read_text().splitlines()]
     # 8 conversations per step; each assistant turn is "w w." + "<eot>": 2 * len(w) + 3 targets
     assert all(t >= 8 * (2 * 4 + 3) for t in tokens)
+
+
+def test_several_sampled_responses_per_prompt(tiny, tmp_path):
+    """responses.samples_per_prompt=3 samples each prompt 3 times, independently: 3x the responses
+    in the cache, in prompt order, not all alike."""
+    cache = tmp_path / "cache"
+    extra = (
+        "validate.enabled=false",
+        "trainer.max_steps=1",
+        f"responses.cache_dir={cache}",
+        "responses.temperature=1.0",
+    )
+    distill.run(config(tiny, tmp_path / "one", *extra))
+    distill.run(config(tiny, tmp_path / "three", *extra, "responses.samples_per_prompt=3"))
+    one, three = (
+        [json.loads(line)["response"] for line in d.joinpath("responses.jsonl").read_text().splitlines()]
+        for d in sorted(cache.iterdir(), key=lambda d: len(d.joinpath("responses.jsonl").read_text()))
+    )
+    assert len(three) == 3 * len(one)
+    assert any(len({tuple(r) for r in three[i : i + 3]}) > 1 for i in range(0, len(three), 3))
