@@ -70,6 +70,7 @@ def logged(out: Path, key: str = "train/loss") -> list[float]:
 
 
 # Pinned on torch 2.13.0 CPU (seeded tiny run; data, draft vocabulary and drafter are deterministic).
+BF16_REL = 0.1  # bf16 responses, states and autocast: measured at most 5.8% from the fp32 losses (step 3)
 PINNED = [4.984434605, 3.863532066, 3.148716211, 2.535025835, 2.213505745, 2.11321497, 1.858638763, 1.918724298]
 
 
@@ -105,6 +106,17 @@ def test_the_drafter_learns_the_targets_continuations(tiny, tmp_path):
     v = eagle3.run(config(tiny, out, *more))["validation"]
     assert v["lossless"] == 1.0 and v["tau"] > 1.5
     assert v["tau_estimate_chain"] == pytest.approx(v["tau"], rel=0.1)
+
+
+def test_bf16_target_and_autocast_follow_the_fp32_losses(tiny, tmp_path):
+    """What `dtype: fast` picks on CPUs with fast bf16 (AMX): the target (responses and states) in
+    bf16 and the drafter under bf16 autocast. The losses follow the pinned fp32 run's within bf16's
+    precision, the states are cached under their own key, and validation (fp32) stays lossless."""
+    out = tmp_path / "bf16"
+    result = eagle3.run(config(tiny, out, "model.dtype=bfloat16", "trainer.mixed_precision=bf16"))
+    got = logged(out)
+    assert got == pytest.approx(PINNED, rel=BF16_REL) and got != pytest.approx(PINNED, rel=1e-4, abs=1e-6)
+    assert result["validation"]["lossless"] == 1.0
 
 
 def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
