@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
 from recipes import eagle3
@@ -113,7 +114,11 @@ def test_bf16_target_and_autocast_follow_the_fp32_losses(tiny, tmp_path):
     bf16 and the drafter under bf16 autocast. The losses follow the pinned fp32 run's within bf16's
     precision, the states are cached under their own key, and validation (fp32) stays lossless."""
     out = tmp_path / "bf16"
-    result = eagle3.run(config(tiny, out, "model.dtype=bfloat16", "trainer.mixed_precision=bf16"))
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process's first Accelerator fixes its precision
+    try:
+        result = eagle3.run(config(tiny, out, "model.dtype=bfloat16", "trainer.mixed_precision=bf16"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     got = logged(out)
     assert got == pytest.approx(PINNED, rel=BF16_REL) and got != pytest.approx(PINNED, rel=1e-4, abs=1e-6)
     assert result["validation"]["lossless"] == 1.0
