@@ -248,7 +248,7 @@ def mixed_precision(setting: str, device: str) -> str:
     if setting == "auto":
         return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if setting == "fast":
-        speed = fast_bf16(resolve_device("cpu" if device == "cpu" else "auto"))
+        speed = fast_bf16(resolve_device(device))
         print(f"trainer.mixed_precision=fast: {speed}", file=sys.stderr)
         return "bf16" if speed.fast else "no"
     return setting

@@ -132,7 +132,7 @@ def run_bench(
     progress(total) -> a tqdm-like bar over every decoding run of the bench (update, set_postfix_str)."""
     done = {}
     for spec in specs:
-        path = out / "drafters" / f"{slug(spec)}.json"
+        path = result_path(out, spec)
         done[spec] = json.loads(path.read_text()) if path.is_file() else {"drafter": spec, "modes": {}}
         if all(m in done[spec]["modes"] for m in modes):
             print(f"bench: {spec}: resumed from {path}", file=sys.stderr)
@@ -150,16 +150,26 @@ def run_bench(
         done[spec]["modes"][mode] = bench_drafter(target, prompts, encoded, spec, mode, settings, hf, ar[mode], bar)
         ok = {m: e for m, e in done[spec]["modes"].items() if "error" not in e}  # failures are retried next run
         if ok:
-            write_json(out / "drafters" / f"{slug(spec)}.json", {"drafter": spec, "modes": ok})
+            write_json(result_path(out, spec), {"drafter": spec, "modes": ok})
     if bar is not None:
         bar.close()
     return [{"drafter": s, "modes": {m: done[s]["modes"][m] for m in modes if m in done[s]["modes"]}} for s in specs]
 
 
+def result_path(out: Path, spec: str) -> Path:
+    return out / "drafters" / f"{slug(spec)}.json"
+
+
+def sampling_of(settings: BenchSettings, mode: str) -> dict[str, Any]:
+    """A mode's sampling settings: greedy is temperature 0."""
+    temperature = settings.temperature if mode == "sampled" else 0.0
+    return dict(temperature=temperature, top_k=settings.top_k, top_p=settings.top_p)
+
+
 def sampler_for(settings: BenchSettings, mode: str, device: torch.device) -> Callable[[int], Sampler]:
     """Prompt i's sampler in a mode (seeded per prompt: the drafter's run and the AR run draw alike)."""
-    temperature = settings.temperature if mode == "sampled" else 0.0
-    return lambda i: Sampler(temperature, settings.top_k, settings.top_p, seed=settings.seed + i, device=device)
+    sampling = sampling_of(settings, mode)
+    return lambda i: Sampler(**sampling, seed=settings.seed + i, device=device)
 
 
 def autoregressive(
@@ -217,8 +227,7 @@ def bench_drafter(
         return failure(spec, "load", e)
     gamma = gamma or settings.gamma or (drafter.gamma if drafter is not None else None) or 4
     assist, why_not = reference_kwargs(hf, drafter, name, gamma, settings)
-    temperature = settings.temperature if mode == "sampled" else 0.0
-    sampling = dict(temperature=temperature, top_k=settings.top_k, top_p=settings.top_p)
+    sampling = sampling_of(settings, mode)
     kw = dict(max_new_tokens=settings.max_new_tokens, stop_ids=target.stop_ids)
     spec_kw = dict(kw, capacity=capacity_of(encoded, settings), gamma=gamma)
     spec_kw |= dict(adaptive_gamma=settings.adaptive_gamma, max_gamma=settings.max_gamma)
@@ -231,13 +240,13 @@ def bench_drafter(
         tokens = hf_generate(hf, ids, **{**kw, "max_new_tokens": max_new_tokens}, **sampling, seed=seed, **assist)
         return tokens, perf_counter(device) - t0
 
+    records = []
     try:  # warm-up: first calls pay for allocations, lazy init and compilation
         short = min(8, settings.max_new_tokens)
         if drafter is not None:
             generate(target.model, encoded[0], drafter, sampler(0), **{**spec_kw, "max_new_tokens": short})
         if assist is not None:
             reference(encoded[0], 0, short)
-        records = []
         for i, ids in enumerate(encoded):
             base = ar[i]
             if drafter is None:
@@ -264,6 +273,8 @@ def bench_drafter(
             if bar is not None:
                 bar.update()
     except Exception as e:
+        if bar is not None:  # the prompts it will not decode
+            bar.update(len(encoded) - len(records))
         return failure(spec, "decode", e)
     return {"gamma": gamma if drafter is not None else 0, "reference": why_not or "yes", "records": records}
 
