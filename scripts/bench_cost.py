@@ -83,10 +83,11 @@ def main() -> None:
         m.prefill(torch.randint(0, V, (1, PREFIX)))
         x = torch.randint(0, V, (1, 1))
         one = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
-        bound = step_bytes(m, PREFIX) / (bw * 1e9) * 1000
+        read = step_bytes(m, PREFIX)
+        bound = read / (bw * 1e9) * 1000
         print(
             f"\n## {dtype}: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth bound {bound:.1f} ms "
-            f"({step_bytes(m, PREFIX) / 1e6:.0f} MB a step): {bound / one:.0%} of the limit\n"
+            f"({read / 1e6:.0f} MB a step): {bound / one:.0%} of the limit\n"
         )
         print("| verified | ms | decode steps |\n|---|---:|---:|")
         for T in map(int, args.chains.split(",")):
