@@ -438,6 +438,7 @@ def make_batches(cfg: DictConfig, run: Run, examples: list[Any]) -> Batches:
         world=acc.num_processes,
         rank=acc.process_index,
         seed=cfg.seed,
+        group_by_length=T.get("group_by_length", False),
     )
 
 
@@ -480,7 +481,8 @@ def finish(
     tracker.log_artifact(export, f"{recipe}-{run.out.name}", metadata=summary)
     if m:
         run.say(
-            f"\ntau {m['tau']:.2f}, speedup {m['speedup']:.2f}x over autoregressive, "
-            f"lossless {m['lossless']:.0%} ({m['prompts']} validation prompts)"
+            f"\ntau {m['tau']:.2f}, speedup {m['speedup']:.2f}x over autoregressive"
+            + (f" (drafter {m['drafter']})" if m.get("drafter") else "")
+            + f", lossless {m['lossless']:.0%} ({m['prompts']} validation prompts)"
         )
     run.say(f"exported to {export}\ngenerate with it:\n  {generate_cmd}")

@@ -42,6 +42,8 @@ from recipes.common import (
     validation_due,
 )
 from specdec_runtime.config import DecoderConfig
+from specdec_runtime.drafter_spec import LOOKUP
+from specdec_runtime.drafters import LookupFirst
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 from specdec_runtime.loading import cache_root, load_hf_config, resolve_dtype, resolve_model
 from specdec_runtime.tree import Tree
@@ -71,6 +73,8 @@ def check_config(cfg: DictConfig) -> Eagle3Config:
         problems.append(f"eagle3.init='{e.init}': use target (warm start from the target) or random")
     if not e.train_lm_head and e.init != "target":
         problems.append("eagle3.train_lm_head=false keeps the lm_head as initialized: it needs eagle3.init=target")
+    if not isinstance(v.lookup, bool):
+        problems.append(f"validate.lookup={v.lookup} must be true or false")
     if v.gamma < 1 or v.tree_budget < 0 or v.top_k < 1 or v.estimate_prompts < 0:
         problems.append("validate: need gamma >= 1, tree_budget >= 0, top_k >= 1 and estimate_prompts >= 0")
     refuse(problems)
@@ -127,7 +131,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- export
     if run.main:
         export = write_export(cfg, run, validation.model, metrics, len(examples))
-        finish(cfg, run, result, export, f"specdec generate --target {cfg.model.name} --drafter {export} --baseline",
+        spec = f"{export}{LOOKUP}" if cfg.validate.lookup else export
+        finish(cfg, run, result, export, f"specdec generate --target {cfg.model.name} --drafter {spec} --baseline",
                tracker, "eagle3")  # fmt: skip
     tracker.finish()
     accelerator.wait_for_everyone()
@@ -263,6 +268,8 @@ class Validation:
             self.runtime = self.runtime or runtime_decoder(self.target, None, run.device, dtype)
             drafter = Eagle3Drafter(copy.deepcopy(self.model), self.runtime, tree_budget=v.tree_budget,
                                     top_k=v.top_k, gamma=v.gamma, name="eagle3")  # fmt: skip
+            if v.lookup:  # prompt lookup where it matches, the drafter elsewhere
+                drafter = LookupFirst(drafter)
             metrics = validate(
                 self.runtime,
                 drafter,
@@ -272,7 +279,7 @@ class Validation:
                 gamma=v.gamma,
                 max_new_tokens=v.max_new_tokens,
             )
-            metrics |= {"device": str(run.device), "nodes": v.tree_budget or None, **estimate}
+            metrics |= {"device": str(run.device), "nodes": v.tree_budget or None, "drafter": drafter.name, **estimate}
             self.training.train()
             self.tracker.log({f"val/{k}": x for k, x in metrics.items() if isinstance(x, int | float)}, step)
         run.accelerator.wait_for_everyone()
@@ -295,9 +302,12 @@ def write_export(cfg: DictConfig, run: Run, model: Eagle3Model, metrics: dict[st
             "examples": n_examples,
             "steps": cfg.trainer.max_steps,
             "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
-            "validation drafts": f"tree of {v.tree_budget} nodes, depth {v.gamma}, top-{v.top_k}"
-            if v.tree_budget
-            else f"chain of {v.gamma}",
+            "validation drafts": (
+                f"tree of {v.tree_budget} nodes, depth {v.gamma}, top-{v.top_k}"
+                if v.tree_budget
+                else f"chain of {v.gamma}"
+            )
+            + (" (prompt lookup first: `--drafter DIR+lookup`)" if v.lookup else ""),  # fmt: skip
         },
         metrics=metrics or None,
         title=f"EAGLE-3 drafter for {cfg.model.name}",

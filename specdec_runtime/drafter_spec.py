@@ -11,13 +11,15 @@ from pathlib import Path
 
 import torch
 
-from specdec_runtime.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec_runtime.drafters import Drafter, LookupFirst, ModelDrafter, NgramDrafter
 from specdec_runtime.eagle3_format import is_eagle3_folder, load_eagle3
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, is_skipset_file, skip_drafter
 from specdec_runtime.loading import LoadedModel, check_same_vocab, load_model
 from specdec_runtime.medusa import is_medusa_folder, load_medusa
 from specdec_runtime.mtp import load_mtp
+
+LOOKUP = "+lookup"
 
 
 def _int_arg(spec: str, kind: str) -> int:
@@ -48,8 +50,14 @@ def build_drafter(
     FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
                     sublayers skipped, adaptive draft exit; confidence > 0 fixes the threshold)
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
+    SPEC+lookup     prompt lookup (n-grams of 2-3 tokens) where it matches, SPEC otherwise (LookupFirst)
     """
     spec = spec.strip()
+    if spec.endswith(LOOKUP) and spec != LOOKUP:
+        inner = build_drafter(spec[: -len(LOOKUP)], target, confidence=confidence, dtype=dtype, tree=tree)
+        if inner is None:
+            raise SpecdecError(f"drafter '{spec}': lookup needs a drafter to fall back on; plain lookup is 'ngram'")
+        return LookupFirst(inner)
     if spec.lower() in ("", "none", "ar"):
         return None
     if spec == "ngram" or spec.startswith("ngram:"):

@@ -3,6 +3,7 @@
     drafter = ModelDrafter(draft_model)                                   # a small stand-alone model
     drafter = ModelDrafter(target, exit_layer=6, shares_target_cache=True)  # truncate:6
     drafter = NgramDrafter(max_ngram=3)                                     # prompt lookup
+    drafter = LookupFirst(eagle3_drafter)               # prompt lookup where it matches, the model elsewhere
     drafter.start(prompt, capacity)
     draft = drafter.draft(ids, gamma=4, sampler=sampler)   # Draft(tokens [g], probs [g, V] | None)
 
@@ -60,6 +61,10 @@ class Drafter(Protocol):
     def observe(self, hidden: Tensor) -> None:
         """The target's residual streams after `hidden_layers` layers, concatenated [k, n * H], at
         the k positions just accepted (after the prefill: every prompt position)."""
+
+    def pass_round(self) -> None:
+        """This round's draft came from another drafter (LookupFirst): the next `draft` may be
+        several rounds of tokens further on."""
 
 
 def empty_draft(device: torch.device) -> Draft:
@@ -162,6 +167,9 @@ class ModelDrafter(Drafter):
         self.model.prefill(prompt[None], logits_to_keep=1)
         self.seen = prompt.shape[0]
 
+    def pass_round(self) -> None:
+        self.last = None  # the draft exit learns only from rounds this drafter drafted
+
     def _logits(self, logits: Tensor) -> Tensor:
         """Draft logits [V_target] from the drafter's own [V_drafter] (a draft vocabulary, or a
         vocabulary of another size, is mapped onto the target's)."""
@@ -249,3 +257,36 @@ class NgramDrafter(Drafter):
                 begin = int(full[-1] if full.numel() else begins[0])
                 return Draft(ids[begin : begin + gamma], None)
         return empty_draft(ids.device)
+
+
+class LookupFirst(Drafter):
+    """Prompt lookup where it matches, a model drafter elsewhere: a round drafts what followed an
+    earlier occurrence of the last n >= min_ngram tokens (n from max_ngram down) when there is
+    one, and asks the model drafter otherwise. Lookup's drafts cost nothing and are long and right
+    where the output copies (extraction, summaries, code edits: where a trained drafter is
+    weakest); one-token matches are left to the model, which guesses better than they do.
+
+    The model drafter still observes every accepted position; its next draft runs the rows it
+    missed (a stand-alone model catches up on the tokens, EAGLE-3 on the pending features).
+    """
+
+    def __init__(self, drafter: Drafter, max_ngram: int = 3, min_ngram: int = 2):
+        self.drafter, self.lookup = drafter, NgramDrafter(max_ngram, min_ngram)
+        self.name = f"{drafter.name}+lookup"
+        self.gamma, self.tree_nodes = drafter.gamma, drafter.tree_nodes
+        self.hidden_layers = drafter.hidden_layers
+        self.lookups = 0  # rounds drafted by lookup
+
+    def start(self, prompt: Tensor, capacity: int) -> None:
+        self.drafter.start(prompt, capacity)
+
+    def observe(self, hidden: Tensor) -> None:
+        self.drafter.observe(hidden)
+
+    def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
+        found = self.lookup.draft(ids, gamma, sampler)
+        if found.tokens.numel():
+            self.lookups += 1
+            self.drafter.pass_round()
+            return found
+        return self.drafter.draft(ids, gamma, sampler)

@@ -25,7 +25,7 @@ keep the tree_budget most likely nodes overall), verified by the target with tre
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
 from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Decoder
+from specdec_runtime.model import Decoder, Weights, block_state_dict, linear, mlp, rms_norm, rope_table, self_attention
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 
@@ -198,6 +198,52 @@ def grouped(k: Tensor, n_heads: int) -> Tensor:
     return k.repeat_interleave(n_heads // k.shape[1], dim=1)
 
 
+class FusedLayer(NamedTuple):
+    """An Eagle3Model's tensors as the runtime Decoder keeps its own (model.block_state_dict): q/k/v
+    and gate/up fused, stored [in, out] (+ [out, in] for products of several rows on a CPU), q/k
+    rows interleaved for rope on adjacent dim pairs, norm weights doubled (model.rms_norm). Drafting
+    a token is then a dozen kernels; the training modules' weights are read once, at construction."""
+
+    fc: Weights
+    input_norm: Tensor
+    hidden_norm: Tensor
+    qkv: Weights
+    o: Weights
+    post_norm: Tensor
+    gate_up: Weights
+    down: Weights
+    norm: Tensor
+    head: Weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model: "Eagle3Model", transposes: bool) -> "FusedLayer":
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        own = block_state_dict(model.config.layer, sd, "layers.0.", "", lambda w: w.contiguous())
+        twice = lambda w: torch.cat([w, w])  # noqa: E731
+
+        def weights(name: str, bias_name: str | None = None) -> Weights:
+            w = own[name] if name in own else sd[name].t().contiguous()
+            return w, w.t().contiguous() if transposes else None, own.get(bias_name) if bias_name else None
+
+        return cls(
+            fc=weights("fc.weight"),
+            input_norm=own["attn_norm"],
+            hidden_norm=twice(sd["layers.0.hidden_norm.weight"]),
+            qkv=weights("qkv.weight", "qkv.bias"),
+            o=weights("o.weight", "o.bias"),
+            post_norm=own["mlp_norm"],
+            gate_up=weights("gate_up.weight", "gate_up.bias"),
+            down=weights("down.weight", "down.bias"),
+            norm=twice(sd["norm.weight"]),
+            head=weights("lm_head.weight"),
+        )
+
+
 class Eagle3Drafter(Drafter):
     """Drafts with an EAGLE-3 model for a target (see the module docstring).
 
@@ -227,68 +273,80 @@ class Eagle3Drafter(Drafter):
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids  # [N] target id of each draft id
+        self.w = FusedLayer.of(self.model, transposes=target.lm_head.weight_t is not None)
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
-        self.kv: Tensor | None = None  # [2, 1, h_kv, S, D] the drafter's own cache, row p at slot p
+        self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
+        self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (model.rope_table)
+        self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         cfg = self.model.config.layer
         size = capacity + MAX_DEPTH * self.top_k  # + the rows a tree's levels write
-        if self.kv is None or self.kv.shape[3] < size:
-            shape = (2, 1, cfg.num_kv_heads, size, cfg.head_dim)
+        if self.kv is None or self.kv.shape[2] < size:
+            shape = (1, 2 * cfg.num_kv_heads, size, cfg.head_dim)
             self.kv = torch.zeros(shape, device=self.target.device, dtype=self.target.dtype)
+            self.rope = rope_table(cfg, size, self.target.device, self.target.dtype)
+            self.slots = torch.arange(size, device=self.target.device)
         self.pending = []
 
     def observe(self, hidden: Tensor) -> None:
         self.pending.append(hidden)  # the loop's copies (indexed rows), kept until the next draft
 
-    def _rows(self, tokens: Tensor, feature: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def _rows(
+        self, tokens: Tensor, feature: Tensor, positions: Tensor, slots: Tensor, mask: Tensor | None, bound: int
+    ) -> Tensor:
         """Run rows (tokens [T], features [T, H], rope positions [T]) writing K/V at slots [T],
-        each attending to the cache slots mask [T, S'] allows: their prenorm [T, H]."""
-        S = mask.shape[1]
+        each attending to the cache slots < bound that mask [T, bound] allows (None: all of
+        them): their prenorm [T, H]. Eagle3Layer.forward on fused weights (FusedLayer)."""
+        w, cfg = self.w, self.model.config
+        eps, group = cfg.layer.rms_norm_eps, cfg.layer.num_heads // cfg.layer.num_kv_heads
+        if mask is not None and group > 1:
+            mask = mask.repeat(group, 1)  # a row per folded query head (model.self_attention)
+        h = rms_norm(feature, w.hidden_norm, eps)
+        x = torch.cat([rms_norm(self.target.embed_tokens(tokens[None])[0], w.input_norm, eps), h], dim=-1)
+        cs = self.rope[positions]  # [T, 2, D]
+        residual = h if cfg.norm_before_residual else feature
+        out = self_attention(x, residual, 1, w.qkv, w.o, cs[:, None, 0], cs[:, None, 1], self.kv, slots, mask, bound)
+        return mlp(out, w.post_norm, w.gate_up, w.down, eps)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            self.kv[0, :, :, slots] = k  # [1, h_kv, T, D] at slots
-            self.kv[1, :, :, slots] = v
-            keys, values = (grouped(self.kv[i, :, :, :S], q.shape[1]) for i in (0, 1))
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-
-        embeds = self.target.embed_tokens(tokens[None])
-        return self.model.layer_step(embeds, feature[None], positions, attend)[0]
+    def _head(self, prenorm: Tensor) -> Tensor:
+        """Draft logits [T, N] of prenorm [T, H] (Eagle3Model.head)."""
+        return linear(rms_norm(prenorm, self.w.norm, self.model.config.layer.rms_norm_eps), self.w.head)
 
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         if not self.pending:
             raise RuntimeError("Eagle3Drafter.draft before observe(): the generate loop feeds it hidden states")
-        L, dev = ids.shape[0], ids.device
-        feats = self.model.project(torch.cat(self.pending).to(self.model.fc.weight.dtype))  # [k, H]
+        L = ids.shape[0]
+        feats = linear(torch.cat(self.pending).to(self.w.dtype), self.w.fc)  # [k, H] (Eagle3Model.project)
         self.pending = []
         k = feats.shape[0]
         # Rows L-1-k .. L-2: the accepted positions' features, with the tokens after them (causal).
-        pos = torch.arange(L - 1 - k, L - 1, device=dev)
-        mask = torch.arange(L - 1, device=dev)[None, :] <= pos[:, None]
-        last = self._rows(ids[L - k : L], feats, pos, pos, mask)[-1]  # the newest row drafts the next token
-        logits = self.model.head(last)
+        pos = self.slots[L - 1 - k : L - 1]
+        mask = self.slots[: L - 1][None, :] <= pos[:, None] if k > 1 else None
+        last = self._rows(ids[L - k : L], feats, pos, pos, mask, L - 1)[-1:]  # the newest row drafts the next token
+        logits = self._head(last)  # [1, N]
         if self.tree_budget:
-            return self._tree(last, logits, L, gamma)
+            return self._tree(last[0], logits[0], L, gamma)
         return self._chain(last, logits, L, gamma, sampler)
 
     def _chain(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int, sampler: Sampler) -> Draft:
-        tokens, probs, dev = [], [], prenorm.device
+        """gamma tokens, each row reading the previous one's prenorm [1, H] (logits [1, N])."""
+        tokens, probs = [], []
         for i in range(gamma):
             if sampler.greedy:  # draft ids ascend with target ids: the same first maximum
-                token = self.draft_ids[logits.argmax()]
+                token = self.draft_ids[logits[0].argmax()]
             else:
                 full = logits.new_full((self.target.config.vocab_size,), float("-inf"))
-                full = full.index_copy_(0, self.draft_ids, logits)  # ids outside the draft vocabulary: probability 0
+                full = full.index_copy_(0, self.draft_ids, logits[0])  # ids outside the draft vocabulary: probability 0
                 p = sampler.probs(full)
                 token = sampler.sample(p)
                 probs.append(p)
             tokens.append(token)
-            if i + 1 < gamma:  # row L-1+i: the token just drafted, the previous row's prenorm
-                pos = torch.tensor([L - 1 + i], device=dev)
-                mask = torch.arange(L + i, device=dev)[None, :] <= pos[:, None]
-                prenorm = self._rows(token.view(1), prenorm[None], pos, pos, mask)[0]
-                logits = self.model.head(prenorm)
+            if i + 1 < gamma:  # row L-1+i: the token just drafted, the previous row's prenorm; sees slots 0..L-1+i
+                pos = self.slots[L - 1 + i : L + i]
+                prenorm = self._rows(token.view(1), prenorm, pos, pos, None, L + i)
+                logits = self._head(prenorm)
         return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
 
     def _tree(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int) -> Draft:
@@ -313,8 +371,8 @@ class Eagle3Drafter(Drafter):
             for r, node in enumerate(frontier):
                 mask[r, ancestors[node]] = True
                 mask[r, slot + r] = True
-            rows_prenorm = self._rows(tok[frontier], features, pos, slots, mask)
-            child = self.model.head(rows_prenorm).float().log_softmax(-1).topk(K)  # [F, K]
+            rows_prenorm = self._rows(tok[frontier], features, pos, slots, mask, slot + F_)
+            child = self._head(rows_prenorm).float().log_softmax(-1).topk(K)  # [F, K]
             cand = (scores[frontier][:, None] + child.values).flatten()  # [F * K]
             keep = cand.topk(min(K, cand.numel())).indices
             base = len(parent)

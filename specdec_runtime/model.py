@@ -180,11 +180,28 @@ def attention(
     """x + attention(norm(x)) for x [B*T, H]. Writes this layer's K/V into kv [B, 2Hkv, S, D] at
     slots [T], then attends over kv's first `bound` slots under mask [group * T, bound] (None:
     every slot). A function of tensors, so that one compiled version serves every layer."""
+    return self_attention(rms_norm(x, norm, eps), x, B, qkv, o, cos, sin, kv, slots, mask, bound)
+
+
+def self_attention(
+    h: Tensor,
+    residual: Tensor,
+    B: int,
+    qkv: Weights,
+    o: Weights,
+    cos: Tensor,
+    sin: Tensor,
+    kv: Tensor,
+    slots: Tensor,
+    mask: Tensor | None,
+    bound: int,
+) -> Tensor:
+    """residual + o(attention) of the normalized input h [B*T, in] (see attention(); an EAGLE-3
+    layer's h is two normalized inputs side by side)."""
     D = cos.shape[-1]
     Hkv = kv.shape[1] // 2
     H = qkv[0].shape[1] // D - 2 * Hkv
-    T = x.shape[0] // B
-    h = rms_norm(x, norm, eps)
+    T = h.shape[0] // B
     qkv_out = linear(h, qkv).view(B, T, H + 2 * Hkv, D)
     apply_rope_(qkv_out[:, :, : H + Hkv], cos, sin)  # q and k heads at once
     kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
@@ -193,7 +210,7 @@ def attention(
     k, v = kv[:, :, :bound].split(Hkv, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-    return linear(out, o, residual=x)
+    return linear(out, o, residual=residual)
 
 
 def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) -> Tensor:

@@ -54,7 +54,7 @@ def cache_states(
     folder.mkdir(parents=True, exist_ok=True)
     part = folder / f"part-{rank}-of-{world}.safetensors"
     if not (folder / "done").is_file() and not part.is_file():
-        mine = list(range(rank, len(examples), world))
+        mine = sorted(range(rank, len(examples), world), key=lambda i: len(examples[i].ids))  # less padding
         out: dict[str, Tensor] = {}
         bar = progress(len(mine)) if progress else None
         for idx in [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]:

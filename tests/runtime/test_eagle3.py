@@ -100,14 +100,14 @@ def test_runtime_drafter_logits_equal_the_training_modules():
     loop feeds them) comes from exactly the logits of the naive computation on the same sequence."""
     hf, target, model = tiny()
     drafter = Eagle3Drafter(model, target)
-    seen, real_head = [], drafter.model.head
+    seen, real_head = [], drafter._head
 
     def recording(prenorm):
         out = real_head(prenorm)
         seen.append(out.reshape(-1, out.shape[-1])[-1])
         return out
 
-    drafter.model.head = recording
+    drafter._head = recording
     prompt = torch.arange(7, 19)
     P = len(prompt)
     target.setup_cache(1, 64)
@@ -116,7 +116,7 @@ def test_runtime_drafter_logits_equal_the_training_modules():
     drafter.start(prompt, 64)
     drafter.observe(prefill.hidden[0])
     draft = drafter.draft(ids, 3, Sampler())
-    del drafter.model.head  # the class's own again
+    del drafter._head  # the class's own again
     seq = torch.cat([ids, draft.tokens])[None]
     taps = target_states(AUX)(hf, seq, torch.ones_like(seq))["taps"]
     naive = naive_logits(model, hf.get_input_embeddings().weight, taps, seq, 3)
@@ -245,3 +245,45 @@ def test_bad_aux_layers_and_draft_vocabularies_are_refused():
         Eagle3Config.for_target(target.config, aux_layers=(1, 2, 4), draft_vocab_size=10)
     with pytest.raises(SpecdecError, match=r"draft vocabulary of 300 tokens: need 1..256"):
         Eagle3Config.for_target(target.config, aux_layers=AUX, draft_vocab_size=300)
+
+
+class Recording(Eagle3Drafter):
+    """An Eagle3Drafter that keeps each draft it made, with the sequence it drafted after."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.calls = []
+
+    def draft(self, ids, gamma, sampler):
+        rounds = len(self.pending)  # the target forwards whose features it has not run yet
+        out = super().draft(ids, gamma, sampler)
+        self.calls.append((ids.clone(), gamma, out.tokens.clone(), rounds))
+        return out
+
+
+def test_lookup_first_is_lossless_and_the_drafter_catches_up_on_the_rounds_it_missed():
+    """LookupFirst drafts by prompt lookup where the last 2-3 tokens occurred before, by EAGLE-3
+    elsewhere: greedy output equals the target's, both kinds of rounds happen, and every EAGLE-3
+    draft made after rounds it missed equals a fresh drafter's given the whole sequence at once."""
+    from specdec_runtime.drafters import LookupFirst
+
+    hf, target, model = tiny(warm=True, vocab=24, draft_vocab=20)  # a small vocabulary: its output repeats itself
+    prompt = [5, 9, 11, 2, 7, 3, 9, 11, 2, 7, 5, 9, 11]
+    ar = generate(target, prompt, None, max_new_tokens=40)
+    inner = Recording(model, target)
+    drafter = LookupFirst(inner)
+    spec = generate(target, prompt, drafter, max_new_tokens=40, gamma=3)
+    assert spec.tokens == ar.tokens
+    assert drafter.lookups > 0 and drafter.name == "eagle3+lookup"
+    assert max(c[3] for c in inner.calls) > 1  # some drafts came after lookup rounds
+    fresh = Eagle3Drafter(model, target)
+    caught_up = 0
+    for ids, gamma, tokens, _ in inner.calls:
+        L = ids.shape[0]
+        target.setup_cache(1, L + 8)
+        taps = target.prefill(ids[None, : L - 1], taps=AUX).hidden[0]  # the features of every verified position
+        fresh.start(ids[: len(prompt)], L + 8)
+        fresh.observe(taps)
+        assert fresh.draft(ids, gamma, Sampler()).tokens.tolist() == tokens.tolist()
+        caught_up += 1
+    assert caught_up == len(inner.calls)
