@@ -47,6 +47,24 @@ def bandwidth_gbs() -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def gemv_gbs(m: Decoder, threads: int) -> float:
+    """Bandwidth (GB/s) of the 1-row products of a decode step alone: x @ W for every weight
+    matrix of the target (the decoder's own layout), run back to back with `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    weights = [p for n, p in m.named_parameters() if p.dim() == 2 and "embed" not in n]
+    xs = [torch.randn(1, w.shape[0], dtype=w.dtype) for w in weights]
+
+    def products():
+        for x, w in zip(xs, weights):
+            x @ w
+
+    with torch.inference_mode():
+        ms = timed(products, 5)
+    torch.set_num_threads(before)
+    return sum(w.numel() * w.element_size() for w in weights) / (ms / 1000) / 1e9
+
+
 def step_bytes(m: Decoder, prefix: int) -> int:
     """Bytes one decode step reads: every weight matrix once (the embedding row aside) + the K/V of prefix tokens."""
     c = m.config
@@ -87,7 +105,15 @@ def main() -> None:
         bound = read / (bw * 1e9) * 1000
         print(
             f"\n## {dtype}: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth bound {bound:.1f} ms "
-            f"({read / 1e6:.0f} MB a step): {bound / one:.0%} of the limit\n"
+            f"({read / 1e6:.0f} MB a step): {bound / one:.0%} of the limit"
+        )
+        threads = torch.get_num_threads()
+        gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
+        print(
+            "the step's matrix-vector products alone: "
+            + ", ".join(f"{gb:.1f} GB/s with {n} thread{'s' * (n > 1)}" for n, gb in gemv.items())
+            + f" (BLAS {'does not spread' if gemv[threads] < 1.15 * gemv[1] else 'spreads'} a 1-row product "
+            f"over the threads); at that rate a step's weights take {read / (gemv[threads] * 1e9) * 1000:.1f} ms\n"
         )
         print("| verified | ms | decode steps |\n|---|---:|---:|")
         for T in map(int, args.chains.split(",")):

@@ -28,7 +28,7 @@ def test_generate_writes_outputs_equal_to_autoregressive(tiny_dir, tmp_path, cap
         + "\n"
     )
     outs = {}
-    for drafter in ("none", "truncate:1", "ngram"):
+    for drafter in ("none", "truncate:1", "ngram", "truncate:1+lookup"):
         out_file = tmp_path / f"{drafter.replace(':', '')}.jsonl"
         common = [
             "--target",

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from specdec_runtime.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
+from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.model import LayerSkip
@@ -75,7 +76,7 @@ def test_drafter_that_is_the_target_gets_everything_accepted():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("spec", ["draft-model", "truncate", "ngram", "draft-model-adaptive"])
+@pytest.mark.parametrize("spec", ["draft-model", "truncate", "ngram", "draft-model-adaptive", "lookup-adaptive"])
 def test_greedy_speculative_equals_target_greedy_with_real_tiny_models(kind, spec):
     target = tiny_decoder(kind, seed=0, num_hidden_layers=3)
     prompt = [7, 3, 9, 7, 3, 1, 4, 7, 3]
@@ -85,10 +86,13 @@ def test_greedy_speculative_equals_target_greedy_with_real_tiny_models(kind, spe
         "draft-model-adaptive": lambda: ModelDrafter(tiny_decoder(kind, seed=1), confidence=0.2),
         "truncate": lambda: ModelDrafter(target, exit_layer=1, shares_target_cache=True),
         "ngram": lambda: NgramDrafter(3),
+        "lookup-adaptive": lambda: LookupFirst(ModelDrafter(tiny_decoder(kind, seed=1), confidence=0.2)),
     }[spec]()
     out = generate(target, prompt, drafter, max_new_tokens=48, gamma=4, adaptive_gamma=spec.endswith("adaptive"))
     assert out.tokens == ar.tokens
     assert out.stats.drafted > 0
+    if spec.startswith("lookup"):  # both kinds of rounds
+        assert 0 < drafter.lookups < out.stats.rounds_with_draft
 
 
 @pytest.mark.parametrize("drafter_kind", ["draft-model", "truncate"])
@@ -212,3 +216,8 @@ def test_drafts_after_a_stop_token_are_not_counted_as_accepted():
     s = out.stats
     assert s.target_forwards == 2 and s.drafted_at == [1, 1, 1, 1] and s.accepted_at == [1, 1, 0, 0]
     assert s.new_tokens == 1 + s.accepted  # the prefill's token, then the two accepted drafts (no bonus)
+
+
+def test_lookup_needs_a_drafter_to_fall_back_on():
+    with pytest.raises(SpecdecError, match="plain lookup is 'ngram'"):
+        build_drafter("none+lookup", None)
