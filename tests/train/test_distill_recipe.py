@@ -134,7 +134,16 @@ def one_process_run(tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("launcher", ["multi_cpu", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        "multi_cpu",
+        "deepspeed_zero3",
+        # 1.5-2 min each on 2 cores: -m slow (ZeRO-2 runs by default in the medusa recipe's test)
+        pytest.param("deepspeed_zero2", marks=pytest.mark.slow),
+        pytest.param("deepspeed_zero3_offload", marks=pytest.mark.slow),
+    ],
+)
 def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_process_run, tmp_path):
     """accelerate launch with 2 CPU processes (gloo; DDP, or DeepSpeed on its CPU accelerator) and the
     same global batch: same losses, same exported weights (gathered from the shards under ZeRO-3),
