@@ -128,10 +128,9 @@ def main() -> None:
             print(f"| tree of 1 + {n} | {ms:.1f} | {ms / one:.2f} |")
         print("\n| draft step | ms | decode steps |\n|---|---:|---:|")
         for gamma in (1, 3):
-            e3 = Eagle3Drafter(
-                Eagle3Model(Eagle3Config.for_target(m.config, aux_layers=None, draft_vocab_size=8192)), m
-            )
-            e3.model.set_draft_vocab(torch.arange(8192))
+            model = Eagle3Model(Eagle3Config.for_target(m.config, aux_layers=None, draft_vocab_size=8192))
+            model.set_draft_vocab(torch.arange(8192))  # before the drafter reads it
+            e3 = Eagle3Drafter(model, m)
             ids, feature = torch.randint(0, V, (PREFIX + 1,)), torch.randn(1, 3 * H, dtype=dt)
             e3.start(ids, PREFIX + 64)
 

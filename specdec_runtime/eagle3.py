@@ -221,13 +221,15 @@ class FusedLayer(NamedTuple):
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model: "Eagle3Model", transposes: bool) -> "FusedLayer":
+    def of(cls, model: "Eagle3Model", device: torch.device, dtype: torch.dtype, transposes: bool) -> "FusedLayer":
+        """The layout on `device` in `dtype` (the model itself stays where it is)."""
         sd = {k: v.detach() for k, v in model.state_dict().items()}
-        own = block_state_dict(model.config.layer, sd, "layers.0.", "", lambda w: w.contiguous())
-        twice = lambda w: torch.cat([w, w])  # noqa: E731
+        prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+        own = block_state_dict(model.config.layer, sd, "layers.0.", "", prep)
+        twice = lambda w: prep(torch.cat([w, w]))  # noqa: E731
 
         def weights(name: str, bias_name: str | None = None) -> Weights:
-            w = own[name] if name in own else sd[name].t().contiguous()
+            w = own[name] if name in own else prep(sd[name].t())
             return w, w.t().contiguous() if transposes else None, own.get(bias_name) if bias_name else None
 
         return cls(
@@ -267,13 +269,13 @@ class Eagle3Drafter(Drafter):
             )
         if tree_budget < 0 or top_k < 1:
             raise SpecdecError(f"eagle3 tree: need tree_budget >= 0 and top_k >= 1 (got {tree_budget}, {top_k})")
-        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.model = model.eval()  # its config and vocabulary; drafting reads self.w
         self.target, self.name, self.gamma = target, name, gamma
         self.tree_budget, self.top_k = tree_budget, top_k
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
         self.hidden_layers = tuple(cfg.aux_layers)
-        self.draft_ids = self.model.draft_ids  # [N] target id of each draft id
-        self.w = FusedLayer.of(self.model, transposes=target.lm_head.weight_t is not None)
+        self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
+        self.w = FusedLayer.of(model, target.device, target.dtype, transposes=target.lm_head.weight_t is not None)
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (model.rope_table)
