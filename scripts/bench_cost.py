@@ -13,15 +13,17 @@ Random drafter weights of the shapes the recipes train (the cost does not depend
 """
 
 import argparse
+import contextlib
 import time
 
 import torch
 
+from specdec_runtime import cpu_kernel
 from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 from specdec_runtime.loading import fast_bf16, load_model, resolve_dtype
 from specdec_runtime.medusa import MedusaHeads
-from specdec_runtime.model import Decoder
+from specdec_runtime.model import Decoder, Linear, linear
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 
@@ -48,21 +50,21 @@ def bandwidth_gbs() -> float:
 
 
 def gemv_gbs(m: Decoder, threads: int) -> float:
-    """Bandwidth (GB/s) of the 1-row products of a decode step alone: x @ W for every weight
-    matrix of the target (the decoder's own layout), run back to back with `threads` threads."""
+    """Bandwidth (GB/s) of the 1-row products of a decode step alone: linear() on every weight
+    matrix of the target, run back to back with `threads` threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    weights = [p for n, p in m.named_parameters() if p.dim() == 2 and "embed" not in n]
-    xs = [torch.randn(1, w.shape[0], dtype=w.dtype) for w in weights]
+    weights = [mod.params for mod in m.modules() if isinstance(mod, Linear)]
+    xs = [torch.randn(1, w[0].shape[0], dtype=w[0].dtype) for w in weights]
 
     def products():
         for x, w in zip(xs, weights):
-            x @ w
+            linear(x, w)
 
     with torch.inference_mode():
         ms = timed(products, 5)
     torch.set_num_threads(before)
-    return sum(w.numel() * w.element_size() for w in weights) / (ms / 1000) / 1e9
+    return sum(w[0].numel() * w[0].element_size() for w in weights) / (ms / 1000) / 1e9
 
 
 def step_bytes(m: Decoder, prefix: int) -> int:
@@ -99,33 +101,43 @@ def main() -> None:
         V, H = m.config.vocab_size, m.config.hidden_size
         m.setup_cache(1, PREFIX + 512)
         m.prefill(torch.randint(0, V, (1, PREFIX)))
-        x = torch.randint(0, V, (1, 1))
-        one = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
         read = step_bytes(m, PREFIX)
         bound = read / (bw * 1e9) * 1000
-        print(
-            f"\n## {dtype}: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth bound {bound:.1f} ms "
-            f"({read / 1e6:.0f} MB a step): {bound / one:.0%} of the limit"
-        )
         threads = torch.get_num_threads()
-        gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
-        print(
-            "the step's matrix-vector products alone: "
-            + ", ".join(f"{gb:.1f} GB/s with {n} thread{'s' * (n > 1)}" for n, gb in gemv.items())
-            + f" (BLAS {'does not spread' if gemv[threads] < 1.15 * gemv[1] else 'spreads'} a 1-row product "
-            f"over the threads); at that rate a step's weights take {read / (gemv[threads] * 1e9) * 1000:.1f} ms\n"
-        )
-        print("| verified | ms | decode steps |\n|---|---:|---:|")
-        for T in map(int, args.chains.split(",")):
-            x = torch.randint(0, V, (1, T))
-            ms = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
-            print(f"| chain of {T} | {ms:.1f} | {ms / one:.2f} |")
-        profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
-        for n in map(int, args.nodes.split(",")):
-            t = Tree.from_accuracies(profile, n).tensors
-            x = torch.randint(0, V, (1, n + 1))
-            ms = timed(lambda m=m, x=x, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"])), args.reps)
-            print(f"| tree of 1 + {n} | {ms:.1f} | {ms / one:.2f} |")
+        # Each product path in turn: torch's (MKL on x86), and the compiled kernel where it is built
+        # (cpu_kernel.py; a float32 decode or verify step of up to 16 rows goes through it).
+        paths = {"torch": cpu_kernel.disabled}
+        if dt == torch.float32 and cpu_kernel.kernel() is not None:
+            paths["kernel"] = contextlib.nullcontext
+        decode, rows = {}, {}
+        for path, within in paths.items():
+            with within():
+                x = torch.randint(0, V, (1, 1))
+                decode[path] = one = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
+                gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
+                print(
+                    f"\n## {dtype}, {path}'s products: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth "
+                    f"bound {bound:.1f} ms ({read / 1e6:.0f} MB a step): {bound / one:.0%} of the limit. Its "
+                    "1-row products alone: "
+                    + ", ".join(f"{gb:.1f} GB/s with {n} thread{'s' * (n > 1)}" for n, gb in gemv.items())
+                    + f", so a step's weights take {read / (gemv[threads] * 1e9) * 1000:.1f} ms"
+                )
+                for T in map(int, args.chains.split(",")):
+                    x = torch.randint(0, V, (1, T))
+                    rows.setdefault(f"chain of {T}", []).append(timed(lambda m=m, x=x: m(x, PREFIX), args.reps))
+                profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
+                for n in map(int, args.nodes.split(",")):
+                    t = Tree.from_accuracies(profile, n).tensors
+                    x = torch.randint(0, V, (1, n + 1))
+                    ms = timed(lambda m=m, x=x, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"])), args.reps)
+                    rows.setdefault(f"tree of 1 + {n}", []).append(ms)
+        print("\n| verified | " + " | ".join(f"{p} ms | {p}: decode steps" for p in paths) + " |")
+        print("|---|" + "---:|---:|" * len(paths))
+        for name, times in rows.items():
+            cells = (f"{ms:.1f} | {ms / decode[p]:.2f}" for p, ms in zip(paths, times))
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        one = decode[list(paths)[-1]]
+        print(f"(draft steps below: with {list(paths)[-1]}'s products)")
         print("\n| draft step | ms | decode steps |\n|---|---:|---:|")
         for gamma in (1, 3):
             model = Eagle3Model(Eagle3Config.for_target(m.config, aux_layers=None, draft_vocab_size=8192))

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec_runtime import cpu_kernel
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
 from specdec_runtime.graphs import CapturedStep
 
@@ -146,6 +147,8 @@ def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
     CPU, MKL's x @ W re-reads W for every few rows, while W^T @ x^T streams it once: verifying 5
     tokens then costs 1.3-1.6 decode steps instead of 2.5; scripts/bench_cost.py)."""
     weight, weight_t, bias = w
+    if weight_t is not None and cpu_kernel.usable(x):
+        return cpu_kernel.matmul(x, weight_t, bias, residual)
     if weight_t is not None and x.shape[0] > 1:
         if x.stride(-1) != 1:  # MKL's fast kernel wants x^T as a transposed view of row-major x
             x = x.contiguous()

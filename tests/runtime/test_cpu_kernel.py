@@ -1,0 +1,116 @@
+"""The compiled CPU kernel for products of a few rows (specdec_runtime/cpu_kernel.py): against the
+float64 product, row for row independent of the other rows and of the thread count, used by
+linear() exactly where it should be, and refused with a reason where it cannot be built."""
+
+import pytest
+import torch
+
+from specdec_runtime import cpu_kernel
+from specdec_runtime.model import linear
+
+needs_kernel = pytest.mark.skipif(
+    cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here (the reason is printed above)"
+)
+
+
+def product64(x, wt, bias=None, residual=None):
+    y = x.double() @ wt.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if residual is not None:
+        y = y + residual.double()
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16])
+@pytest.mark.parametrize("K,N", [(64, 96), (72, 61), (576, 960), (9, 5), (16, 1)])
+def test_against_float64(M, K, N):
+    """Every row-count / tile shape, K with and without a tail past the 16-wide steps, N not a
+    multiple of the tiles' widths nor of the tasks' 12 rows; with bias and residual."""
+    g = torch.Generator().manual_seed(M * 1000 + K + N)
+    x, wt = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    with torch.inference_mode():
+        for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+            y = cpu_kernel.matmul(x, wt, b, r)
+            assert y.shape == (M, N) and y.dtype == torch.float32
+            torch.testing.assert_close(y.double(), product64(x, wt, b, r), rtol=1e-5, atol=1e-5 * K**0.5)
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_the_other_rows_or_threads():
+    """A verify step's products give, row for row, bitwise what a decode step gives: each row of a
+    16-row product equals that row alone, and any block of rows containing it, with 1 or 2 threads."""
+    g = torch.Generator().manual_seed(0)
+    x, wt = torch.randn(16, 576, generator=g), torch.randn(1000, 576, generator=g)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        full = cpu_kernel.matmul(x, wt)
+        for i in range(16):
+            assert torch.equal(cpu_kernel.matmul(x[i : i + 1], wt), full[i : i + 1])
+        for lo, hi in [(0, 5), (3, 9), (7, 16), (2, 4)]:
+            assert torch.equal(cpu_kernel.matmul(x[lo:hi], wt), full[lo:hi])
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(cpu_kernel.matmul(x, wt), full)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 48, generator=g)  # [in, out]
+    params = (w, w.t().contiguous(), torch.randn(48, generator=g))
+    calls = []
+    real = cpu_kernel.matmul
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    cpu_kernel.matmul = counting
+    try:
+        with torch.inference_mode():
+            for M in (1, 5, 16, 17, 64):
+                x = torch.randn(M, 64, generator=g)
+                torch.testing.assert_close(linear(x, params), x @ w + params[2])
+            with cpu_kernel.disabled():
+                linear(torch.randn(3, 64), params)
+            linear(torch.randn(2, 64, dtype=torch.float64), tuple(p.double() for p in params))
+        x = torch.randn(2, 64, requires_grad=True)
+        linear(x, params).sum().backward()  # autograd: torch's products
+        assert x.grad is not None
+    finally:
+        cpu_kernel.matmul = real
+    assert calls == [1, 5, 16]
+
+
+def test_refused_with_a_reason(monkeypatch, tmp_path, capsys):
+    """No compiler: torch's products, and one line on stderr saying why and how to hide it."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    cpu_kernel.kernel.cache_clear()
+    try:
+        assert cpu_kernel.kernel() is None
+        err = capsys.readouterr().err
+        assert "CPU kernel not used" in err and "SPECDEC_CPU_KERNEL=0" in err
+        with torch.inference_mode():
+            assert not cpu_kernel.usable(torch.randn(1, 8))
+        monkeypatch.setenv("SPECDEC_CPU_KERNEL", "0")
+        cpu_kernel.kernel.cache_clear()
+        assert cpu_kernel.kernel() is None and capsys.readouterr().err == ""
+    finally:
+        cpu_kernel.kernel.cache_clear()
+    assert not list(tmp_path.glob("kernels/*.so"))
+
+
+@needs_kernel
+def test_built_once_per_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    first = cpu_kernel._build()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernel._build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
