@@ -64,6 +64,7 @@ class BenchSettings:
     tree: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    products: str = "torch"  # a CPU's few-row products: cpu_kernel.products()
     chat: bool = True
     reference: bool = True
 

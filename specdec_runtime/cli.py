@@ -270,7 +270,7 @@ class Output:
 def run_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specdec_runtime import bench
+    from specdec_runtime import bench, cpu_kernel
     from specdec_runtime.loading import load_hf_model
     from specdec_runtime.prompts import builtin_prompts, first_per_category, read_prompts
 
@@ -310,6 +310,7 @@ def run_bench(args: argparse.Namespace) -> None:
         tree=args.tree,
         device=m.device.type,
         dtype=str(m.dtype).removeprefix("torch."),
+        products=cpu_kernel.products(m.device, m.dtype),
         chat=not args.no_chat_template,
         reference=not args.no_reference,
     )

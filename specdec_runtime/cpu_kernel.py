@@ -124,6 +124,13 @@ def usable(x: Tensor) -> bool:
     )
 
 
+def products(device: torch.device, dtype: torch.dtype) -> str:
+    """Which products a model on device/dtype runs for its decode and verify steps (benchmarks
+    record it): "kernel" or "torch"."""
+    fp32_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
+    return "kernel" if fp32_cpu and _enabled and kernel() is not None else "torch"
+
+
 def matmul(x: Tensor, weight_t: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """x [M, K] @ weight_t [N, K]^T (+ bias [N]) (+ residual [M, N]), fp32 on a CPU (usable(x))."""
     x = x.contiguous()
