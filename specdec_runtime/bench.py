@@ -10,9 +10,12 @@
 Each mode first decodes every prompt autoregressively, once, shared by all drafters (it was once
 per drafter: a bench of 3 drafters now decodes 3 + 1 passes instead of 6); then each drafter decodes
 every prompt, followed per prompt by transformers' (assisted) generation with the same drafter
-where transformers has one (reference.py). Speedups are ratios of runs in the same bench, on the
-same prompts. The expected duration is printed after the first autoregressive pass, and one
-progress bar covers the whole bench. A spec may end in @G to fix its draft length (`truncate:28@1`).
+where transformers has one (reference.py). `paired` (`specdec bench --paired`) decodes each prompt
+autoregressively again right before each drafter's run of it and measures the drafter against
+that run, for machines whose speed drifts between the shared pass and the drafter's. Speedups are
+ratios of runs in the same bench, on the same prompts. The expected duration is printed after the
+first autoregressive pass, and one progress bar covers the whole bench. A spec may end in @G to
+fix its draft length (`truncate:28@1`).
 
 Each drafter's results go to drafters/<name>.json as soon as it is done; a rerun with the same
 settings skips what is there (an interrupted bench resumes per drafter). A drafter that fails to
@@ -67,6 +70,7 @@ class BenchSettings:
     products: str = "torch"  # a CPU's few-row products: cpu_kernel.products()
     chat: bool = True
     reference: bool = True
+    paired: bool = False  # autoregressive runs timed next to each drafter's (see bench_drafter)
 
 
 def prompts_digest(prompts: Sequence[Prompt], encoded: Sequence[Sequence[int]]) -> str:
@@ -144,7 +148,8 @@ def run_bench(
     for mode in ar_modes:  # one autoregressive pass per mode, shared by every drafter
         ar[mode] = autoregressive(target, encoded, mode, settings, bar)
         if len(ar) == 1:
-            print(expected_duration(ar[mode], len(ar_modes) - 1, len(todo), hf is not None), file=sys.stderr)
+            left = expected_duration(ar[mode], len(ar_modes) - 1, len(todo), hf is not None, settings.paired)
+            print(left, file=sys.stderr)
     for spec, mode in todo:
         if bar is not None:
             bar.set_postfix_str(f"{spec} ({mode})")
@@ -195,14 +200,15 @@ def capacity_of(encoded: Sequence[list[int]], settings: BenchSettings) -> int:
     return max(len(ids) for ids in encoded) + settings.max_new_tokens  # caches sized once
 
 
-def expected_duration(ar: Sequence[dict], ar_left: int, runs: int, reference: bool) -> str:
+def expected_duration(ar: Sequence[dict], ar_left: int, runs: int, reference: bool, paired: bool = False) -> str:
     """What the rest of the bench should take, from the first autoregressive pass: each drafter run
-    about one AR pass, transformers' reference about one more."""
+    about one AR pass, transformers' reference about one more, a paired AR pass one more."""
     seconds = sum(r["stats"]["total_s"] for r in ar)
-    left = seconds * (ar_left + runs * (2 if reference else 1))
+    left = seconds * (ar_left + runs * (1 + reference + paired))
+    extras = [what for what, on in (("transformers' reference", reference), ("paired AR runs", paired)) if on]
     return (
         f"bench: autoregressive decoding took {seconds:.0f} s for {len(ar)} prompts; {runs} drafter runs "
-        f"{'with' if reference else 'without'} transformers' reference should take about {left / 60:.0f} min more"
+        f"{'with ' + ' and '.join(extras) if extras else 'alone'} should take about {left / 60:.0f} min more"
     )
 
 
@@ -218,7 +224,10 @@ def bench_drafter(
     bar: Any = None,
 ) -> dict:
     """One drafter in one mode against the mode's shared autoregressive runs `ar`: {"gamma",
-    "reference", "records": [...]} or {"error": ...}."""
+    "reference", "records": [...]} or {"error": ...}. With settings.paired, each prompt is decoded
+    autoregressively again right before the drafter decodes it, and that run is its baseline: the
+    shared pass runs minutes earlier, and a CPU whose speed drifts by a third within minutes
+    (seen on the developers' machine) moves the ratios by as much."""
     name, gamma = parse_spec(spec)
     try:
         drafter = build_drafter(name, target, confidence=settings.confidence, dtype=settings.dtype, tree=settings.tree)
@@ -250,6 +259,9 @@ def bench_drafter(
             reference(encoded[0], 0, short)
         for i, ids in enumerate(encoded):
             base = ar[i]
+            if settings.paired and drafter is not None:  # the same prompt, just before: drift cancels
+                again = generate(target.model, ids, None, sampler(i), **kw, capacity=spec_kw["capacity"])
+                base = {"tokens": again.tokens, "stats": again.stats.to_dict()}
             if drafter is None:
                 tokens, stats = base["tokens"], base["stats"]
             else:

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-reference", action="store_true", help="skip transformers' (assisted) generation as the outside reference"
     )
+    bench.add_argument(
+        "--paired",
+        action="store_true",
+        help="time autoregressive decoding again right before each drafter's run of each prompt (twice the "
+        "decoding, but ratios a machine whose speed drifts cannot move)",
+    )
     bench.add_argument("--wandb", action="store_true", help="log to Weights & Biases (WANDB_MODE=offline works)")
     bench.add_argument("--wandb-project", default="specdec")
 
@@ -313,6 +319,7 @@ def run_bench(args: argparse.Namespace) -> None:
         products=cpu_kernel.products(m.device, m.dtype),
         chat=not args.no_chat_template,
         reference=not args.no_reference,
+        paired=args.paired,
     )
     bench.check_settings(args.output_dir, settings, args.fresh)
     hf = None if args.no_reference else load_hf_model(args.target, dtype=m.dtype).to(m.device).eval()
