@@ -136,11 +136,12 @@ def matmul(x: Tensor, weight_t: Tensor, bias: Tensor | None = None, residual: Te
     x = x.contiguous()
     M, K = x.shape
     N = weight_t.shape[0]
-    if weight_t.shape[1] != K or not weight_t.is_contiguous():
-        raise ValueError(f"weight_t must be a contiguous [N, {K}] tensor, got {tuple(weight_t.shape)}")
+    if weight_t.shape[1] != K or not weight_t.is_contiguous() or weight_t.dtype != torch.float32:
+        got = f"{weight_t.dtype} {tuple(weight_t.shape)}"
+        raise ValueError(f"weight_t must be a contiguous float32 [N, {K}] tensor, got {got}")
     if residual is not None:
         residual = residual.expand(M, N).contiguous()
-    y = torch.empty(M, N)
+    y = torch.empty(M, N, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
     res_ptr = None if residual is None else residual.data_ptr()
     kernel()(x.data_ptr(), M, K, weight_t.data_ptr(), N, bias_ptr, res_ptr, y.data_ptr(), torch.get_num_threads())

@@ -114,3 +114,11 @@ def test_built_once_per_cache(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert cpu_kernel._build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
+
+
+@needs_kernel
+def test_a_weight_it_cannot_read_is_refused():
+    x = torch.randn(2, 16)
+    for wt in (torch.randn(8, 12), torch.randn(16, 8).t(), torch.randn(8, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="contiguous float32"):
+            cpu_kernel.matmul(x, wt)
