@@ -38,7 +38,6 @@ def main() -> None:
     target = load_model(args.target, device="cpu", dtype=torch.float32)
     drafter = build_drafter(args.drafter, target)
     prompts = first_per_category(read_prompts(builtin_prompts("prompts-val")), args.per_category)
-    stop = {target.tokenizer.eos_token_id}
     paths = {"torch": cpu_kernel.disabled, "kernel": contextlib.nullcontext}
     tokens, seconds, outputs = {}, {}, {}
     for i, prompt in enumerate(tqdm(prompts, desc="prompts")):
@@ -52,7 +51,7 @@ def main() -> None:
                         d,
                         max_new_tokens=args.max_new_tokens,
                         gamma=args.gamma,
-                        stop_ids=stop,
+                        stop_ids=target.stop_ids,
                         capacity=len(ids) + args.max_new_tokens,
                     )
                     tokens[path, mode] = tokens.get((path, mode), 0) + g.stats.new_tokens

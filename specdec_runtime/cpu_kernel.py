@@ -110,25 +110,26 @@ def disabled():
         _enabled = before
 
 
+def _serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel computes products of this device and dtype here: fp32 on a CPU, on and built."""
+    return _enabled and torch.device(device).type == "cpu" and dtype == torch.float32 and kernel() is not None
+
+
 def usable(x: Tensor) -> bool:
-    """Whether linear() hands x's product to the kernel: few fp32 rows on a CPU, no autograd, not
-    under torch.compile (which traces torch's ops), and the kernel built."""
+    """Whether linear() hands x's product to the kernel: few rows it serves (_serves), no autograd,
+    not under torch.compile (which traces torch's ops)."""
     return (
-        _enabled
-        and x.shape[0] <= MAX_ROWS
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
+        x.shape[0] <= MAX_ROWS
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
-        and kernel() is not None
+        and _serves(x.device, x.dtype)
     )
 
 
 def products(device: torch.device, dtype: torch.dtype) -> str:
     """Which products a model on device/dtype runs for its decode and verify steps (benchmarks
     record it): "kernel" or "torch"."""
-    fp32_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
-    return "kernel" if fp32_cpu and _enabled and kernel() is not None else "torch"
+    return "kernel" if _serves(device, dtype) else "torch"
 
 
 def matmul(x: Tensor, weight_t: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:

@@ -142,10 +142,12 @@ Weights = tuple  # (W [in, out], W^T [out, in] or None, bias or None): a Linear'
 
 
 def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
-    """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. One row reads W [in, out]
-    (the GEMV streams it once). Several rows read W^T [out, in] when the model keeps it (on a
-    CPU, MKL's x @ W re-reads W for every few rows, while W^T @ x^T streams it once: verifying 5
-    tokens then costs 1.3-1.6 decode steps instead of 2.5; scripts/bench_cost.py)."""
+    """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. Where the model keeps
+    W^T [out, in] (on a CPU): up to cpu_kernel.MAX_ROWS fp32 rows without autograd go to the
+    runtime's CPU kernel, which streams W^T once over all threads (MKL's 1-row product runs on one
+    core); more rows to MKL's W^T @ x^T (its x @ W re-reads W for every few rows: verifying 5
+    tokens cost 2.5 decode steps instead of 1.3-1.6; scripts/bench_cost.py). Otherwise one row
+    reads W [in, out] (the GEMV streams it once), with the residual add folded into addmm."""
     weight, weight_t, bias = w
     if weight_t is not None and cpu_kernel.usable(x):
         return cpu_kernel.matmul(x, weight_t, bias, residual)
@@ -224,8 +226,8 @@ def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) ->
 
 
 class Linear(nn.Module):
-    """Holds a weight stored [in, out] (+ bias), and on request its transpose [out, in] for
-    products of several rows (see linear()); the decoder calls linear() on them directly."""
+    """Holds a weight stored [in, out] (+ bias), and on request its transpose [out, in], which a
+    CPU's products read (see linear()); the decoder calls linear() on them directly."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
@@ -336,8 +338,8 @@ class Decoder(nn.Module):
         self.steps = {}
 
     def keep_transposes(self) -> None:
-        """Keep every weight also as [out, in] (twice the weights' memory): products of several
-        rows (verification, tree and batch forwards) then stream each weight once on a CPU."""
+        """Keep every weight also as [out, in] (twice the weights' memory): a CPU's products (the
+        CPU kernel's, and MKL's of more rows) then stream each weight once."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.keep_transpose()

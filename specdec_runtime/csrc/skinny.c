@@ -6,8 +6,6 @@
    8-lane partial sums over alternating 8-column chunks of K, folded pairwise, then the tail of K,
    then bias, then res), whatever M, the tiling and the thread split: a row's result does not
    depend on which other rows were computed with it. */
-#include <stddef.h>
-
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
