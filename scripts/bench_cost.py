@@ -104,8 +104,9 @@ def main() -> None:
         read = step_bytes(m, PREFIX)
         bound = read / (bw * 1e9) * 1000
         threads = torch.get_num_threads()
-        # Each product path in turn: torch's (MKL on x86), and the compiled kernel where it is built
-        # (cpu_kernel.py; a float32 decode or verify step of up to 16 rows goes through it).
+        # Each path in turn: torch's ops (MKL's products on x86), and the compiled kernels where they
+        # are built (cpu_kernel.py: a float32 decode or verify step of up to 16 rows runs its
+        # sublayers in layers.c, the lm_head in skinny.c).
         paths = {"torch": cpu_kernel.disabled}
         if dt == torch.float32 and cpu_kernel.kernel() is not None:
             paths["kernel"] = contextlib.nullcontext
@@ -116,7 +117,7 @@ def main() -> None:
                 decode[path] = one = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
                 print(
-                    f"\n## {dtype}, {path}'s products: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth "
+                    f"\n## {dtype}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth "
                     f"bound {bound:.1f} ms ({read / 1e6:.0f} MB a step): {bound / one:.0%} of the limit. Its "
                     "1-row products alone: "
                     + ", ".join(f"{gb:.1f} GB/s with {n} thread{'s' * (n > 1)}" for n, gb in gemv.items())
@@ -137,7 +138,7 @@ def main() -> None:
             cells = (f"{ms:.1f} | {ms / decode[p]:.2f}" for p, ms in zip(paths, times))
             print(f"| {name} | " + " | ".join(cells) + " |")
         one = decode[list(paths)[-1]]
-        print(f"(draft steps below: with {list(paths)[-1]}'s products)")
+        print(f"(draft steps below: on the {list(paths)[-1]} path)")
         print("\n| draft step | ms | decode steps |\n|---|---:|---:|")
         for gamma in (1, 3):
             model = Eagle3Model(Eagle3Config.for_target(m.config, aux_layers=None, draft_vocab_size=8192))

@@ -1,4 +1,4 @@
-"""A compiled kernel for the products of a few rows on a CPU: decode, verify and draft steps.
+"""Compiled kernels for a few rows on a CPU (decode, verify and draft steps): products and sublayers.
 
 A decode step multiplies one row by every weight matrix, so it is bound by reading the weights.
 MKL computes a one-row fp32 product on one core (16.6 GB/s on the developers' 2-core EPYC, with 1
@@ -7,6 +7,11 @@ for every few rows. `csrc/skinny.c` streams each weight once, split over torch's
 for 1 to MAX_ROWS rows, and sums every output in one fixed order whatever the row count: row for
 row, a verify step's products are bitwise those of a decode step. scripts/bench_cost.py measures it
 against torch's products.
+
+`csrc/layers.c` runs a whole attention or MLP sublayer of such a step in one call (norm, products,
+rope, cache write, attention, gated activation), where torch dispatches some twenty small ops whose
+overhead was a third of a decode step; it keeps the same row-for-row guarantee. model.attention(),
+self_attention() and mlp() hand their rows to it (sublayer_usable()).
 
 It is compiled on first use (`cc -O3 -march=native -fopenmp`, about a second) into
 $SPECDEC_CACHE/kernels and loaded with ctypes. Where it cannot be built or used (not Linux, no C
@@ -29,7 +34,8 @@ import torch
 from torch import Tensor
 
 MAX_ROWS = 16  # more rows (a prefill) are a compute-bound GEMM: MKL's
-SOURCE = Path(__file__).with_name("csrc") / "skinny.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "skinny.c", CSRC / "layers.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 OFF = "SPECDEC_CPU_KERNEL"
 _enabled = True  # see disabled()
@@ -61,7 +67,8 @@ def _build() -> Path:
         raise Unavailable("no C compiler (install gcc, or set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     cpu = Path("/proc/cpuinfo").read_text().partition("flags")[2].partition("\n")[0]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, cpu, *FLAGS]).encode()).hexdigest()[:16]
+    texts = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".c", ".h")]
+    key = hashlib.sha256("\0".join([*texts, version, cpu, *FLAGS]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"skinny-{key}.so"
     if out.exists():
         return out
@@ -69,7 +76,8 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        cmd = [cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise Unavailable(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, out)
@@ -80,8 +88,9 @@ def _build() -> Path:
 
 
 @functools.cache
-def kernel():
-    """The kernel's C function, or None where it is off or cannot be used (said once, on stderr)."""
+def kernel() -> ctypes.CDLL | None:
+    """The compiled library (its functions typed), or None where it is off or cannot be used (said
+    once, on stderr)."""
     if os.environ.get(OFF, "1") == "0":
         return None
     try:
@@ -90,13 +99,18 @@ def kernel():
         if _openmp_runtimes() - before:
             raise Unavailable("it would run on a second OpenMP runtime beside torch's")
     except (Unavailable, OSError) as e:
-        print(f"specdec: CPU kernel not used ({e}); torch's products instead ({OFF}=0 hides this)", file=sys.stderr)
+        print(f"specdec: CPU kernel not used ({e}); torch's ops instead ({OFF}=0 hides this)", file=sys.stderr)
         return None
-    fn = lib.skinny_matmul
-    ptr, n = ctypes.c_void_p, ctypes.c_long
-    fn.argtypes = [ptr, n, n, ptr, n, ptr, ptr, ptr, ctypes.c_int]
-    fn.restype = None
-    return fn
+    P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+    signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
+        "skinny_matmul": [P, N, N, P, N, P, P, P, Int],
+        "attention_block": [P, N, N, P, F, P, P, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
+        "mlp_block": [P, N, N, P, F, P, P, N, P, P, P, Int],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, (None if name == "skinny_matmul" else Int)
+    return lib
 
 
 @contextlib.contextmanager
@@ -145,5 +159,78 @@ def matmul(x: Tensor, weight_t: Tensor, bias: Tensor | None = None, residual: Te
     y = torch.empty(M, N, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
     res_ptr = None if residual is None else residual.data_ptr()
-    kernel()(x.data_ptr(), M, K, weight_t.data_ptr(), N, bias_ptr, res_ptr, y.data_ptr(), torch.get_num_threads())
+    kernel().skinny_matmul(x.data_ptr(), M, K, weight_t.data_ptr(), N, bias_ptr, res_ptr, y.data_ptr(), _threads())
     return y
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _ran(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the CPU kernel could not allocate its scratch buffer")
+
+
+def sublayer_usable(x: Tensor, B: int, *weights: tuple) -> bool:
+    """Whether a sublayer of rows x [B*T, in] runs in the kernel (layers.c): usable(x), batch 1,
+    and every weight kept transposed (Weights tuples: (W, W^T or None, bias))."""
+    return B == 1 and all(w[1] is not None for w in weights) and usable(x)
+
+
+def attention(
+    x: Tensor,
+    norm: Tensor | None,
+    eps: float,
+    residual: Tensor,
+    qkv: tuple,
+    o: tuple,
+    cos: Tensor,
+    sin: Tensor,
+    kv: Tensor,
+    slots: Tensor,
+    mask: Tensor | None,
+    bound: int,
+) -> Tensor:
+    """model.self_attention(norm(x) or x, residual, ...) for one sequence (sublayer_usable): keys and
+    values written into kv [1, 2Hkv, S, D] at slots [T], attention over the first `bound` slots under
+    mask [group * T, bound] (its first T rows are read; None: all of them)."""
+    x, residual = x.contiguous(), residual.contiguous()
+    M, K = x.shape
+    D, S, Hkv = kv.shape[-1], kv.shape[-2], kv.shape[1] // 2
+    H = qkv[1].shape[0] // D - 2 * Hkv
+    Hd = o[1].shape[0]
+    if not kv.is_contiguous() or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
+        raise ValueError("attention: kv must be contiguous and cos / sin rows share one stride")
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    slots = slots.contiguous()
+    out = torch.empty(M, Hd)
+    # fmt: off
+    _ran(kernel().attention_block(
+        x.data_ptr(), M, K, _ptr(norm), eps, residual.data_ptr(),
+        qkv[1].data_ptr(), _ptr(qkv[2]), H, Hkv, D, o[1].data_ptr(), _ptr(o[2]), Hd,
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.data_ptr(), S, slots.data_ptr(),
+        _ptr(mask), 0 if mask is None else mask.stride(0), bound, out.data_ptr(), _threads(),
+    ))
+    # fmt: on
+    return out
+
+
+def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Tensor:
+    """model.mlp(x, ...) (sublayer_usable): x + down(silu(gate) * up) of norm(x) [T, H]."""
+    x = x.contiguous()
+    M, Hd = x.shape
+    intermediate = down[1].shape[1]
+    out = torch.empty(M, Hd)
+    # fmt: off
+    _ran(kernel().mlp_block(
+        x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up[1].data_ptr(), _ptr(gate_up[2]), intermediate,
+        down[1].data_ptr(), _ptr(down[2]), out.data_ptr(), _threads(),
+    ))
+    # fmt: on
+    return out

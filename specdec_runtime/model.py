@@ -184,7 +184,10 @@ def attention(
 ) -> Tensor:
     """x + attention(norm(x)) for x [B*T, H]. Writes this layer's K/V into kv [B, 2Hkv, S, D] at
     slots [T], then attends over kv's first `bound` slots under mask [group * T, bound] (None:
-    every slot). A function of tensors, so that one compiled version serves every layer."""
+    every slot). A function of tensors, so that one compiled version serves every layer. A few
+    fp32 rows on a CPU run in the CPU kernel (cpu_kernel.attention, norm included)."""
+    if cpu_kernel.sublayer_usable(x, B, qkv, o):
+        return cpu_kernel.attention(x, norm, eps, x, qkv, o, cos, sin, kv, slots, mask, bound)
     return self_attention(rms_norm(x, norm, eps), x, B, qkv, o, cos, sin, kv, slots, mask, bound)
 
 
@@ -203,6 +206,8 @@ def self_attention(
 ) -> Tensor:
     """residual + o(attention) of the normalized input h [B*T, in] (see attention(); an EAGLE-3
     layer's h is two normalized inputs side by side)."""
+    if cpu_kernel.sublayer_usable(h, B, qkv, o):
+        return cpu_kernel.attention(h, None, 0.0, residual, qkv, o, cos, sin, kv, slots, mask, bound)
     D = cos.shape[-1]
     Hkv = kv.shape[1] // 2
     H = qkv[0].shape[1] // D - 2 * Hkv
@@ -219,7 +224,10 @@ def self_attention(
 
 
 def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) -> Tensor:
-    """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H]."""
+    """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H] (a few fp32 rows of one sequence on
+    a CPU: in the CPU kernel, cpu_kernel.mlp)."""
+    if cpu_kernel.sublayer_usable(x, 1, gate_up, down):  # row by row: any batch is one
+        return cpu_kernel.mlp(x, norm, eps, gate_up, down)
     h = rms_norm(x, norm, eps)
     gate, up = linear(h, gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate).mul_(up), down, residual=x)

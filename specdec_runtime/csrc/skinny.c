@@ -6,18 +6,9 @@
    8-lane partial sums over alternating 8-column chunks of K, folded pairwise, then the tail of K,
    then bias, then res), whatever M, the tiling and the thread split: a row's result does not
    depend on which other rows were computed with it. */
-typedef float v8 __attribute__((vector_size(32)));
+#include "vec.h"
 
-static inline v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float fold(v8 a, v8 b) {
-    v8 s = a + b;
-    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
+static inline float fold(v8 a, v8 b) { return hsum(a + b); }
 
 /* MR rows of x against one row of w: 2 * MR accumulators (at most 12, in AVX2's 16 vector
    registers; the compiler unrolls the constant loops). One weight row at a time keeps each thread
@@ -53,9 +44,11 @@ static const tile_fn tiles[7] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile
 #define ROWS 6   /* rows of x per tile */
 #define BLOCK 16 /* rows of w per task */
 
-void skinny_matmul(const float *x, long M, long K, const float *w, long N, const float *bias,
-                   const float *res, float *y, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+/* The rows of w this thread computes, inside an enclosing parallel region (layers.c runs a whole
+   sublayer in one region): an orphaned worksharing loop, so its split is skinny_matmul's. */
+void skinny_part(const float *x, long M, long K, const float *w, long N, const float *bias, const float *res,
+                 float *y) {
+#pragma omp for schedule(static)
     for (long n0 = 0; n0 < N; n0 += BLOCK) {
         long n1 = n0 + BLOCK < N ? n0 + BLOCK : N;
         for (long m = 0; m < M; m += ROWS) {
@@ -64,4 +57,10 @@ void skinny_matmul(const float *x, long M, long K, const float *w, long N, const
                 tiles[mr](x + m * K, w + n * K, K, y + m * N + n, N, bias ? bias + n : 0, res ? res + m * N + n : 0);
         }
     }
+}
+
+void skinny_matmul(const float *x, long M, long K, const float *w, long N, const float *bias,
+                   const float *res, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    skinny_part(x, M, K, w, N, bias, res, y);
 }

@@ -1,6 +1,10 @@
-"""The compiled CPU kernel for products of a few rows (specdec_runtime/cpu_kernel.py): against the
+"""The compiled CPU kernels (specdec_runtime/cpu_kernel.py). Products of a few rows: against the
 float64 product, row for row independent of the other rows and of the thread count, used by
-linear() exactly where it should be, and refused with a reason where it cannot be built."""
+linear() exactly where they should be, refused with a reason where they cannot be built. Whole
+sublayers (layers.c): against the decoder in float64, as close as torch's fp32 path, a verify
+step's rows bitwise its decode steps', used exactly where they should be."""
+
+import copy
 
 import pytest
 import torch
@@ -122,3 +126,97 @@ def test_a_weight_it_cannot_read_is_refused():
     for wt in (torch.randn(8, 12), torch.randn(16, 8).t(), torch.randn(8, 16, dtype=torch.float64)):
         with pytest.raises(ValueError, match="contiguous float32"):
             cpu_kernel.matmul(x, wt)
+
+
+def wide_decoder(head_dim: int, **over):
+    """A tiny decoder whose heads are as wide as real ones (64: the kernel's 8-register path; 80:
+    that path plus 16 dims past it), GQA 4:2, sublayer weights kept transposed (on a CPU)."""
+    from tests.conftest import tiny_decoder
+
+    return tiny_decoder(hidden_size=4 * head_dim, head_dim=head_dim, intermediate_size=200, **over)
+
+
+def decode_and_verify(model, ids, start: int, tree=None):
+    """Logits of ids[start:] run as one verify step, and as one decode step each (tree: verify only)."""
+    model.setup_cache(1, ids.shape[1] + 8)
+    model(ids[:, :start], 0)
+    verify = model(ids[:, start:], start, tree=tree).logits[0]
+    if tree is not None:
+        return verify, None
+    model(ids[:, :start], 0)
+    return verify, torch.cat([model(ids[:, t : t + 1], t).logits[0] for t in range(start, ids.shape[1])])
+
+
+def assert_as_close_as_torchs(ours, torchs, exact):
+    """ours (the kernel's fp32 logits) are no further from the float64 logits `exact` than twice
+    torch's fp32 logits are (the sums run in other orders: neither is bitwise the other)."""
+    ours_err, torch_err = (ours.double() - exact).abs().max(), (torchs.double() - exact).abs().max()
+    assert ours_err <= 2 * torch_err + 1e-6, f"kernel off by {ours_err:.2e}, torch's fp32 by {torch_err:.2e}"
+
+
+def in_float64(model):
+    exact = copy.deepcopy(model).double()
+    exact.cache = None
+    return exact
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "head_dim,over",
+    [(64, {}), (80, {}), (16, {"attention_bias": True, "mlp_bias": True}), (64, {"num_key_value_heads": 4})],
+)
+def test_sublayers_are_as_accurate_as_torchs(head_dim, over):
+    """Decode and verify steps in the kernel's sublayers (layers.c) against the same decoder in
+    float64, as close as torch's fp32 sublayers; a verify step's rows are bitwise its decode steps'."""
+    model = wide_decoder(head_dim, **over)
+    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(head_dim))
+    verify, decode = decode_and_verify(model, ids, 14)
+    with cpu_kernel.disabled():
+        torch_verify, torch_decode = decode_and_verify(model, ids, 14)
+    exact, _ = decode_and_verify(in_float64(model), ids, 14)
+    assert_as_close_as_torchs(verify, torch_verify, exact)
+    assert_as_close_as_torchs(decode, torch_decode, exact)
+    assert torch.equal(verify, decode)
+
+
+@needs_kernel
+def test_sublayers_under_masks_are_as_accurate_as_torchs():
+    """A token tree and a sliding window (masks the kernel reads row by row), against float64."""
+    model = wide_decoder(64)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))
+    parents = [-1, 0, 0, 1, 2, 2]
+    depth, anc = [], torch.zeros(6, 6, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        anc[i] = anc[p] if p >= 0 else anc[i]
+        anc[i, i] = True
+    tree = (torch.tensor(depth), anc)
+    got, _ = decode_and_verify(model, ids, 10, tree)
+    with cpu_kernel.disabled():
+        want, _ = decode_and_verify(model, ids, 10, tree)
+    assert_as_close_as_torchs(got, want, decode_and_verify(in_float64(model), ids, 10, tree)[0])
+    window = wide_decoder(64, sliding_window=5)
+    verify, decode = decode_and_verify(window, ids, 9)
+    with cpu_kernel.disabled():
+        torch_verify, _ = decode_and_verify(window, ids, 9)
+    assert_as_close_as_torchs(verify, torch_verify, decode_and_verify(in_float64(window), ids, 9)[0])
+    assert torch.equal(verify, decode)
+
+
+@needs_kernel
+def test_sublayers_run_in_it_only_where_they_should(monkeypatch):
+    """Attention of one sequence's few fp32 rows and the MLP of any few rows run in the kernel;
+    a prefill, a batch's attention, and anything under autograd run in torch."""
+    model = wide_decoder(64)
+    calls = []
+    for name in ("attention", "mlp"):
+        real = getattr(cpu_kernel, name)
+        monkeypatch.setattr(cpu_kernel, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    model.setup_cache(2, 32)
+    model(torch.randint(0, 256, (2, 20)), 0)  # a prefill of 2 x 20 rows
+    assert calls == []
+    model(torch.randint(0, 256, (2, 1)), 20)  # a batch of 2: the MLP's rows only
+    assert calls == ["mlp"] * 2
+    calls.clear()
+    model(torch.randint(0, 256, (1, 3)), 21)
+    assert calls == ["attention", "mlp"] * 2

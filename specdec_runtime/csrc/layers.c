@@ -1,0 +1,197 @@
+/* A decoder layer's two sublayers for a few rows (decode, verify and draft steps on a CPU), fp32,
+   each in one call and one parallel region on torch's OpenMP threads. See specdec_runtime/cpu_kernel.py.
+
+   torch runs a sublayer as some twenty small ops, each dispatched, allocated and forked over the
+   threads; at one to a few rows their overhead was a third of a decode step. Here the norm, the
+   products (skinny.c), rope, the cache write, attention and the gated activation run back to back
+   with a barrier between them.
+
+   Every value is computed in one fixed order that depends only on its own row: a row of a verify
+   step is bitwise the same row of a decode step (attention sums over the slots in slot order, the
+   masked ones skipped). Rope and the gated activation round each product before adding, as torch
+   and transformers do. No product is fused into an add here (FP_CONTRACT off): GCC fuses some
+   copies of an inlined loop and not others, and a row's sums must not depend on which copy ran. */
+#pragma STDC FP_CONTRACT OFF       /* the C standard's way (clang) */
+#pragma GCC optimize("fp-contract=off") /* GCC ignores the former */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+void skinny_part(const float *x, long M, long K, const float *w, long N, const float *bias, const float *res,
+                 float *y);
+
+/* A growing scratch buffer per calling thread (decode steps reuse it: no allocation per call). */
+static float *scratch(size_t n) {
+    static __thread float *buf;
+    static __thread size_t size;
+    if (n > size) {
+        free(buf);
+        size = (n + 1023) & ~(size_t)1023;
+        buf = aligned_alloc(64, size * sizeof(float));
+        if (!buf) {
+            size = 0;
+            return NULL;
+        }
+    }
+    return buf;
+}
+
+static float dot(const float *a, const float *b, long n) {
+    v8 s = {0};
+    long k = 0;
+    for (; k + 8 <= n; k += 8) s += load8(a + k) * load8(b + k);
+    float t = hsum(s);
+    for (; k < n; k++) t += a[k] * b[k];
+    return t;
+}
+
+/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' RMSNorm. */
+static void norm_row(const float *x, long n, const float *w, float eps, float *out) {
+    float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (long k = 0; k < n; k++) out[k] = w[k] * (x[k] * r);
+}
+
+/* Rotate the adjacent pairs of a head v [D] (model.apply_rope_): (a, b) -> (a c - b s, b c + a s),
+   cos holding c twice per pair and sin (-s, s); each product rounded before the sum. */
+static void rope(float *v, const float *cos, const float *sin, long D) {
+    for (long i = 0; i < D; i += 2) {
+        float a = v[i], b = v[i + 1];
+        v[i] = a * cos[i] + b * sin[i];
+        v[i + 1] = b * cos[i + 1] + a * sin[i + 1];
+    }
+}
+
+/* out [D] = softmax(q . k_j * scale over the slots j < bound that mask allows) @ v. p: scratch of
+   bound rounded up to 8 floats. The weights' sum runs over 8 lanes of slots with 0 at every slot
+   not attended to, so the result does not depend on bound past the last slot attended to (a row
+   of a verify step sees more, masked, slots than the same row decoded). */
+static void attend(const float *q, const float *k, const float *v, long D, const uint8_t *mask, long bound,
+                   float scale, float *p, float *out) {
+    long padded = (bound + 7) & ~7L;
+    float top = -INFINITY;
+    long j = 0;
+    for (; j + 4 <= bound; j += 4) { /* four keys at once: four independent sums, each in dot()'s order */
+        const float *k0 = k + j * D;
+        v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        long d = 0;
+        for (; d + 8 <= D; d += 8) {
+            v8 qd = load8(q + d);
+            s0 += qd * load8(k0 + d);
+            s1 += qd * load8(k0 + D + d);
+            s2 += qd * load8(k0 + 2 * D + d);
+            s3 += qd * load8(k0 + 3 * D + d);
+        }
+        float t[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};
+        for (int i = 0; i < 4; i++) {
+            for (long e = d; e < D; e++) t[i] += q[e] * k0[i * D + e];
+            p[j + i] = t[i] * scale;
+        }
+    }
+    for (; j < bound; j++) p[j] = dot(q, k + j * D, D) * scale;
+    for (j = 0; j < bound; j++)
+        if (!mask || mask[j]) top = p[j] > top ? p[j] : top;
+    for (j = bound; j < padded; j++) p[j] = 0.0f;
+    v8 sums = {0};
+    for (j = 0; j < padded; j += 8) {
+        v8 e = exp8(load8(p + j) - top);
+        v8i keep = {0};
+        if (j + 8 <= bound && mask)
+            for (int i = 0; i < 8; i++) keep[i] = -(int)mask[j + i]; /* bool bytes: 0 or 1 */
+        else
+            for (int i = 0; i < 8; i++) keep[i] = j + i < bound && (!mask || mask[j + i]) ? -1 : 0;
+        e = blend(keep, e, (v8){0});
+        store8(p + j, e);
+        sums += e;
+    }
+    float sum = hsum(sums);
+    long d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) { /* 64 dims at a time in 8 registers, over the slots in order */
+        v8 acc[8] = {{0}};
+        for (j = 0; j < bound; j++) {
+            if (p[j] == 0.0f) continue; /* not attended to (or e^-88): adds nothing */
+            const float *vj = v + j * D + d0;
+            for (int c = 0; c < 8; c++) acc[c] += p[j] * load8(vj + 8 * c);
+        }
+        for (int c = 0; c < 8; c++) store8(out + d0 + 8 * c, acc[c] / sum);
+    }
+    for (long d = d0; d < D; d++) { /* head dims past a multiple of 64 */
+        float t = 0.0f;
+        for (j = 0; j < bound; j++) t += p[j] * v[j * D + d];
+        out[d] = t / sum;
+    }
+}
+
+/* out [M, Hd] = residual + o(attention(h)), h = norm(x) (x [M, Kin]; h = x when norm is NULL).
+   Writes the rows' keys and values into kv [2 Hkv, S, D] (keys, then values) at slots [M]; row m
+   attends to the slots < bound that mask row m allows (mask [M, bound] with row stride
+   mask_stride; NULL: all of them). cos / sin: row m at m * rope_stride. Returns 0, or -1 when
+   out of memory. */
+int attention_block(const float *x, long M, long Kin, const float *norm, float eps, const float *residual,
+                    const float *wqkv, const float *bqkv, long H, long Hkv, long D, const float *wo,
+                    const float *bo, long Hd, const float *cos, const float *sin, long rope_stride, float *kv,
+                    long S, const int64_t *slots, const uint8_t *mask, long mask_stride, long bound, float *out,
+                    int threads) {
+    long nqkv = (H + 2 * Hkv) * D, heads = H + 2 * Hkv, group = H / Hkv;
+    size_t hn = norm ? (size_t)(M * Kin) : 0;
+    long padded = (bound + 7) & ~7L;
+    float *buf = scratch(hn + M * nqkv + M * H * D + (size_t)threads * padded);
+    if (!buf) return -1;
+    float *h = norm ? buf : (float *)x, *qkv = buf + hn, *att = qkv + M * nqkv, *p = att + M * H * D;
+    float scale = 1.0f / sqrtf((float)D);
+#pragma omp parallel num_threads(threads)
+    {
+        if (norm) {
+#pragma omp for schedule(static)
+            for (long m = 0; m < M; m++) norm_row(x + m * Kin, Kin, norm, eps, h + m * Kin);
+        }
+        skinny_part(h, M, Kin, wqkv, nqkv, bqkv, 0, qkv);
+#pragma omp for schedule(static)
+        for (long i = 0; i < M * heads; i++) {
+            long m = i / heads, head = i % heads;
+            float *v = qkv + m * nqkv + head * D;
+            if (head < H + Hkv) rope(v, cos + m * rope_stride, sin + m * rope_stride, D);
+            if (head >= H) memcpy(kv + ((head - H) * S + slots[m]) * D, v, D * sizeof(float));
+        }
+        float *mine = p + (long)omp_get_thread_num() * padded;
+#pragma omp for schedule(static)
+        for (long i = 0; i < M * H; i++) {
+            long m = i / H, head = i % H, g = head / group;
+            attend(qkv + m * nqkv + head * D, kv + g * S * D, kv + (Hkv + g) * S * D, D,
+                   mask ? mask + m * mask_stride : 0, bound, scale, mine, att + m * H * D + head * D);
+        }
+        skinny_part(att, M, H * D, wo, Hd, bo, residual, out);
+    }
+    return 0;
+}
+
+/* out [M, Hd] = x + down(silu(gate(norm(x))) * up(norm(x))), gate and up the halves of one
+   product [M, 2I]. Returns 0, or -1 when out of memory. */
+int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, const float *wgu, const float *bgu,
+              long I, const float *wd, const float *bd, float *out, int threads) {
+    float *h = scratch(M * Hd + M * 2 * I + M * I);
+    if (!h) return -1;
+    float *gu = h + M * Hd, *act = gu + M * 2 * I;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) norm_row(x + m * Hd, Hd, norm, eps, h + m * Hd);
+        skinny_part(h, M, Hd, wgu, 2 * I, bgu, 0, gu);
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) {
+            const float *g = gu + m * 2 * I, *u = g + I;
+            float *a = act + m * I;
+            long i = 0;
+            for (; i + 8 <= I; i += 8) {
+                v8 gi = load8(g + i);
+                store8(a + i, gi / (1.0f + exp8(-gi)) * load8(u + i));
+            }
+            for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        skinny_part(act, M, I, wd, Hd, bd, x, out);
+    }
+    return 0;
+}

@@ -1,0 +1,42 @@
+/* 8-lane fp32 vectors (AVX2's width) with GCC's vector extensions, shared by the kernels. */
+#pragma once
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* The lanes' sum, in one fixed order. */
+static inline float hsum(v8 s) { return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])); }
+
+/* Lanes of a where m is set (all bits), else of b. */
+static inline v8 blend(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); }
+
+/* e^x per lane, to about 1 ulp (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, times
+   2^n); 0 below -87.3, the largest float's neighbourhood above 88.7. */
+static inline v8 exp8(v8 x) {
+    const v8 one = (v8){0} + 1.0f;
+    v8i tiny = x < -87.33654f;
+    x = blend(x > 88.72283f, (v8){0} + 88.72283f, x);
+    v8 fx = x * 1.44269504088896341f + 0.5f;
+    v8i n = __builtin_convertvector(fx, v8i); /* toward zero, then down to floor(fx) */
+    v8 fn = __builtin_convertvector(n, v8);
+    v8i over = fn > fx;
+    fn -= blend(over, one, (v8){0});
+    n += over; /* -1 where it was rounded up */
+    x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    v8 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + one;
+    v8 scale = (v8)((n + 127) << 23);
+    return blend(tiny, (v8){0}, y * scale);
+}
