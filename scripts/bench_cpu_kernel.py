@@ -1,13 +1,14 @@
-"""What the CPU kernel (specdec_runtime/cpu_kernel.py) buys in generation: torch's products vs the
-kernel's, autoregressive and speculative, interleaved per prompt so the machine's drift hits both.
+"""What the CPU kernels (specdec_runtime/cpu_kernel.py) buy in generation: torch's ops, the kernel's
+products in torch's sublayers, and the kernel's whole sublayers (layers.c), autoregressive and
+speculative, interleaved per prompt so the machine's drift hits all three.
 
     python scripts/bench_cpu_kernel.py --drafter runs/quickstart/export+lookup
     python scripts/bench_cpu_kernel.py --drafter ngram --per-category 1 --max-new-tokens 64
 
-For each validation prompt, in alternating order: both product paths, each decoding the prompt
-autoregressively and then with the drafter (greedy). Prints tokens/s per path and mode, the
-speculative speedup within each path, the kernel's speedup within each mode, and whether every
-output was the same token for token.
+For each validation prompt, in rotating order: each path decodes the prompt autoregressively and
+then with the drafter (greedy). Prints tokens/s per path and mode, the speculative speedup within
+each path, each path's speedup over torch's within each mode, and whether every output was the
+same token for token.
 """
 
 import argparse
@@ -38,11 +39,12 @@ def main() -> None:
     target = load_model(args.target, device="cpu", dtype=torch.float32)
     drafter = build_drafter(args.drafter, target)
     prompts = first_per_category(read_prompts(builtin_prompts("prompts-val")), args.per_category)
-    paths = {"torch": cpu_kernel.disabled, "kernel": contextlib.nullcontext}
+    paths = {"torch": cpu_kernel.disabled, "products": cpu_kernel.products_only, "sublayers": contextlib.nullcontext}
     tokens, seconds, outputs = {}, {}, {}
     for i, prompt in enumerate(tqdm(prompts, desc="prompts")):
         ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
-        for path in list(paths)[:: 1 if i % 2 else -1]:
+        order = list(paths)
+        for path in order[i % 3 :] + order[: i % 3]:
             with paths[path]():
                 for mode, d in (("autoregressive", None), ("speculative", drafter)):
                     g = generate(
@@ -63,14 +65,15 @@ def main() -> None:
         f"\n{len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens, {args.threads} threads, "
         f"drafter {args.drafter} (gamma {args.gamma})\n"
     )
-    print("| products | autoregressive tok/s | speculative tok/s | speculative / autoregressive |")
+    print("| kernel path | autoregressive tok/s | speculative tok/s | speculative / autoregressive |")
     print("|---|---:|---:|---:|")
     for path in paths:
         ar, spec = rate[path, "autoregressive"], rate[path, "speculative"]
         print(f"| {path} | {ar:.1f} | {spec:.1f} | {spec / ar:.2f}x |")
-    kernel_gain = [rate["kernel", m] / rate["torch", m] for m in ("autoregressive", "speculative")]
-    print(f"| kernel / torch | {kernel_gain[0]:.2f}x | {kernel_gain[1]:.2f}x | |")
-    print(f"\nthe 4 outputs identical on {same} of {len(prompts)} prompts")
+    for path in list(paths)[1:]:
+        gain = [rate[path, m] / rate["torch", m] for m in ("autoregressive", "speculative")]
+        print(f"| {path} / torch | {gain[0]:.2f}x | {gain[1]:.2f}x | |")
+    print(f"\nthe {2 * len(paths)} outputs identical on {same} of {len(prompts)} prompts")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ SOURCES = (CSRC / "skinny.c", CSRC / "layers.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 OFF = "SPECDEC_CPU_KERNEL"
 _enabled = True  # see disabled()
+_sublayers = True  # see products_only()
 
 
 class Unavailable(RuntimeError):
@@ -124,6 +125,18 @@ def disabled():
         _enabled = before
 
 
+@contextlib.contextmanager
+def products_only():
+    """The kernel's products but torch's other ops inside this block: the sublayers as before
+    layers.c (benchmarks compare the three paths)."""
+    global _sublayers
+    before, _sublayers = _sublayers, False
+    try:
+        yield
+    finally:
+        _sublayers = before
+
+
 def _serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernel computes products of this device and dtype here: fp32 on a CPU, on and built."""
     return _enabled and torch.device(device).type == "cpu" and dtype == torch.float32 and kernel() is not None
@@ -179,7 +192,7 @@ def _ran(status: int) -> None:
 def sublayer_usable(x: Tensor, B: int, *weights: tuple) -> bool:
     """Whether a sublayer of rows x [B*T, in] runs in the kernel (layers.c): usable(x), batch 1,
     and every weight kept transposed (Weights tuples: (W, W^T or None, bias))."""
-    return B == 1 and all(w[1] is not None for w in weights) and usable(x)
+    return _sublayers and B == 1 and all(w[1] is not None for w in weights) and usable(x)
 
 
 def attention(
