@@ -170,9 +170,8 @@ def matmul(x: Tensor, weight_t: Tensor, bias: Tensor | None = None, residual: Te
     if residual is not None:
         residual = residual.expand(M, N).contiguous()
     y = torch.empty(M, N, dtype=torch.float32)
-    bias_ptr = None if bias is None else bias.data_ptr()
-    res_ptr = None if residual is None else residual.data_ptr()
-    kernel().skinny_matmul(x.data_ptr(), M, K, weight_t.data_ptr(), N, bias_ptr, res_ptr, y.data_ptr(), _threads())
+    w = weight_t.data_ptr()
+    kernel().skinny_matmul(x.data_ptr(), M, K, w, N, _ptr(bias), _ptr(residual), y.data_ptr(), _threads())
     return y
 
 

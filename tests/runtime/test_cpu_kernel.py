@@ -11,6 +11,7 @@ import torch
 
 from specdec_runtime import cpu_kernel
 from specdec_runtime.model import linear
+from specdec_runtime.tree import Tree
 
 needs_kernel = pytest.mark.skipif(
     cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here (the reason is printed above)"
@@ -184,13 +185,8 @@ def test_sublayers_under_masks_are_as_accurate_as_torchs():
     """A token tree and a sliding window (masks the kernel reads row by row), against float64."""
     model = wide_decoder(64)
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))
-    parents = [-1, 0, 0, 1, 2, 2]
-    depth, anc = [], torch.zeros(6, 6, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        depth.append(0 if p < 0 else depth[p] + 1)
-        anc[i] = anc[p] if p >= 0 else anc[i]
-        anc[i, i] = True
-    tree = (torch.tensor(depth), anc)
+    t = Tree.from_paths([(0,), (1,), (0, 0), (1, 0), (1, 1)]).tensors  # root + 5 nodes over 3 levels
+    tree = (t["depth"], t["ancestor"])
     got, _ = decode_and_verify(model, ids, 10, tree)
     with cpu_kernel.disabled():
         want, _ = decode_and_verify(model, ids, 10, tree)
