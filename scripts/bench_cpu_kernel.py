@@ -36,15 +36,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if cpu_kernel.kernel() is None:
         raise SystemExit("the CPU kernel cannot be used here (the line above says why): nothing to compare")
-    target = load_model(args.target, device="cpu", dtype=torch.float32)
-    drafter = build_drafter(args.drafter, target)
-    prompts = first_per_category(read_prompts(builtin_prompts("prompts-val")), args.per_category)
     paths = {"torch": cpu_kernel.disabled, "products": cpu_kernel.products_only, "sublayers": contextlib.nullcontext}
+    # The torch path's target and drafter keep W^T for MKL's products (loaded inside disabled()),
+    # the kernel paths' the kernel's packed copies.
+    loaded = {}
+    for path in ("torch", "sublayers"):
+        with paths[path]():
+            target = load_model(args.target, device="cpu", dtype=torch.float32)
+            loaded[path] = target, build_drafter(args.drafter, target)
+    loaded["products"] = loaded["sublayers"]
+    prompts = first_per_category(read_prompts(builtin_prompts("prompts-val")), args.per_category)
     tokens, seconds, outputs = {}, {}, {}
     for i, prompt in enumerate(tqdm(prompts, desc="prompts")):
         ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
         order = list(paths)
         for path in order[i % 3 :] + order[: i % 3]:
+            target, drafter = loaded[path]
             with paths[path]():
                 for mode, d in (("autoregressive", None), ("speculative", drafter)):
                     g = generate(

@@ -116,7 +116,8 @@ def kernel() -> ctypes.CDLL | None:
 
 @contextlib.contextmanager
 def disabled():
-    """torch's products inside this block (benchmarks and tests compare the two)."""
+    """torch's products inside this block (benchmarks and tests compare the two); models loaded
+    inside it keep W^T for them (packs())."""
     global _enabled
     before, _enabled = _enabled, False
     try:
@@ -159,19 +160,35 @@ def products(device: torch.device, dtype: torch.dtype) -> str:
     return "kernel" if _serves(device, dtype) else "torch"
 
 
-def matmul(x: Tensor, weight_t: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    """x [M, K] @ weight_t [N, K]^T (+ bias [N]) (+ residual [M, N]), fp32 on a CPU (usable(x))."""
+def packs(w: Tensor) -> bool:
+    """Whether a model keeps W [in, out] packed for the kernel (Weights.of): fp32 on a CPU, the
+    kernel built and not disabled(). (A model loaded inside disabled() keeps W^T for MKL instead,
+    as it would without the kernel: what benchmarks compare against.)"""
+    return _serves(w.device, w.dtype)
+
+
+def pack(w: Tensor) -> Tensor:
+    """W [K, N] (in, out) as skinny.c reads it: W^T's rows in pairs, each pair's two rows as
+    alternating 8-float chunks of K, K padded to a multiple of 8 and N to even with zeros:
+    [ceil(N / 2), 2 * K8]. The same bytes as W, streamed once in order by a product."""
+    K, N = w.shape
+    padded = torch.nn.functional.pad(w.detach(), (0, N % 2, 0, -K % 8))
+    K8, N2 = padded.shape[0], padded.shape[1] // 2
+    return padded.view(K8 // 8, 8, N2, 2).permute(2, 0, 3, 1).reshape(N2, 2 * K8)
+
+
+def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
+    """x [M, K] @ W (+ bias [N]) (+ residual [M, N]) from a Weights' packed copy, fp32 on a CPU (usable(x))."""
     x = x.contiguous()
     M, K = x.shape
-    N = weight_t.shape[0]
-    if weight_t.shape[1] != K or not weight_t.is_contiguous() or weight_t.dtype != torch.float32:
-        got = f"{weight_t.dtype} {tuple(weight_t.shape)}"
-        raise ValueError(f"weight_t must be a contiguous float32 [N, {K}] tensor, got {got}")
+    N = w.w.shape[1]
+    if w.w.shape[0] != K or w.packed is None or w.packed.dtype != torch.float32:
+        raise ValueError(f"matmul: need packed float32 weights for [{M}, {K}] rows, got W {tuple(w.w.shape)}")
     if residual is not None:
         residual = residual.expand(M, N).contiguous()
     y = torch.empty(M, N, dtype=torch.float32)
-    w = weight_t.data_ptr()
-    kernel().skinny_matmul(x.data_ptr(), M, K, w, N, _ptr(bias), _ptr(residual), y.data_ptr(), _threads())
+    packed, bias, residual = w.packed.data_ptr(), _ptr(w.bias), _ptr(residual)
+    kernel().skinny_matmul(x.data_ptr(), M, K, packed, N, bias, residual, y.data_ptr(), _threads())
     return y
 
 
@@ -190,8 +207,8 @@ def _ran(status: int) -> None:
 
 def sublayer_usable(x: Tensor, B: int, *weights: tuple) -> bool:
     """Whether a sublayer of rows x [B*T, in] runs in the kernel (layers.c): usable(x), batch 1,
-    and every weight kept transposed (Weights tuples: (W, W^T or None, bias))."""
-    return _sublayers and B == 1 and all(w[1] is not None for w in weights) and usable(x)
+    and every weight (model.Weights) kept packed."""
+    return _sublayers and B == 1 and all(w.packed is not None for w in weights) and usable(x)
 
 
 def attention(
@@ -214,8 +231,8 @@ def attention(
     x, residual = x.contiguous(), residual.contiguous()
     M, K = x.shape
     D, S, Hkv = kv.shape[-1], kv.shape[-2], kv.shape[1] // 2
-    H = qkv[1].shape[0] // D - 2 * Hkv
-    Hd = o[1].shape[0]
+    H = qkv.w.shape[1] // D - 2 * Hkv
+    Hd = o.w.shape[1]
     if not kv.is_contiguous() or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
         raise ValueError("attention: kv must be contiguous and cos / sin rows share one stride")
     if mask is not None and mask.stride(-1) != 1:
@@ -225,7 +242,7 @@ def attention(
     # fmt: off
     _ran(kernel().attention_block(
         x.data_ptr(), M, K, _ptr(norm), eps, residual.data_ptr(),
-        qkv[1].data_ptr(), _ptr(qkv[2]), H, Hkv, D, o[1].data_ptr(), _ptr(o[2]), Hd,
+        qkv.packed.data_ptr(), _ptr(qkv.bias), H, Hkv, D, o.packed.data_ptr(), _ptr(o.bias), Hd,
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.data_ptr(), S, slots.data_ptr(),
         _ptr(mask), 0 if mask is None else mask.stride(0), bound, out.data_ptr(), _threads(),
     ))
@@ -237,12 +254,12 @@ def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Ten
     """model.mlp(x, ...) (sublayer_usable): x + down(silu(gate) * up) of norm(x) [T, H]."""
     x = x.contiguous()
     M, Hd = x.shape
-    intermediate = down[1].shape[1]
+    intermediate = down.w.shape[0]
     out = torch.empty(M, Hd)
     # fmt: off
     _ran(kernel().mlp_block(
-        x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up[1].data_ptr(), _ptr(gate_up[2]), intermediate,
-        down[1].data_ptr(), _ptr(down[2]), out.data_ptr(), _threads(),
+        x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up.packed.data_ptr(), _ptr(gate_up.bias), intermediate,
+        down.packed.data_ptr(), _ptr(down.bias), out.data_ptr(), _threads(),
     ))
     # fmt: on
     return out

@@ -200,7 +200,7 @@ def grouped(k: Tensor, n_heads: int) -> Tensor:
 
 class FusedLayer(NamedTuple):
     """An Eagle3Model's tensors as the runtime Decoder keeps its own (model.block_state_dict): q/k/v
-    and gate/up fused, stored [in, out] (+ [out, in] for products of several rows on a CPU), q/k
+    and gate/up fused, stored [in, out] (+ the copy a CPU's few-row products read: Weights.of), q/k
     rows interleaved for rope on adjacent dim pairs, norm weights doubled (model.rms_norm). Drafting
     a token is then a dozen kernels; the training modules' weights are read once, at construction."""
 
@@ -221,7 +221,7 @@ class FusedLayer(NamedTuple):
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model: "Eagle3Model", device: torch.device, dtype: torch.dtype, transposes: bool) -> "FusedLayer":
+    def of(cls, model: "Eagle3Model", device: torch.device, dtype: torch.dtype, cpu_copies: bool) -> "FusedLayer":
         """The layout on `device` in `dtype` (the model itself stays where it is)."""
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
@@ -230,7 +230,7 @@ class FusedLayer(NamedTuple):
 
         def weights(name: str, bias_name: str | None = None) -> Weights:
             w = own[name] if name in own else prep(sd[name].t())
-            return w, w.t().contiguous() if transposes else None, own.get(bias_name) if bias_name else None
+            return Weights.of(w, own.get(bias_name) if bias_name else None, cpu_copies)
 
         return cls(
             fc=weights("fc.weight"),
@@ -275,7 +275,7 @@ class Eagle3Drafter(Drafter):
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
-        self.w = FusedLayer.of(model, target.device, target.dtype, transposes=target.lm_head.weight_t is not None)
+        self.w = FusedLayer.of(model, target.device, target.dtype, cpu_copies=target.lm_head.cpu_copy)
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (model.rope_table)

@@ -138,19 +138,37 @@ def rope_table(cfg: DecoderConfig, size: int, device: torch.device, dtype: torch
     return torch.stack([cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], dim=1)
 
 
-Weights = tuple  # (W [in, out], W^T [out, in] or None, bias or None): a Linear's tensors (Linear.params)
+class Weights(NamedTuple):
+    """A Linear's tensors (Linear.params). On a CPU the model also keeps one copy of W for products of
+    a few rows: packed for the runtime's CPU kernel where it is built for W's dtype (fp32), else
+    W^T for MKL (see linear())."""
+
+    w: Tensor  # [in, out]
+    t: Tensor | None = None  # W^T [out, in]
+    bias: Tensor | None = None
+    packed: Tensor | None = None  # W^T in cpu_kernel.pack's layout
+
+    @classmethod
+    def of(cls, w: Tensor, bias: Tensor | None = None, cpu_copy: bool = False) -> "Weights":
+        """W (+ bias), with its CPU copy when cpu_copy."""
+        if not cpu_copy:
+            return cls(w, None, bias)
+        if cpu_kernel.packs(w):
+            return cls(w, None, bias, cpu_kernel.pack(w))
+        return cls(w, w.detach().t().contiguous(), bias)
 
 
 def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
-    """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. Where the model keeps
-    W^T [out, in] (on a CPU): up to cpu_kernel.MAX_ROWS fp32 rows without autograd go to the
-    runtime's CPU kernel, which streams W^T once over all threads (MKL's 1-row product runs on one
-    core); more rows to MKL's W^T @ x^T (its x @ W re-reads W for every few rows: verifying 5
-    tokens cost 2.5 decode steps instead of 1.3-1.6; scripts/bench_cost.py). Otherwise one row
-    reads W [in, out] (the GEMV streams it once), with the residual add folded into addmm."""
-    weight, weight_t, bias = w
-    if weight_t is not None and cpu_kernel.usable(x):
-        return cpu_kernel.matmul(x, weight_t, bias, residual)
+    """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. Where the model keeps a CPU
+    copy: up to cpu_kernel.MAX_ROWS fp32 rows without autograd go to the runtime's CPU kernel
+    (w.packed), which streams the weight once over all threads (MKL's 1-row product runs on one
+    core); where the kernel is not built, several rows go to MKL's W^T @ x^T (w.t; its x @ W
+    re-reads W for every few rows: verifying 5 tokens cost 2.5 decode steps instead of 1.3-1.6;
+    scripts/bench_cost.py). Otherwise one row reads W [in, out] (the GEMV streams it once), with
+    the residual add folded into addmm."""
+    weight, weight_t, bias, packed = w
+    if packed is not None and cpu_kernel.usable(x):
+        return cpu_kernel.matmul(x, w, residual)
     if weight_t is not None and x.shape[0] > 1:
         if x.stride(-1) != 1:  # MKL's fast kernel wants x^T as a transposed view of row-major x
             x = x.contiguous()
@@ -234,21 +252,27 @@ def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) ->
 
 
 class Linear(nn.Module):
-    """Holds a weight stored [in, out] (+ bias), and on request its transpose [out, in], which a
-    CPU's products read (see linear()); the decoder calls linear() on them directly."""
+    """Holds a weight stored [in, out] (+ bias), and on request the copy a CPU's products of a few
+    rows read (Weights.of, linear()); the decoder calls linear() on them directly."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
         self.register_buffer("weight_t", None, persistent=False)
+        self.register_buffer("weight_packed", None, persistent=False)
 
     @property
     def params(self) -> Weights:
-        return self.weight, self.weight_t, self.bias
+        return Weights(self.weight, self.weight_t, self.bias, self.weight_packed)
 
-    def keep_transpose(self) -> None:
-        self.weight_t = self.weight.detach().t().contiguous()
+    def keep_cpu_copy(self) -> None:
+        _, self.weight_t, _, self.weight_packed = Weights.of(self.weight, cpu_copy=True)
+
+    @property
+    def cpu_copy(self) -> bool:
+        """Whether keep_cpu_copy() ran."""
+        return self.weight_t is not None or self.weight_packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x.reshape(-1, x.shape[-1]), self.params).view(*x.shape[:-1], -1)
@@ -345,12 +369,12 @@ class Decoder(nn.Module):
         self.layer_fns = (torch.compile(attention, **opts), torch.compile(mlp, **opts))
         self.steps = {}
 
-    def keep_transposes(self) -> None:
-        """Keep every weight also as [out, in] (twice the weights' memory): a CPU's products (the
-        CPU kernel's, and MKL's of more rows) then stream each weight once."""
+    def keep_cpu_copies(self) -> None:
+        """Keep every weight also in the layout a CPU's products of a few rows stream once (twice
+        the weights' memory): the CPU kernel's, or W^T for MKL where it is not built (linear())."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.keep_transpose()
+                m.keep_cpu_copy()
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """Token embeddings [B, T, H]."""
@@ -511,14 +535,15 @@ class Decoder(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         vocab_ids: Tensor | None = None,
-        transposes: bool | None = None,
+        cpu_copies: bool | None = None,
     ) -> "Decoder":
         """Build from a transformers Llama/Mistral/Qwen2 state dict: q/k/v and gate/up fused, weights
         stored [in, out], q/k rows interleaved for rope. Parameters are created once, on `device`.
 
         vocab_ids [N]: keep only these rows of the lm_head (a drafter's draft vocabulary); its
         logits then cover those ids, in that order, and `model.vocab_ids` maps them back.
-        transposes: also keep every weight [out, in] (see linear(); default: on a CPU).
+        cpu_copies: also keep every weight as a CPU's few-row products read it (see linear();
+        default: on a CPU).
         """
         with torch.device("meta"):
             model = cls(cfg, None if vocab_ids is None else len(vocab_ids))
@@ -537,8 +562,8 @@ class Decoder(nn.Module):
         model.load_state_dict(own, strict=True, assign=True)
         if vocab_ids is not None:
             model.vocab_ids = vocab_ids.to(device=device, dtype=torch.long)
-        if transposes if transposes is not None else torch.device(device).type == "cpu":
-            model.keep_transposes()
+        if cpu_copies if cpu_copies is not None else torch.device(device).type == "cpu":
+            model.keep_cpu_copies()
         return model.eval()
 
 

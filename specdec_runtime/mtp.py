@@ -84,7 +84,7 @@ class MTPHeads(nn.Module):
         if torch.device(device).type == "cpu":  # several rows per call: see model.linear
             for m in heads.modules():
                 if isinstance(m, Linear):
-                    m.keep_transpose()
+                    m.keep_cpu_copy()
         return heads.eval()
 
 

@@ -1,6 +1,10 @@
 /* 8-lane fp32 vectors (AVX2's width) with GCC's vector extensions, shared by the kernels. */
 #pragma once
 
+#if defined(__FMA__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef int v8i __attribute__((vector_size(32)));
 
@@ -11,6 +15,16 @@ static inline v8 load8(const float *p) {
 }
 
 static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* a * b + c rounded once where the CPU fuses (FMA), else twice: the same on every call, whatever
+   the compiler would contract (the kernels build with contraction off). */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__) && defined(__x86_64__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
 
 /* The lanes' sum, in one fixed order. */
 static inline float hsum(v8 s) { return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])); }

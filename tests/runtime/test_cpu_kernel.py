@@ -10,12 +10,29 @@ import pytest
 import torch
 
 from specdec_runtime import cpu_kernel
-from specdec_runtime.model import linear
+from specdec_runtime.model import Weights, linear
 from specdec_runtime.tree import Tree
 
 needs_kernel = pytest.mark.skipif(
     cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here (the reason is printed above)"
 )
+
+
+def packed(wt, bias=None):
+    """Weights of W^T [N, K] (+ bias) with the kernel's packed copy."""
+    return Weights.of(wt.t().contiguous(), bias, cpu_copy=True)
+
+
+def test_pack_layout():
+    """W^T's rows in pairs, alternating 8-float chunks, K padded to 8 and N to even with zeros."""
+    wt = torch.arange(3 * 10, dtype=torch.float32).view(3, 10)  # N 3, K 10
+    p = cpu_kernel.pack(wt.t())
+    zeros = [0.0] * 6
+    row = lambda n: wt[n].tolist() if n < 3 else [0.0] * 10  # noqa: E731
+    for pair in range(2):
+        a, b = row(2 * pair), row(2 * pair + 1)
+        assert p[pair].tolist() == a[:8] + b[:8] + a[8:] + zeros + b[8:] + zeros
+    assert p.shape == (2, 32)
 
 
 def product64(x, wt, bias=None, residual=None):
@@ -38,7 +55,7 @@ def test_against_float64(M, K, N):
     bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     with torch.inference_mode():
         for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
-            y = cpu_kernel.matmul(x, wt, b, r)
+            y = cpu_kernel.matmul(x, packed(wt, b), r)
             assert y.shape == (M, N) and y.dtype == torch.float32
             torch.testing.assert_close(y.double(), product64(x, wt, b, r), rtol=1e-5, atol=1e-5 * K**0.5)
 
@@ -48,7 +65,7 @@ def test_rows_do_not_depend_on_the_other_rows_or_threads():
     """A verify step's products give, row for row, bitwise what a decode step gives: each row of a
     16-row product equals that row alone, and any block of rows containing it, with 1 or 2 threads."""
     g = torch.Generator().manual_seed(0)
-    x, wt = torch.randn(16, 576, generator=g), torch.randn(1000, 576, generator=g)
+    x, wt = torch.randn(16, 576, generator=g), packed(torch.randn(1000, 576, generator=g))
     threads = torch.get_num_threads()
     with torch.inference_mode():
         full = cpu_kernel.matmul(x, wt)
@@ -67,7 +84,7 @@ def test_rows_do_not_depend_on_the_other_rows_or_threads():
 def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 48, generator=g)  # [in, out]
-    params = (w, w.t().contiguous(), torch.randn(48, generator=g))
+    params = Weights.of(w, torch.randn(48, generator=g), cpu_copy=True)
     calls = []
     real = cpu_kernel.matmul
 
@@ -80,10 +97,10 @@ def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
         with torch.inference_mode():
             for M in (1, 5, 16, 17, 64):
                 x = torch.randn(M, 64, generator=g)
-                torch.testing.assert_close(linear(x, params), x @ w + params[2])
+                torch.testing.assert_close(linear(x, params), x @ w + params.bias)
             with cpu_kernel.disabled():
                 linear(torch.randn(3, 64), params)
-            linear(torch.randn(2, 64, dtype=torch.float64), tuple(p.double() for p in params))
+            linear(torch.randn(2, 64, dtype=torch.float64), Weights.of(w.double(), params.bias.double(), True))
         x = torch.randn(2, 64, requires_grad=True)
         linear(x, params).sum().backward()  # autograd: torch's products
         assert x.grad is not None
@@ -124,14 +141,16 @@ def test_built_once_per_cache(monkeypatch, tmp_path):
 @needs_kernel
 def test_a_weight_it_cannot_read_is_refused():
     x = torch.randn(2, 16)
-    for wt in (torch.randn(8, 12), torch.randn(16, 8).t(), torch.randn(8, 16, dtype=torch.float64)):
-        with pytest.raises(ValueError, match="contiguous float32"):
-            cpu_kernel.matmul(x, wt)
+    w = torch.randn(16, 8)
+    for bad in (packed(torch.randn(8, 12)), Weights.of(w), Weights.of(w.double(), cpu_copy=True)):
+        with pytest.raises(ValueError, match="need packed float32"):
+            cpu_kernel.matmul(x, bad)
+    assert Weights.of(w.double(), cpu_copy=True).t is not None  # fp64: MKL's W^T instead
 
 
 def wide_decoder(head_dim: int, **over):
     """A tiny decoder whose heads are as wide as real ones (64: the kernel's 8-register path; 80:
-    that path plus 16 dims past it), GQA 4:2, sublayer weights kept transposed (on a CPU)."""
+    that path plus 16 dims past it), GQA 4:2, weights kept packed (on a CPU)."""
     from tests.conftest import tiny_decoder
 
     return tiny_decoder(hidden_size=4 * head_dim, head_dim=head_dim, intermediate_size=200, **over)
