@@ -104,9 +104,9 @@ def kernel() -> ctypes.CDLL | None:
         return None
     P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
-        "skinny_matmul": [P, N, N, P, N, P, P, P, Int],
-        "attention_block": [P, N, N, P, F, P, P, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
-        "mlp_block": [P, N, N, P, F, P, P, N, P, P, P, Int],
+        "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
+        "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
+        "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -167,14 +167,16 @@ def packs(w: Tensor) -> bool:
     return _serves(w.device, w.dtype)
 
 
-def pack(w: Tensor) -> Tensor:
+def pack(w: Tensor, bf16: bool = False) -> Tensor:
     """W [K, N] (in, out) as skinny.c reads it: W^T's rows in pairs, each pair's two rows as
-    alternating 8-float chunks of K, K padded to a multiple of 8 and N to even with zeros:
-    [ceil(N / 2), 2 * K8]. The same bytes as W, streamed once in order by a product."""
+    alternating 8-element chunks of K, K padded to a multiple of 8 and N to even with zeros:
+    [ceil(N / 2), 2 * K8], streamed once in order by a product. fp32, or rounded to bf16 (half the
+    bytes, widened exactly in the kernel: for a drafter, whose weights need not be exact)."""
     K, N = w.shape
     padded = torch.nn.functional.pad(w.detach(), (0, N % 2, 0, -K % 8))
     K8, N2 = padded.shape[0], padded.shape[1] // 2
-    return padded.view(K8 // 8, 8, N2, 2).permute(2, 0, 3, 1).reshape(N2, 2 * K8)
+    packed = padded.view(K8 // 8, 8, N2, 2).permute(2, 0, 3, 1).reshape(N2, 2 * K8)
+    return packed.to(torch.bfloat16) if bf16 else packed
 
 
 def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
@@ -182,18 +184,26 @@ def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
     x = x.contiguous()
     M, K = x.shape
     N = w.w.shape[1]
-    if w.w.shape[0] != K or w.packed is None or w.packed.dtype != torch.float32:
-        raise ValueError(f"matmul: need packed float32 weights for [{M}, {K}] rows, got W {tuple(w.w.shape)}")
+    if w.w.shape[0] != K or w.packed is None or w.packed.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"matmul: need packed float32 or bf16 weights for [{M}, {K}] rows, got W {tuple(w.w.shape)}")
     if residual is not None:
         residual = residual.expand(M, N).contiguous()
     y = torch.empty(M, N, dtype=torch.float32)
     packed, bias, residual = w.packed.data_ptr(), _ptr(w.bias), _ptr(residual)
-    kernel().skinny_matmul(x.data_ptr(), M, K, packed, N, bias, residual, y.data_ptr(), _threads())
+    kernel().skinny_matmul(x.data_ptr(), M, K, packed, _bf16(w), N, bias, residual, y.data_ptr(), _threads())
     return y
 
 
 def _threads() -> int:
     return torch.get_num_threads()
+
+
+def _bf16(*weights: tuple) -> int:
+    """1 where these Weights (of one call) are packed in bf16, 0 in fp32."""
+    kinds = {w.packed.dtype for w in weights}
+    if len(kinds) != 1:
+        raise ValueError(f"the CPU kernel needs one packed dtype per call, got {sorted(map(str, kinds))}")
+    return int(kinds == {torch.bfloat16})
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -242,7 +252,7 @@ def attention(
     # fmt: off
     _ran(kernel().attention_block(
         x.data_ptr(), M, K, _ptr(norm), eps, residual.data_ptr(),
-        qkv.packed.data_ptr(), _ptr(qkv.bias), H, Hkv, D, o.packed.data_ptr(), _ptr(o.bias), Hd,
+        qkv.packed.data_ptr(), _bf16(qkv, o), _ptr(qkv.bias), H, Hkv, D, o.packed.data_ptr(), _ptr(o.bias), Hd,
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.data_ptr(), S, slots.data_ptr(),
         _ptr(mask), 0 if mask is None else mask.stride(0), bound, out.data_ptr(), _threads(),
     ))
@@ -258,7 +268,8 @@ def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Ten
     out = torch.empty(M, Hd)
     # fmt: off
     _ran(kernel().mlp_block(
-        x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up.packed.data_ptr(), _ptr(gate_up.bias), intermediate,
+        x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up.packed.data_ptr(), _bf16(gate_up, down), _ptr(gate_up.bias),
+        intermediate,
         down.packed.data_ptr(), _ptr(down.bias), out.data_ptr(), _threads(),
     ))
     # fmt: on

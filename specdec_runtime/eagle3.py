@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec_runtime import cpu_kernel
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
 from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
@@ -221,8 +222,12 @@ class FusedLayer(NamedTuple):
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model: "Eagle3Model", device: torch.device, dtype: torch.dtype, cpu_copies: bool) -> "FusedLayer":
-        """The layout on `device` in `dtype` (the model itself stays where it is)."""
+    def of(
+        cls, model: "Eagle3Model", device: torch.device, dtype: torch.dtype, cpu_copies: bool, cpu_bf16: bool = False
+    ) -> "FusedLayer":
+        """The layout on `device` in `dtype` (the model itself stays where it is). cpu_bf16: where the
+        CPU kernel reads them (cpu_copies, fp32 on a CPU), the weight matrices rounded to bf16 and
+        packed so: half the bytes a draft step reads. Every path then uses the rounded weights."""
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         own = block_state_dict(model.config.layer, sd, "layers.0.", "", prep)
@@ -230,7 +235,10 @@ class FusedLayer(NamedTuple):
 
         def weights(name: str, bias_name: str | None = None) -> Weights:
             w = own[name] if name in own else prep(sd[name].t())
-            return Weights.of(w, own.get(bias_name) if bias_name else None, cpu_copies)
+            bf16 = cpu_bf16 and cpu_copies and cpu_kernel.packs(w)
+            if bf16:
+                w = w.to(torch.bfloat16).to(dtype)
+            return Weights.of(w, own.get(bias_name) if bias_name else None, cpu_copies, bf16)
 
         return cls(
             fc=weights("fc.weight"),
@@ -252,10 +260,14 @@ class Eagle3Drafter(Drafter):
     tree_budget 0: a chain of gamma tokens (greedy, or sampled from the draft distribution);
     tree_budget > 0: an EAGLE-2 dynamic tree of that many nodes, at most gamma deep, expanding
     the top_k most likely nodes of each level (by the product of draft probabilities on the path).
+    cpu_bf16 (default): for an fp32 target on a CPU with the runtime's kernel, the drafter's weight
+    matrices are rounded to bf16 (FusedLayer.of), as serving engines run drafters: a draft step
+    reads half the bytes. Only drafts can change; the target, and so the output, is untouched.
+    False: the trained fp32 weights exactly.
     """
 
     def __init__(self, model: Eagle3Model, target: Decoder, *, tree_budget: int = 0, top_k: int = 8,
-                 gamma: int | None = None, name: str = "eagle3"):  # fmt: skip
+                 gamma: int | None = None, name: str = "eagle3", cpu_bf16: bool = True):  # fmt: skip
         cfg = model.config
         if cfg.target_hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
             raise SpecdecError(
@@ -275,7 +287,7 @@ class Eagle3Drafter(Drafter):
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
-        self.w = FusedLayer.of(model, target.device, target.dtype, cpu_copies=target.lm_head.cpu_copy)
+        self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (model.rope_table)

@@ -21,8 +21,8 @@
 
 #include "vec.h"
 
-void skinny_part(const float *x, long M, long K, const float *w, long N, const float *bias, const float *res,
-                 float *y);
+void skinny_part(const float *x, long M, long K, const void *w, int is_bf16, long N, const float *bias,
+                 const float *res, float *y);
 
 /* A growing scratch buffer per calling thread (decode steps reuse it: no allocation per call). */
 static float *scratch(size_t n) {
@@ -125,13 +125,14 @@ static void attend(const float *q, const float *k, const float *v, long D, const
     }
 }
 
-/* out [M, Hd] = residual + o(attention(h)), h = norm(x) (x [M, Kin]; h = x when norm is NULL).
+/* out [M, Hd] = residual + o(attention(h)), h = norm(x) (x [M, Kin]; h = x when norm is NULL); the
+   weights packed (skinny.c), in bf16 where is_bf16 is set.
    Writes the rows' keys and values into kv [2 Hkv, S, D] (keys, then values) at slots [M]; row m
    attends to the slots < bound that mask row m allows (mask [M, bound] with row stride
    mask_stride; NULL: all of them). cos / sin: row m at m * rope_stride. Returns 0, or -1 when
    out of memory. */
 int attention_block(const float *x, long M, long Kin, const float *norm, float eps, const float *residual,
-                    const float *wqkv, const float *bqkv, long H, long Hkv, long D, const float *wo,
+                    const void *wqkv, int is_bf16, const float *bqkv, long H, long Hkv, long D, const void *wo,
                     const float *bo, long Hd, const float *cos, const float *sin, long rope_stride, float *kv,
                     long S, const int64_t *slots, const uint8_t *mask, long mask_stride, long bound, float *out,
                     int threads) {
@@ -148,7 +149,7 @@ int attention_block(const float *x, long M, long Kin, const float *norm, float e
 #pragma omp for schedule(static)
             for (long m = 0; m < M; m++) norm_row(x + m * Kin, Kin, norm, eps, h + m * Kin);
         }
-        skinny_part(h, M, Kin, wqkv, nqkv, bqkv, 0, qkv);
+        skinny_part(h, M, Kin, wqkv, is_bf16, nqkv, bqkv, 0, qkv);
 #pragma omp for schedule(static)
         for (long i = 0; i < M * heads; i++) {
             long m = i / heads, head = i % heads;
@@ -163,15 +164,16 @@ int attention_block(const float *x, long M, long Kin, const float *norm, float e
             attend(qkv + m * nqkv + head * D, kv + g * S * D, kv + (Hkv + g) * S * D, D,
                    mask ? mask + m * mask_stride : 0, bound, scale, mine, att + m * H * D + head * D);
         }
-        skinny_part(att, M, H * D, wo, Hd, bo, residual, out);
+        skinny_part(att, M, H * D, wo, is_bf16, Hd, bo, residual, out);
     }
     return 0;
 }
 
 /* out [M, Hd] = x + down(silu(gate(norm(x))) * up(norm(x))), gate and up the halves of one
-   product [M, 2I]. Returns 0, or -1 when out of memory. */
-int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, const float *wgu, const float *bgu,
-              long I, const float *wd, const float *bd, float *out, int threads) {
+   product [M, 2I]; the weights packed (skinny.c), in bf16 where is_bf16 is set. Returns 0, or -1 when
+   out of memory. */
+int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, const void *wgu, int is_bf16,
+              const float *bgu, long I, const void *wd, const float *bd, float *out, int threads) {
     float *h = scratch(M * Hd + M * 2 * I + M * I);
     if (!h) return -1;
     float *gu = h + M * Hd, *act = gu + M * 2 * I;
@@ -179,7 +181,7 @@ int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, con
     {
 #pragma omp for schedule(static)
         for (long m = 0; m < M; m++) norm_row(x + m * Hd, Hd, norm, eps, h + m * Hd);
-        skinny_part(h, M, Hd, wgu, 2 * I, bgu, 0, gu);
+        skinny_part(h, M, Hd, wgu, is_bf16, 2 * I, bgu, 0, gu);
 #pragma omp for schedule(static)
         for (long m = 0; m < M; m++) {
             const float *g = gu + m * 2 * I, *u = g + I;
@@ -191,7 +193,7 @@ int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, con
             }
             for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        skinny_part(act, M, I, wd, Hd, bd, x, out);
+        skinny_part(act, M, I, wd, is_bf16, Hd, bd, x, out);
     }
     return 0;
 }

@@ -7,11 +7,28 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int v8i __attribute__((vector_size(32)));
+typedef unsigned v8u __attribute__((vector_size(32)));
+typedef unsigned short v8h __attribute__((vector_size(16)));
+typedef unsigned short bf16; /* a bfloat16's bits: the top half of a float's */
 
 static inline v8 load8(const float *p) {
     v8 v;
     __builtin_memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* 8 bfloat16s as floats (exact: the bits shifted into place). */
+static inline v8 load8_bf16(const bf16 *p) {
+    v8h h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (v8)(__builtin_convertvector(h, v8u) << 16);
+}
+
+static inline float bf16_float(bf16 h) {
+    unsigned u = (unsigned)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }

@@ -61,6 +61,23 @@ def test_against_float64(M, K, N):
 
 
 @needs_kernel
+@pytest.mark.parametrize("M", [1, 4, 7])
+@pytest.mark.parametrize("K,N", [(72, 61), (576, 960), (9, 5)])
+def test_bf16_weights_are_the_rounded_weights_widened_exactly(M, K, N):
+    """A bf16-packed weight (a drafter's) gives bitwise the product of the same weight rounded to
+    bf16 and packed in fp32, at half the bytes; K and N with and without tails."""
+    g = torch.Generator().manual_seed(K + N + M)
+    x, w = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+    bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    half = Weights.of(w, bias, cpu_copy=True, bf16=True)
+    assert half.packed.dtype == torch.bfloat16 and half.packed.shape == cpu_kernel.pack(w).shape
+    with torch.inference_mode():
+        y = cpu_kernel.matmul(x, half, residual)
+        assert torch.equal(y, cpu_kernel.matmul(x, Weights.of(w.bfloat16().float(), bias, True), residual))
+        assert not torch.equal(y, cpu_kernel.matmul(x, Weights.of(w, bias, True), residual))
+
+
+@needs_kernel
 def test_rows_do_not_depend_on_the_other_rows_or_threads():
     """A verify step's products give, row for row, bitwise what a decode step gives: each row of a
     16-row product equals that row alone, and any block of rows containing it, with 1 or 2 threads."""

@@ -4,12 +4,14 @@ equal to the target's (chains and EAGLE-2 trees), sampled output following the t
 distribution, the speculators format (names, shapes, dtypes; a round trip with identical logits),
 and bad values refused."""
 
+import copy
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec_runtime import cpu_kernel
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, grouped
 from specdec_runtime.eagle3_format import is_eagle3_folder, read_speculators, save_speculators
 from specdec_runtime.errors import SpecdecError
@@ -94,12 +96,9 @@ def test_training_time_test_loss_equals_the_naive_step_by_step_loss():
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
 
 
-@torch.no_grad()
-def test_runtime_drafter_logits_equal_the_training_modules():
-    """A chain drafted by the runtime drafter (its own KV cache, fed the target's taps as the generate
-    loop feeds them) comes from exactly the logits of the naive computation on the same sequence."""
-    hf, target, model = tiny()
-    drafter = Eagle3Drafter(model, target)
+def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: int = 3):
+    """(the draft logits of each step, the greedy ids they drafted from, the draft) of a chain drafted
+    after a prefill of prompt, the drafter fed the target's taps as the generate loop feeds them."""
     seen, real_head = [], drafter._head
 
     def recording(prenorm):
@@ -108,15 +107,24 @@ def test_runtime_drafter_logits_equal_the_training_modules():
         return out
 
     drafter._head = recording
-    prompt = torch.arange(7, 19)
-    P = len(prompt)
     target.setup_cache(1, 64)
     prefill = target.prefill(prompt[None], logits_to_keep=1, taps=drafter.hidden_layers)
     ids = torch.cat([prompt, prefill.logits[0, -1].argmax().view(1)])
     drafter.start(prompt, 64)
     drafter.observe(prefill.hidden[0])
-    draft = drafter.draft(ids, 3, Sampler())
+    draft = drafter.draft(ids, gamma, Sampler())
     del drafter._head  # the class's own again
+    return seen, ids, draft
+
+
+@torch.no_grad()
+def test_runtime_drafter_logits_equal_the_training_modules():
+    """A chain drafted by the runtime drafter (its own KV cache, fed the target's taps as the generate
+    loop feeds them) comes from exactly the logits of the naive computation on the same sequence."""
+    hf, target, model = tiny()
+    prompt = torch.arange(7, 19)
+    P = len(prompt)
+    seen, ids, draft = drafted_logits(Eagle3Drafter(model, target, cpu_bf16=False), target, prompt)
     seq = torch.cat([ids, draft.tokens])[None]
     taps = target_states(AUX)(hf, seq, torch.ones_like(seq))["taps"]
     naive = naive_logits(model, hf.get_input_embeddings().weight, taps, seq, 3)
@@ -124,6 +132,27 @@ def test_runtime_drafter_logits_equal_the_training_modules():
     for k in range(3):  # step k of row P - 1: what drafted token k
         torch.testing.assert_close(seen[k], naive[(k, P - 1)], rtol=1e-4, atol=1e-5)
         assert int(draft.tokens[k]) == int(model.draft_ids[naive[(k, P - 1)].argmax()])
+
+
+@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
+@torch.no_grad()
+def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16():
+    """cpu_bf16 (the default on a CPU with the kernel) drafts bitwise as the same drafter whose weight
+    matrices were rounded to bf16 beforehand and kept in fp32 (the kernel widens bf16 exactly), from
+    half the bytes; its logits are not the unrounded drafter's."""
+    hf, target, model = tiny()
+    rounded = copy.deepcopy(model)
+    for p in rounded.parameters():
+        if p.ndim == 2:  # fc, the layer's projections, lm_head (the embedding is the target's)
+            p.copy_(p.bfloat16().float())
+    prompt = torch.arange(7, 19)
+    bf16 = Eagle3Drafter(model, target)
+    assert bf16.w.head.packed.dtype == torch.bfloat16 and bf16.w.qkv.packed.dtype == torch.bfloat16
+    runs = [drafted_logits(d, target, prompt)[0] for d in (bf16, Eagle3Drafter(rounded, target, cpu_bf16=False))]
+    exact = drafted_logits(Eagle3Drafter(model, target, cpu_bf16=False), target, prompt)[0]
+    assert len(runs[0]) == 3 and all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not torch.equal(runs[0][0], exact[0])
+    torch.testing.assert_close(runs[0][0], exact[0], rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("budget", [0, 6, 16])
