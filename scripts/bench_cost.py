@@ -4,8 +4,9 @@
     python scripts/bench_cost.py --dtypes float32,bfloat16 --nodes 4,8,16
 
 For each dtype: one decode step (ms) against the memory-bandwidth bound (the bytes a step reads,
-weights + KV cache, over the bandwidth measured here by streaming a 1 GiB tensor), so the table
-says how close autoregressive decoding runs to the machine's limit; one verify forward of a chain
+weights + KV cache, over the read bandwidth measured by streaming a 512 MiB tensor right before
+each decode step: the machine's speed drifts, and the two drift together), so the table says how
+close autoregressive decoding runs to the machine's limit; one verify forward of a chain
 of T tokens and of a tree of 1 + N tokens, in decode steps; and one draft step of each drafter
 kind (an EAGLE-3 layer + draft-vocabulary head, 4 Medusa heads, the target's first 2 layers), in
 decode steps. Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay.
@@ -42,11 +43,22 @@ def timed(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
-def bandwidth_gbs() -> float:
-    """Read bandwidth (GB/s) with torch's threads: the best of 5 sums over a 1 GiB fp32 tensor."""
-    x = torch.ones(256 * 2**20)
-    best = min(timed(x.sum, 1) for _ in range(5)) / 1000
-    return x.numel() * 4 / best / 1e9
+def step_and_bandwidth(step, reps: int) -> tuple[float, float]:
+    """(median ms of step(), median read bandwidth in GB/s), the two alternated call by call: the
+    bandwidth is torch's threads summing a 512 MiB fp32 tensor (past any cache), read right beside
+    each step, so the bound a step is held to moves with the machine's speed as the step does."""
+    x = torch.ones(128 * 2**20)
+    for _ in range(3):
+        step(), x.sum()
+    ms, gbs = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        t1 = time.perf_counter()
+        step()
+        ms.append((time.perf_counter() - t1) * 1000)
+        gbs.append(x.numel() * 4 / (t1 - t0) / 1e9)
+    return sorted(ms)[reps // 2], sorted(gbs)[reps // 2]
 
 
 def gemv_gbs(m: Decoder, threads: int) -> float:
@@ -92,8 +104,7 @@ def main() -> None:
     dtypes = (
         ["float32"] + (["bfloat16"] if fast_bf16(cpu).fast else []) if args.dtypes == "auto" else args.dtypes.split(",")
     )
-    bw = bandwidth_gbs()
-    print(f"{fast_bf16(cpu)}; {torch.get_num_threads()} threads; read bandwidth {bw:.1f} GB/s")
+    print(f"{fast_bf16(cpu)}; {torch.get_num_threads()} threads")
     for dtype in dtypes:
         dt = resolve_dtype(dtype, cpu)
         loaded = load_model(args.target, device="cpu", dtype=dt)
@@ -102,7 +113,6 @@ def main() -> None:
         m.setup_cache(1, PREFIX + 512)
         m.prefill(torch.randint(0, V, (1, PREFIX)))
         read = step_bytes(m, PREFIX)
-        bound = read / (bw * 1e9) * 1000
         threads = torch.get_num_threads()
         # Each path in turn: torch's ops (MKL's products on x86), and the compiled kernels where they
         # are built (cpu_kernel.py: a float32 decode or verify step of up to 16 rows runs its
@@ -115,11 +125,14 @@ def main() -> None:
             with within():
                 m.keep_cpu_copies()  # what this path's products read: W^T for MKL, or packed for the kernel
                 x = torch.randint(0, V, (1, 1))
-                decode[path] = one = timed(lambda m=m, x=x: m(x, PREFIX), args.reps)
+                one, bw = step_and_bandwidth(lambda m=m, x=x: m(x, PREFIX), args.reps)
+                decode[path] = one
+                bound = read / (bw * 1e9) * 1000
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
                 print(
-                    f"\n## {dtype}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; bandwidth "
-                    f"bound {bound:.1f} ms ({read / 1e6:.0f} MB a step): {bound / one:.0%} of the limit. Its "
+                    f"\n## {dtype}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; read "
+                    f"bandwidth beside it {bw:.1f} GB/s, so the bound is {bound:.1f} ms ({read / 1e6:.0f} MB a "
+                    f"step): {bound / one:.0%} of the limit. Its "
                     "1-row products alone: "
                     + ", ".join(f"{gb:.1f} GB/s with {n} thread{'s' * (n > 1)}" for n, gb in gemv.items())
                     + f", so a step's weights take {read / (gemv[threads] * 1e9) * 1000:.1f} ms"

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -107,6 +108,7 @@ def kernel() -> ctypes.CDLL | None:
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
+        "decoder_layers": [P, N, N, N, N, P, Int, P, F, N, N, N, N, P, N, P, P, N, N, P, P, N, N, P, P, N, Int],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -215,6 +217,12 @@ def _ran(status: int) -> None:
         raise MemoryError("the CPU kernel could not allocate its scratch buffer")
 
 
+def stack_usable(x: Tensor) -> bool:
+    """Whether rows x [T, H] of one sequence can run a whole layer stack in the kernel (with packed
+    weights: model.Decoder.kernel_stack): usable(x) and sublayers on."""
+    return _sublayers and usable(x)
+
+
 def sublayer_usable(x: Tensor, B: int, *weights: tuple) -> bool:
     """Whether a sublayer of rows x [B*T, in] runs in the kernel (layers.c): usable(x), batch 1,
     and every weight (model.Weights) kept packed."""
@@ -274,3 +282,69 @@ def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Ten
     ))
     # fmt: on
     return out
+
+
+class Stack(NamedTuple):
+    """A decoder's layers as layers.c's decoder_layers reads them: every layer's weights' pointers,
+    PER_LAYER (10) a layer, built once (stack()); `tensors` keeps what they point at alive."""
+
+    pointers: ctypes.Array
+    bf16: int
+    tensors: list
+
+
+def stack(layers: list[tuple]) -> Stack | None:
+    """The Stack of layers [(attn_norm, qkv, o, mlp_norm, gate_up, down)] (model.Weights), or None
+    where a weight is not packed."""
+    if not all(w.packed is not None for layer in layers for w in layer if not isinstance(w, Tensor)):
+        return None
+    tensors = []
+    for attn_norm, qkv, o, mlp_norm, gate_up, down in layers:
+        tensors += [attn_norm, qkv.packed, qkv.bias, o.packed, o.bias, mlp_norm, gate_up.packed, gate_up.bias]
+        tensors += [down.packed, down.bias]
+    pointers = (ctypes.c_void_p * len(tensors))(*map(_ptr, tensors))
+    return Stack(pointers, _bf16(*(w for layer in layers for w in layer if not isinstance(w, Tensor))), tensors)
+
+
+def decoder_layers(
+    s: Stack,
+    x: Tensor,
+    first: int,
+    last: int,
+    skip: tuple[set[int], set[int]],
+    taps: tuple[int, ...],
+    dims: tuple[int, int, int, int],
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+    kv: Tensor,
+    slots: Tensor,
+    mask: Tensor | None,
+    bound: int,
+) -> tuple[Tensor, Tensor | None]:
+    """Layers [first, last) of a decoder (model.Decoder._forward) on rows x [T, Hd] of one sequence
+    (sublayer_usable), in one call: (x after them, the taps' residual streams side by side [T,
+    taps * Hd] or None). skip: (attention, MLP) layer sets skipped; dims: (H, Hkv, D, intermediate);
+    kv: the whole cache [L, 1, 2Hkv, S, D]; the rest as attention()."""
+    x = x.contiguous().clone()
+    M, Hd = x.shape
+    H, Hkv, D, intermediate = dims
+    if not kv.is_contiguous() or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
+        raise ValueError("decoder_layers: kv must be contiguous and cos / sin rows share one stride")
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    slots = slots.contiguous()
+    layers = range(first, last + 1)
+    flags = (ctypes.c_int * len(layers))(*((i in skip[0]) + 2 * (i in skip[1]) for i in layers))
+    tapped = sorted(set(taps))
+    tap_at = (ctypes.c_long * len(layers))(*(tapped.index(i) if i in tapped else -1 for i in layers))
+    out = torch.empty(M, len(tapped) * Hd) if tapped else None
+    # fmt: off
+    _ran(kernel().decoder_layers(
+        x.data_ptr(), M, Hd, first, last, s.pointers, s.bf16, flags, eps, H, Hkv, D, intermediate,
+        kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.shape[-2],
+        slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
+        len(tapped), _threads(),
+    ))
+    # fmt: on
+    return x, out

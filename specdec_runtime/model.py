@@ -331,6 +331,7 @@ class Decoder(nn.Module):
         self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
+        self._stack: cpu_kernel.Stack | None = None  # the layers' weights for the CPU kernel (kernel_stack())
 
     @property
     def device(self) -> torch.device:
@@ -376,6 +377,26 @@ class Decoder(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.keep_cpu_copy()
+        self._stack = None
+
+    def kernel_stack(self) -> "cpu_kernel.Stack | None":
+        """The layers as the CPU kernel runs them in one call (cpu_kernel.stack; None where their
+        weights are not packed), built on first use and dropped whenever the weights' tensors may
+        have been replaced (keep_cpu_copies, load_state_dict, to())."""
+        if self._stack is None:
+            self._stack = cpu_kernel.stack([(*b.attn_weights, *b.mlp_weights) for b in self.layers])
+        return self._stack
+
+    def __getstate__(self):  # copies and pickles rebuild the stack (its pointers are this model's)
+        return {**super().__getstate__(), "_stack": None}
+
+    def _apply(self, fn, *args, **kwargs):
+        self._stack = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._stack = None
+        return super().load_state_dict(*args, **kwargs)
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """Token embeddings [B, T, H]."""
@@ -509,6 +530,14 @@ class Decoder(nn.Module):
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()
         h, tapped = x.reshape(B * T, -1), []  # the layers work on [B*T, H]
+        if layer_fns == (attention, mlp) and B == 1 and cpu_kernel.stack_usable(h) and self.kernel_stack():
+            c = self.config  # the CPU kernel runs the layers in one call
+            dims = (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
+            h, hidden = cpu_kernel.decoder_layers(
+                self._stack, h, first_layer, last, (set(skip_attn), set(skip_mlp)), taps, dims,
+                c.rms_norm_eps, a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound,
+            )  # fmt: skip
+            return self._head_out(h, hidden, B, T, logits_to_keep, head)
         for i in range(first_layer, last):
             if i in taps:
                 tapped.append(h)
@@ -519,7 +548,14 @@ class Decoder(nn.Module):
                 h = ffn(h, *blk.mlp_weights, blk.eps)
         if last in taps:
             tapped.append(h)
-        hidden = (torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0]).view(B, T, -1) if tapped else None
+        hidden = torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0] if tapped else None
+        return self._head_out(h, hidden, B, T, logits_to_keep, head)
+
+    def _head_out(
+        self, h: Tensor, hidden: Tensor | None, B: int, T: int, logits_to_keep: int, head: bool
+    ) -> DecoderOutput:
+        """The forward's output from the last layer's rows h [B*T, H] and the taps [B*T, taps * H]."""
+        hidden = hidden.view(B, T, -1) if hidden is not None else None
         if not head:
             return DecoderOutput(None, hidden)
         h = h.view(B, T, -1)

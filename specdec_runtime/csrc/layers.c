@@ -197,3 +197,37 @@ int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, con
     }
     return 0;
 }
+
+/* A layer's weights in decoder_layers' pointer array, in this order (biases may be NULL). */
+enum { ATTN_NORM, QKV, QKV_BIAS, O, O_BIAS, MLP_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
+
+/* Layers [first, last) of a decoder for M rows of one sequence, x [M, Hd] updated in place: each
+   layer's attention_block, then its mlp_block, as model.Decoder._forward calls them one by one,
+   without a trip through Python between them. w: PER_LAYER pointers a layer (the enum above), the
+   weights packed (in bf16 where is_bf16 is set); kv: layer 0's cache [2 Hkv, S, D], the next
+   layer's kv_stride floats further. flags[i - first]: 1 skips layer i's attention, 2 its MLP.
+   tap_at[i - first], i in [first, last]: which of the ntaps blocks of taps [M, ntaps * Hd] gets x
+   as it enters layer i (as it leaves the last layer at i = last), or -1. Returns 0, or -1 when
+   out of memory. */
+int decoder_layers(float *x, long M, long Hd, long first, long last, const void *const *w, int is_bf16,
+                   const int *flags, float eps, long H, long Hkv, long D, long I, float *kv, long kv_stride,
+                   const float *cos, const float *sin, long rope_stride, long S, const int64_t *slots,
+                   const uint8_t *mask, long mask_stride, long bound, const long *tap_at, float *taps, long ntaps,
+                   int threads) {
+    for (long i = first; i <= last; i++) {
+        long t = tap_at[i - first];
+        if (t >= 0)
+            for (long m = 0; m < M; m++) memcpy(taps + (m * ntaps + t) * Hd, x + m * Hd, Hd * sizeof(float));
+        if (i == last) break;
+        const void *const *l = w + i * PER_LAYER;
+        if (!(flags[i - first] & 1) &&
+            attention_block(x, M, Hd, l[ATTN_NORM], eps, x, l[QKV], is_bf16, l[QKV_BIAS], H, Hkv, D, l[O], l[O_BIAS],
+                            Hd, cos, sin, rope_stride, kv + i * kv_stride, S, slots, mask, mask_stride, bound, x,
+                            threads))
+            return -1;
+        if (!(flags[i - first] & 2) && mlp_block(x, M, Hd, l[MLP_NORM], eps, l[GATE_UP], is_bf16, l[GATE_UP_BIAS], I,
+                                                 l[DOWN], l[DOWN_BIAS], x, threads))
+            return -1;
+    }
+    return 0;
+}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec_runtime import cpu_kernel
-from specdec_runtime.model import Weights, linear
+from specdec_runtime.model import LayerSkip, Weights, linear
 from specdec_runtime.tree import Tree
 
 needs_kernel = pytest.mark.skipif(
@@ -237,11 +237,11 @@ def test_sublayers_under_masks_are_as_accurate_as_torchs():
 
 @needs_kernel
 def test_sublayers_run_in_it_only_where_they_should(monkeypatch):
-    """Attention of one sequence's few fp32 rows and the MLP of any few rows run in the kernel;
-    a prefill, a batch's attention, and anything under autograd run in torch."""
+    """One sequence's few fp32 rows run the whole layer stack in the kernel in one call, a batch's
+    few rows their MLPs; a prefill, a batch's attention, and anything under autograd run in torch."""
     model = wide_decoder(64)
     calls = []
-    for name in ("attention", "mlp"):
+    for name in ("attention", "mlp", "decoder_layers"):
         real = getattr(cpu_kernel, name)
         monkeypatch.setattr(cpu_kernel, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
     model.setup_cache(2, 32)
@@ -251,4 +251,40 @@ def test_sublayers_run_in_it_only_where_they_should(monkeypatch):
     assert calls == ["mlp"] * 2
     calls.clear()
     model(torch.randint(0, 256, (1, 3)), 21)
+    assert calls == ["decoder_layers"]
+    calls.clear()
+    monkeypatch.setattr(cpu_kernel, "stack_usable", lambda x: False)  # sublayer by sublayer
+    model(torch.randint(0, 256, (1, 3)), 21)
     assert calls == ["attention", "mlp"] * 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_stack_in_one_call_is_bitwise_the_sublayer_calls(monkeypatch, kind):
+    """decoder_layers (a whole layer stack in one call) gives bitwise the logits, taps and cache of
+    the same layers run sublayer by sublayer (tested above against float64), with skipped
+    sublayers, taps, an early exit and a verification resuming at a layer; and the stack is
+    rebuilt when the weights are replaced."""
+    model = wide_decoder(64, kind=kind, num_hidden_layers=4)
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    skip = LayerSkip(attn=frozenset({1}), mlp=frozenset({2}))
+
+    def run():
+        model.cache = None  # a fresh cache
+        model.setup_cache(1, 32)
+        model(ids[:, :10], 0)
+        out = [model(ids[:, 10:13], 10, taps=(0, 2, 4)), model(ids[:, 13:], 13, skip=skip)]
+        early = model(ids[:, 10:12], 10, exit_layer=2, taps=(2,), head=False)
+        out += [early, model(early.hidden, 10, first_layer=2)]
+        return [t for o in out for t in o if t is not None], model.cache.kv.clone()
+
+    one_call = run()
+    monkeypatch.setattr(cpu_kernel, "stack_usable", lambda x: False)
+    by_sublayer = run()
+    assert len(one_call[0]) == 5  # 3 logits, 2 taps
+    assert all(torch.equal(a, b) for a, b in zip(one_call[0], by_sublayer[0]))
+    assert torch.equal(one_call[1], by_sublayer[1])  # the caches
+    monkeypatch.undo()
+    stack = model.kernel_stack()
+    model.keep_cpu_copies()  # new packed tensors: a new stack
+    assert model.kernel_stack() is not stack and model.kernel_stack() is not None
