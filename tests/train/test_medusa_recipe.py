@@ -234,7 +234,15 @@ def one_process_run(tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("launcher", ["multi_cpu", "deepspeed_zero2"])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        # DDP over 2 processes is covered by default in the distill and eagle3 recipes' tests (the
+        # default run stays under 10 minutes on a slow 2-core day): -m slow runs it here too
+        pytest.param("multi_cpu", marks=pytest.mark.slow),
+        "deepspeed_zero2",
+    ],
+)
 def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_process_run, tmp_path):
     """accelerate launch with 2 CPU processes (gloo; DDP over the heads, or DeepSpeed ZeRO-2 on its CPU
     accelerator): same losses, same heads."""
