@@ -4,14 +4,17 @@ A decode step multiplies one row by every weight matrix, so it is bound by readi
 MKL computes a one-row fp32 product on one core (16.6 GB/s on the developers' 2-core EPYC, with 1
 thread or 2, where two cores stream 28-34 GB/s), and its products of 2-16 rows re-read the weight
 for every few rows. `csrc/skinny.c` streams each weight once, split over torch's own OpenMP threads,
-for 1 to MAX_ROWS rows, and sums every output in one fixed order whatever the row count: row for
-row, a verify step's products are bitwise those of a decode step. scripts/bench_cost.py measures it
-against torch's products.
+for 1 to MAX_ROWS rows, from a copy packed in pairs of rows (pack(): one load of x feeds two weight
+rows, so 4-6 rows run near the 1-row rate; fp32, or bf16 for a drafter's weights), and sums every
+output in one fixed order whatever the row count: row for row, a verify step's products are
+bitwise those of a decode step. scripts/bench_cost.py measures it against torch's products.
 
 `csrc/layers.c` runs a whole attention or MLP sublayer of such a step in one call (norm, products,
 rope, cache write, attention, gated activation), where torch dispatches some twenty small ops whose
-overhead was a third of a decode step; it keeps the same row-for-row guarantee. model.attention(),
-self_attention() and mlp() hand their rows to it (sublayer_usable()).
+overhead was a third of a decode step, and a one-sequence step's whole layer stack in one call
+(decoder_layers(), from a Stack of pointers the model builds once); it keeps the same row-for-row
+guarantee. model.Decoder hands a step's layers to it (stack_usable()); model.attention(),
+self_attention() and mlp() their rows otherwise (sublayer_usable()).
 
 It is compiled on first use (`cc -O3 -march=native -fopenmp`, about a second) into
 $SPECDEC_CACHE/kernels and loaded with ctypes. Where it cannot be built or used (not Linux, no C
@@ -190,7 +193,7 @@ def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
         raise ValueError(f"matmul: need packed float32 or bf16 weights for [{M}, {K}] rows, got W {tuple(w.w.shape)}")
     if residual is not None:
         residual = residual.expand(M, N).contiguous()
-    y = torch.empty(M, N, dtype=torch.float32)
+    y = torch.empty(M, N, dtype=torch.float32, device="cpu")
     packed, bias, residual = w.packed.data_ptr(), _ptr(w.bias), _ptr(residual)
     kernel().skinny_matmul(x.data_ptr(), M, K, packed, _bf16(w), N, bias, residual, y.data_ptr(), _threads())
     return y
@@ -256,7 +259,7 @@ def attention(
     if mask is not None and mask.stride(-1) != 1:
         mask = mask.contiguous()
     slots = slots.contiguous()
-    out = torch.empty(M, Hd)
+    out = torch.empty(M, Hd, dtype=torch.float32, device="cpu")
     # fmt: off
     _ran(kernel().attention_block(
         x.data_ptr(), M, K, _ptr(norm), eps, residual.data_ptr(),
@@ -273,7 +276,7 @@ def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Ten
     x = x.contiguous()
     M, Hd = x.shape
     intermediate = down.w.shape[0]
-    out = torch.empty(M, Hd)
+    out = torch.empty(M, Hd, dtype=torch.float32, device="cpu")
     # fmt: off
     _ran(kernel().mlp_block(
         x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up.packed.data_ptr(), _bf16(gate_up, down), _ptr(gate_up.bias),
@@ -338,7 +341,7 @@ def decoder_layers(
     flags = (ctypes.c_int * len(layers))(*((i in skip[0]) + 2 * (i in skip[1]) for i in layers))
     tapped = sorted(set(taps))
     tap_at = (ctypes.c_long * len(layers))(*(tapped.index(i) if i in tapped else -1 for i in layers))
-    out = torch.empty(M, len(tapped) * Hd) if tapped else None
+    out = torch.empty(M, len(tapped) * Hd, dtype=torch.float32, device="cpu") if tapped else None
     # fmt: off
     _ran(kernel().decoder_layers(
         x.data_ptr(), M, Hd, first, last, s.pointers, s.bf16, flags, eps, H, Hkv, D, intermediate,

@@ -395,8 +395,12 @@ class Decoder(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def load_state_dict(self, *args, **kwargs):
+        """nn.Module's, and the CPU copies of the weights (Weights.of) made again where kept."""
         self._stack = None
-        return super().load_state_dict(*args, **kwargs)
+        result = super().load_state_dict(*args, **kwargs)
+        if any(isinstance(m, Linear) and m.cpu_copy for m in self.modules()):
+            self.keep_cpu_copies()
+        return result
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """Token embeddings [B, T, H]."""

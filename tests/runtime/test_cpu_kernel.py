@@ -288,3 +288,16 @@ def test_the_stack_in_one_call_is_bitwise_the_sublayer_calls(monkeypatch, kind):
     stack = model.kernel_stack()
     model.keep_cpu_copies()  # new packed tensors: a new stack
     assert model.kernel_stack() is not stack and model.kernel_stack() is not None
+
+
+@needs_kernel
+def test_loading_new_weights_refreshes_what_the_kernel_reads():
+    """load_state_dict copies new weights in: the packed copies and the stack follow, so a decode
+    step gives bitwise what a model built with those weights gives."""
+    model, other = wide_decoder(64), wide_decoder(64, seed=1)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    for m in (model, other):
+        m.setup_cache(1, 16)
+    model(ids, 0)  # builds its stack from the first weights
+    model.load_state_dict(other.state_dict(), strict=False)
+    assert torch.equal(model(ids, 0).logits, other(ids, 0).logits)
