@@ -289,11 +289,12 @@ def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Ten
 
 class Stack(NamedTuple):
     """A decoder's layers as layers.c's decoder_layers reads them: every layer's weights' pointers,
-    PER_LAYER (10) a layer, built once (stack()); `tensors` keeps what they point at alive."""
+    PER_LAYER (10) a layer, built once (stack()); `storages` keeps the memory they point at alive,
+    even where a tensor's storage is later swapped (`param.data = ...`)."""
 
     pointers: ctypes.Array
     bf16: int
-    tensors: list
+    storages: list
 
 
 def stack(layers: list[tuple]) -> Stack | None:
@@ -306,7 +307,8 @@ def stack(layers: list[tuple]) -> Stack | None:
         tensors += [attn_norm, qkv.packed, qkv.bias, o.packed, o.bias, mlp_norm, gate_up.packed, gate_up.bias]
         tensors += [down.packed, down.bias]
     pointers = (ctypes.c_void_p * len(tensors))(*map(_ptr, tensors))
-    return Stack(pointers, _bf16(*(w for layer in layers for w in layer if not isinstance(w, Tensor))), tensors)
+    weights = (w for layer in layers for w in layer if not isinstance(w, Tensor))
+    return Stack(pointers, _bf16(*weights), [t.untyped_storage() for t in tensors if t is not None])
 
 
 def decoder_layers(
