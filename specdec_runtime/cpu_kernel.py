@@ -215,6 +215,17 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _attention_args(
+    caller: str, kv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """slots and mask as layers.c reads them (contiguous rows), after checking kv, cos and sin."""
+    if not kv.is_contiguous() or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
+        raise ValueError(f"{caller}: kv must be contiguous and cos / sin rows share one stride")
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    return slots.contiguous(), mask
+
+
 def _ran(status: int) -> None:
     if status != 0:
         raise MemoryError("the CPU kernel could not allocate its scratch buffer")
@@ -254,11 +265,7 @@ def attention(
     D, S, Hkv = kv.shape[-1], kv.shape[-2], kv.shape[1] // 2
     H = qkv.w.shape[1] // D - 2 * Hkv
     Hd = o.w.shape[1]
-    if not kv.is_contiguous() or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
-        raise ValueError("attention: kv must be contiguous and cos / sin rows share one stride")
-    if mask is not None and mask.stride(-1) != 1:
-        mask = mask.contiguous()
-    slots = slots.contiguous()
+    slots, mask = _attention_args("attention", kv, cos, sin, slots, mask)
     out = torch.empty(M, Hd, dtype=torch.float32, device="cpu")
     # fmt: off
     _ran(kernel().attention_block(
@@ -300,14 +307,14 @@ class Stack(NamedTuple):
 def stack(layers: list[tuple]) -> Stack | None:
     """The Stack of layers [(attn_norm, qkv, o, mlp_norm, gate_up, down)] (model.Weights), or None
     where a weight is not packed."""
-    if not all(w.packed is not None for layer in layers for w in layer if not isinstance(w, Tensor)):
+    weights = [w for layer in layers for w in layer if not isinstance(w, Tensor)]  # the norms aside
+    if not all(w.packed is not None for w in weights):
         return None
     tensors = []
     for attn_norm, qkv, o, mlp_norm, gate_up, down in layers:
         tensors += [attn_norm, qkv.packed, qkv.bias, o.packed, o.bias, mlp_norm, gate_up.packed, gate_up.bias]
         tensors += [down.packed, down.bias]
     pointers = (ctypes.c_void_p * len(tensors))(*map(_ptr, tensors))
-    weights = (w for layer in layers for w in layer if not isinstance(w, Tensor))
     return Stack(pointers, _bf16(*weights), [t.untyped_storage() for t in tensors if t is not None])
 
 
@@ -334,11 +341,7 @@ def decoder_layers(
     x = x.contiguous().clone()
     M, Hd = x.shape
     H, Hkv, D, intermediate = dims
-    if not kv.is_contiguous() or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
-        raise ValueError("decoder_layers: kv must be contiguous and cos / sin rows share one stride")
-    if mask is not None and mask.stride(-1) != 1:
-        mask = mask.contiguous()
-    slots = slots.contiguous()
+    slots, mask = _attention_args("decoder_layers", kv, cos, sin, slots, mask)
     layers = range(first, last + 1)
     flags = (ctypes.c_int * len(layers))(*((i in skip[0]) + 2 * (i in skip[1]) for i in layers))
     tapped = sorted(set(taps))
