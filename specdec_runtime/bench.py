@@ -11,11 +11,11 @@ Each mode first decodes every prompt autoregressively, once, shared by all draft
 per drafter: a bench of 3 drafters now decodes 3 + 1 passes instead of 6); then each drafter decodes
 every prompt, followed per prompt by transformers' (assisted) generation with the same drafter
 where transformers has one (reference.py). `paired` (`specdec bench --paired`) decodes each prompt
-autoregressively again right before each drafter's run of it and measures the drafter against
-that run, for machines whose speed drifts between the shared pass and the drafter's. Speedups are
-ratios of runs in the same bench, on the same prompts. The expected duration is printed after the
-first autoregressive pass, and one progress bar covers the whole bench. A spec may end in @G to
-fix its draft length (`truncate:28@1`).
+autoregressively again right beside each drafter's run of it (before it on even prompts, after
+it on odd ones) and measures the drafter against that run, for machines whose speed drifts
+between the shared pass and the drafter's. Speedups are ratios of runs in the same bench, on the
+same prompts. The expected duration is printed after the first autoregressive pass, and one
+progress bar covers the whole bench. A spec may end in @G to fix its draft length (`truncate:28@1`).
 
 Each drafter's results go to drafters/<name>.json as soon as it is done; a rerun with the same
 settings skips what is there (an interrupted bench resumes per drafter). A drafter that fails to
@@ -225,8 +225,8 @@ def bench_drafter(
 ) -> dict:
     """One drafter in one mode against the mode's shared autoregressive runs `ar`: {"gamma",
     "reference", "records": [...]} or {"error": ...}. With settings.paired, each prompt is decoded
-    autoregressively again right before the drafter decodes it, and that run is its baseline: the
-    shared pass runs minutes earlier, and a CPU whose speed drifts by a third within minutes
+    autoregressively again right beside the drafter's run (alternately before and after), and that
+    run is its baseline: the shared pass runs minutes earlier, and a CPU whose speed drifts by a third within minutes
     (seen on the developers' machine) moves the ratios by as much."""
     name, gamma = parse_spec(spec)
     try:
@@ -250,6 +250,10 @@ def bench_drafter(
         tokens = hf_generate(hf, ids, **{**kw, "max_new_tokens": max_new_tokens}, **sampling, seed=seed, **assist)
         return tokens, perf_counter(device) - t0
 
+    def autoregressive(ids: Any, i: int) -> dict:
+        g = generate(target.model, ids, None, sampler(i), **kw, capacity=spec_kw["capacity"])
+        return {"tokens": g.tokens, "stats": g.stats.to_dict()}
+
     records = []
     try:  # warm-up: first calls pay for allocations, lazy init and compilation
         short = min(8, settings.max_new_tokens)
@@ -259,14 +263,16 @@ def bench_drafter(
             reference(encoded[0], 0, short)
         for i, ids in enumerate(encoded):
             base = ar[i]
-            if settings.paired and drafter is not None:  # the same prompt, just before: drift cancels
-                again = generate(target.model, ids, None, sampler(i), **kw, capacity=spec_kw["capacity"])
-                base = {"tokens": again.tokens, "stats": again.stats.to_dict()}
+            paired = settings.paired and drafter is not None  # the same prompt, right beside: drift cancels
+            if paired and i % 2 == 0:  # which side goes first alternates: what it leaves behind favours neither
+                base = autoregressive(ids, i)
             if drafter is None:
                 tokens, stats = base["tokens"], base["stats"]
             else:
                 run = generate(target.model, ids, drafter, sampler(i), **spec_kw)
                 tokens, stats = run.tokens, run.stats.to_dict()
+            if paired and i % 2 == 1:
+                base = autoregressive(ids, i)
             record = {
                 "id": prompts[i].id,
                 "category": prompts[i].category or "-",

@@ -5,7 +5,7 @@
                        stop_ids=stop_ids, gamma=4, max_new_tokens=128)
     metrics["tau"], metrics["speedup"], metrics["lossless"]
 
-Greedy decoding: each prompt is decoded autoregressively and then speculatively (measure()), so the
+Greedy decoding: each prompt is decoded autoregressively and speculatively side by side (measure()), so the
 speedup is a side-by-side ratio and losslessness is exact output equality.
 """
 

@@ -1,5 +1,7 @@
 """The generate loop: greedy losslessness, exact sampling, cache rollback, stopping, gamma control."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -221,3 +223,27 @@ def test_drafts_after_a_stop_token_are_not_counted_as_accepted():
 def test_lookup_needs_a_drafter_to_fall_back_on():
     with pytest.raises(SpecdecError, match="plain lookup is 'ngram'"):
         build_drafter("none+lookup", None)
+
+
+def test_measure_alternates_which_side_of_a_pair_decodes_first(monkeypatch):
+    """measure(baseline=True): the autoregressive run of a prompt comes first on even prompts and
+    second on odd ones, and each side's records stay in prompt order, with the target's greedy tokens."""
+    measure_module = importlib.import_module("specdec_runtime.measure")  # the package exports its function
+
+    table = bigram_table(50, seed=2)
+    target = BigramStub(table)
+    order, real = [], measure_module.generate
+
+    def recording(model, ids, drafter, *args, **kwargs):
+        order.append((int(ids[0]), drafter is None))
+        return real(model, ids, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(measure_module, "generate", recording)
+    prompts = [torch.tensor([p]) for p in (3, 4, 5, 6)]
+    drafter = OracleDrafter(table, 1)
+    report = measure_module.measure(
+        target, drafter, prompts, sampler=Sampler, baseline=True, warmup=False, max_new_tokens=12, gamma=3
+    )
+    assert order == [(3, True), (3, False), (4, False), (4, True), (5, True), (5, False), (6, False), (6, True)]
+    for p, ar, spec in zip((3, 4, 5, 6), report.baseline, report.spec):
+        assert ar.tokens == spec.tokens == bigram_greedy(table, p, 12)
