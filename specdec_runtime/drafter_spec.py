@@ -50,7 +50,8 @@ def build_drafter(
     FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
                     sublayers skipped, adaptive draft exit; confidence > 0 fixes the threshold)
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
-    SPEC+lookup     prompt lookup (n-grams of 2-3 tokens) where it matches, SPEC otherwise (LookupFirst)
+    SPEC+lookup     prompt lookup (n-grams of 2-3 tokens; 4 tokens, or gamma if longer) where it matches,
+                    SPEC otherwise (LookupFirst)
     """
     spec = spec.strip()
     if spec.endswith(LOOKUP) and spec != LOOKUP:

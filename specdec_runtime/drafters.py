@@ -30,7 +30,7 @@ from specdec_runtime.tree import Tree
 
 
 class Draft(NamedTuple):
-    tokens: Tensor  # [g] proposed ids, 0 <= g <= gamma
+    tokens: Tensor  # [g] proposed ids, 0 <= g <= gamma (LookupFirst's lookup rounds: up to its `tokens`)
     probs: Tensor | None  # [g, V] the distributions they were sampled from; None if deterministic
     # Drafters that share the target (truncate, layer-skip) have already run its first
     # `resume_layer` layers, exactly, on every token the target will verify (ids[L-1] and the g
@@ -55,7 +55,8 @@ class Drafter(Protocol):
         """Reset for a new prompt [P]; sequences will not exceed `capacity` tokens."""
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
-        """Propose up to gamma tokens to follow ids [L]."""
+        """Propose up to gamma tokens to follow ids [L]. A chain may be longer where it costs nothing
+        to draft (LookupFirst's lookups); the loop keeps what fits the tokens left to generate."""
         raise NotImplementedError
 
     def observe(self, hidden: Tensor) -> None:
@@ -266,12 +267,19 @@ class LookupFirst(Drafter):
     where the output copies (extraction, summaries, code edits: where a trained drafter is
     weakest); one-token matches are left to the model, which guesses better than they do.
 
+    A lookup drafts `tokens` tokens where the round's gamma is shorter: its tokens cost nothing to
+    draft and little to verify (a CPU verifies 5 tokens in ~1.1 decode steps, a GPU many more), and
+    a copy that matched goes on being right. On the quickstart's EAGLE-3 drafter (chains of 2),
+    lookups of 4 measured tau 1.71 / 1.36x against 1.61 / 1.32x for lookups of 2 (README).
+
     The model drafter still observes every accepted position; its next draft runs the rows it
     missed (a stand-alone model catches up on the tokens, EAGLE-3 on the pending features).
     """
 
-    def __init__(self, drafter: Drafter, max_ngram: int = 3, min_ngram: int = 2):
-        self.drafter, self.lookup = drafter, NgramDrafter(max_ngram, min_ngram)
+    def __init__(self, drafter: Drafter, max_ngram: int = 3, min_ngram: int = 2, tokens: int = 4):
+        if tokens < 1:
+            raise ValueError(f"LookupFirst needs tokens >= 1, got {tokens}")
+        self.drafter, self.lookup, self.tokens = drafter, NgramDrafter(max_ngram, min_ngram), tokens
         self.name = f"{drafter.name}+lookup"
         self.gamma, self.tree_nodes = drafter.gamma, drafter.tree_nodes
         self.hidden_layers = drafter.hidden_layers
@@ -284,7 +292,7 @@ class LookupFirst(Drafter):
         self.drafter.observe(hidden)
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
-        found = self.lookup.draft(ids, gamma, sampler)
+        found = self.lookup.draft(ids, max(gamma, self.tokens), sampler)
         if found.tokens.numel():
             self.lookups += 1
             self.drafter.pass_round()

@@ -61,6 +61,13 @@ def verify_forward(target: Decoder, ids: Tensor, L: int, draft: Draft | None, ta
     return DecoderOutput(out.logits[0], out.hidden[0] if taps else None)
 
 
+def cut(draft: Draft, g: int) -> Draft:
+    """A chain draft's first g tokens (with their distributions and, resuming drafts, residual rows)."""
+    residual = draft.residual[:, : g + 1] if draft.residual is not None else None
+    probs = draft.probs[:g] if draft.probs is not None else None
+    return draft._replace(tokens=draft.tokens[:g], probs=probs, residual=residual)
+
+
 class Clock:
     """Wall time at stage boundaries; with sync, after the device's queued work (exact stage costs
     on a GPU, at the price of a host sync per stage: off unless asked for)."""
@@ -134,8 +141,11 @@ def generate(
     stop = out[0] in stop_ids
     while not stop and len(out) < max_new_tokens:
         t0 = clock()
-        g_max = min(gamma, max_new_tokens - len(out) - 1)  # never draft past the budget
+        room = max_new_tokens - len(out) - 1  # never verify past the budget
+        g_max = min(gamma, room)
         draft = drafter.draft(ids[:L], g_max, sampler) if drafter is not None and g_max > 0 else None
+        if draft is not None and draft.tree is None and draft.tokens.shape[0] > room:  # a longer chain: cut
+            draft = cut(draft, room)
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps)
         t2 = clock()
@@ -160,7 +170,7 @@ def generate(
         out += new
         L += len(new)
         if adaptive_gamma and drafter is not None and g_max == gamma:
-            gamma = min(gamma + 2, max_gamma) if n == gamma else max(1, gamma - 1)
+            gamma = min(gamma + 2, max_gamma) if n >= gamma else max(1, gamma - 1)
         t3 = clock()
         stats.draft_s += t1 - t0
         stats.target_s += t2 - t1

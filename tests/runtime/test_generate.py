@@ -247,3 +247,43 @@ def test_measure_alternates_which_side_of_a_pair_decodes_first(monkeypatch):
     assert order == [(3, True), (3, False), (4, False), (4, True), (5, True), (5, False), (6, False), (6, True)]
     for p, ar, spec in zip((3, 4, 5, 6), report.baseline, report.spec):
         assert ar.tokens == spec.tokens == bigram_greedy(table, p, 12)
+
+
+def test_a_chain_longer_than_gamma_is_verified_and_cut_to_the_tokens_left():
+    """A drafter may return more than gamma tokens (LookupFirst's lookups): the loop verifies them
+    all while they fit, cuts the chain to the tokens left to generate near the end, and the output
+    is the target's greedy output, exactly max_new_tokens long."""
+
+    class Long(OracleDrafter):
+        def draft(self, ids, gamma, sampler):
+            return super().draft(ids, 10, sampler)  # always 10 right tokens, whatever gamma
+
+    table = bigram_table(50, seed=3)
+    target = BigramStub(table)
+    out = generate(target, [4], Long(table, None), max_new_tokens=16, gamma=2)
+    assert out.tokens == bigram_greedy(table, 4, 16)
+    # the prefill makes 1; a round of 10 + 1 bonus; then 4 left: 3 drafts (cut from 10) + 1 bonus
+    assert out.stats.target_forwards == 3 and out.stats.drafted_at == [2] * 3 + [1] * 7
+
+
+def test_lookup_first_drafts_its_own_length_where_lookup_matches():
+    """LookupFirst's lookups draft `tokens` tokens where the round's gamma is shorter (the model
+    drafter keeps gamma), losslessly."""
+    target = tiny_decoder("llama", seed=0, num_hidden_layers=3)
+    prompt = [7, 3, 9, 7, 3, 1, 4, 7, 3, 9, 7, 3, 1, 4, 7, 3]
+    ar = generate(target, prompt, max_new_tokens=40)
+    lengths = []
+
+    class Spy(ModelDrafter):
+        def draft(self, ids, gamma, sampler):
+            d = super().draft(ids, gamma, sampler)
+            lengths.append(d.tokens.shape[0])
+            return d
+
+    drafter = LookupFirst(Spy(tiny_decoder("llama", seed=1)), tokens=5)
+    out = generate(target, prompt, drafter, max_new_tokens=40, gamma=2)
+    assert out.tokens == ar.tokens
+    assert drafter.lookups > 0 and 2 < len(out.stats.drafted_at) <= 5  # lookups past gamma, up to 5
+    assert lengths and max(lengths) <= 2  # the model drafter's rounds stay at gamma
+    with pytest.raises(ValueError, match="tokens >= 1"):
+        LookupFirst(NgramDrafter(3), tokens=0)
