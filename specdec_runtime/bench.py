@@ -395,9 +395,10 @@ def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
 def markdown(settings: BenchSettings, rows: Sequence[dict]) -> str:
     """The overview table (one row per drafter and mode) and, per mode, tau / speedup by category."""
     s = settings
+    sampled = any(r.get("mode") == "sampled" for r in rows)  # its settings only where it ran
     lines = [
-        f"target `{s.target}` · {s.prompts} · max {s.max_new_tokens} new tokens · {s.device} {s.dtype} · "
-        f"sampled: T={s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}",
+        f"target `{s.target}` · {s.prompts} · max {s.max_new_tokens} new tokens · {s.device} {s.dtype}"
+        + (f" · sampled: T={s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}" if sampled else ""),
         "",
         "| drafter | mode | gamma | tau | accept by position | tok/s | AR tok/s | speedup | lossless "
         "| transformers tok/s | ours / transformers |",

@@ -72,7 +72,7 @@ def test_outputs_and_numbers_follow_from_the_records(benched):
         assert [r["ar_stats"] for r in ar[0]] == [r["ar_stats"] for r in ar[1]] == [r["ar_stats"] for r in ar[2]]
     table = (benched / "results.md").read_text()
     assert "| truncate:2@2 | greedy | 2 |" in table and "failed to load: unknown model" in table
-    assert "tau / speedup by category" in table
+    assert "tau / speedup by category" in table and "sampled: T=" in table.splitlines()[0]
     for png in ("speedup_tau.png", "acceptance.png"):
         assert (benched / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -126,6 +126,7 @@ def test_paired_measures_each_drafter_against_an_autoregressive_run_beside_it(ti
     assert [r["ar_stats"] for r in none] == [g.stats.to_dict() for g in shared]
     settings = json.loads((out / "settings.json").read_text())
     assert settings["paired"] is True
+    assert "sampled" not in (out / "results.md").read_text().splitlines()[0]  # greedy only: no sampling settings
 
 
 def test_a_drafter_that_fails_to_decode_is_reported_and_the_rest_run(tiny_dir, tmp_path, monkeypatch, capsys):
