@@ -11,8 +11,9 @@
 command-line spec.) The protocol is `start` and `draft`. `start` is called once per prompt, after
 the target's prefill. `draft` receives the whole sequence so far, ids [L]: the target has verified
 ids[:L-1] into its KV cache and ids[L-1] is the newest token; it returns up to gamma tokens that
-should follow (or a token tree at most gamma deep). A drafter that reads the target's hidden
-states (Medusa, MTP heads, EAGLE-3) names the layers in `hidden_layers` and receives, through
+should follow (or a token tree at most gamma deep; LookupFirst's lookups up to max(gamma,
+tokens)). A drafter that reads the target's hidden states (Medusa, MTP heads, EAGLE-3) names the
+layers in `hidden_layers` and receives, through
 `observe`, after every target forward, the residual streams after those layers at the positions
 the loop accepted, in order, the last one being the position that produced the newest token
 (after the prefill: every prompt position).
@@ -30,7 +31,7 @@ from specdec_runtime.tree import Tree
 
 
 class Draft(NamedTuple):
-    tokens: Tensor  # [g] proposed ids, 0 <= g <= gamma (LookupFirst's lookup rounds: up to its `tokens`)
+    tokens: Tensor  # [g] proposed ids, 0 <= g <= gamma (LookupFirst's lookups: <= max(gamma, tokens))
     probs: Tensor | None  # [g, V] the distributions they were sampled from; None if deterministic
     # Drafters that share the target (truncate, layer-skip) have already run its first
     # `resume_layer` layers, exactly, on every token the target will verify (ids[L-1] and the g

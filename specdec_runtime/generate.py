@@ -5,12 +5,13 @@
     out.tokens, out.stats.tau, out.stop_reason
 
 Each round: the drafter proposes g <= gamma tokens after the sequence (a chain, or a token tree at
-most gamma deep), the target runs once on the newest token plus the draft, verification (verify.py)
-accepts a branch and adds one token of the target's own, and the target's KV cache is rolled back
-by position (rejected slots are overwritten next round; a tree's accepted nodes move to the slots
-after the prefix). With no drafter, or an empty draft, a round is a plain decode step, through the
-same code. There is one host sync per round: the accepted length and the new tokens come back
-together (drafters that sync themselves say so: n-gram lookup, a draft exit's confidence test).
+most gamma deep; LookupFirst's lookups may propose a longer chain, cut to the tokens left), the
+target runs once on the newest token plus the draft, verification (verify.py) accepts a branch and
+adds one token of the target's own, and the target's KV cache is rolled back by position (rejected
+slots are overwritten next round; a tree's accepted nodes move to the slots after the prefix). With
+no drafter, or an empty draft, a round is a plain decode step, through the same code. There is one
+host sync per round: the accepted length and the new tokens come back together (drafters that sync
+themselves say so: n-gram lookup, a draft exit's confidence test).
 """
 
 import time
@@ -100,7 +101,8 @@ def generate(
     """Generate up to max_new_tokens after `prompt`, stopping at any of stop_ids.
 
     gamma: draft length; adaptive_gamma: transformers' heuristic (+2 after a fully accepted draft,
-    -1 otherwise, within 1..max_gamma). Greedy output equals the target's greedy output exactly;
+    -1 otherwise, within 1..max_gamma), on the rounds whose draft is at most gamma long (a longer
+    lookup draft says nothing about the drafter's own length). Greedy output equals the target's greedy output exactly;
     sampled output follows the target's (warped) distribution exactly, except with
     typical=(posterior_threshold, alpha): Medusa's typical acceptance for sampling, which is LOSSY.
     capacity: KV slots to make room for (at least prompt + max_new_tokens): pass the largest over
@@ -169,8 +171,8 @@ def generate(
         stats.record_round(depth, min(n, len(new)))  # accepted drafts after a stop token are not output
         out += new
         L += len(new)
-        if adaptive_gamma and drafter is not None and g_max == gamma:
-            gamma = min(gamma + 2, max_gamma) if n >= gamma else max(1, gamma - 1)
+        if adaptive_gamma and drafter is not None and g_max == gamma and depth <= gamma:
+            gamma = min(gamma + 2, max_gamma) if n == gamma else max(1, gamma - 1)
         t3 = clock()
         stats.draft_s += t1 - t0
         stats.target_s += t2 - t1

@@ -268,22 +268,47 @@ def test_a_chain_longer_than_gamma_is_verified_and_cut_to_the_tokens_left():
 
 def test_lookup_first_drafts_its_own_length_where_lookup_matches():
     """LookupFirst's lookups draft `tokens` tokens where the round's gamma is shorter (the model
-    drafter keeps gamma), losslessly."""
-    target = tiny_decoder("llama", seed=0, num_hidden_layers=3)
-    prompt = [7, 3, 9, 7, 3, 1, 4, 7, 3, 9, 7, 3, 1, 4, 7, 3]
-    ar = generate(target, prompt, max_new_tokens=40)
-    lengths = []
+    drafter keeps gamma), and they are accepted where the output repeats itself: a bigram target's
+    greedy output runs into a cycle, which lookup then copies, losslessly."""
+    table = bigram_table(50, seed=4)
+    target = BigramStub(table)
+    asked = []
 
-    class Spy(ModelDrafter):
+    class Spy(OracleDrafter):
         def draft(self, ids, gamma, sampler):
-            d = super().draft(ids, gamma, sampler)
-            lengths.append(d.tokens.shape[0])
-            return d
+            asked.append(gamma)
+            return super().draft(ids, gamma, sampler)
 
-    drafter = LookupFirst(Spy(tiny_decoder("llama", seed=1)), tokens=5)
-    out = generate(target, prompt, drafter, max_new_tokens=40, gamma=2)
-    assert out.tokens == ar.tokens
-    assert drafter.lookups > 0 and 2 < len(out.stats.drafted_at) <= 5  # lookups past gamma, up to 5
-    assert lengths and max(lengths) <= 2  # the model drafter's rounds stay at gamma
+    drafter = LookupFirst(Spy(table, 1), tokens=5)
+    out = generate(target, [3], drafter, max_new_tokens=60, gamma=2)
+    assert out.tokens == bigram_greedy(table, 3, 60)
+    assert drafter.lookups > 0 and len(out.stats.drafted_at) == 5  # lookups of 5 tokens
+    assert out.stats.accepted_at[4] > 0  # ... accepted in full
+    assert asked and set(asked) <= {1, 2}  # the model drafter's rounds stay at gamma (or the tokens left)
     with pytest.raises(ValueError, match="tokens >= 1"):
         LookupFirst(NgramDrafter(3), tokens=0)
+
+
+def test_adaptive_gamma_ignores_rounds_longer_than_gamma():
+    """Adaptive gamma follows the drafter's own rounds: a draft longer than gamma (a lookup) neither
+    grows nor shrinks it."""
+    asked = []
+
+    class Long(OracleDrafter):
+        def draft(self, ids, gamma, sampler):
+            asked.append(gamma)
+            return super().draft(ids, 6, sampler)
+
+    table = bigram_table(50, seed=3)
+    out = generate(BigramStub(table), [4], Long(table, None), max_new_tokens=30, gamma=3, adaptive_gamma=True)
+    assert out.tokens == bigram_greedy(table, 4, 30)
+    assert asked[:3] == [3, 3, 3]
+
+
+def test_cut_keeps_a_chains_first_tokens_with_their_distributions_and_residual_rows():
+    from specdec_runtime.generate import cut
+
+    d = Draft(torch.arange(5), torch.rand(5, 7), torch.rand(1, 6, 3), resume_layer=2)
+    c = cut(d, 3)
+    assert c.tokens.tolist() == [0, 1, 2] and torch.equal(c.probs, d.probs[:3])
+    assert torch.equal(c.residual, d.residual[:, :4]) and c.resume_layer == 2  # the root's row + 3
