@@ -226,8 +226,8 @@ def bench_drafter(
     """One drafter in one mode against the mode's shared autoregressive runs `ar`: {"gamma",
     "reference", "records": [...]} or {"error": ...}. With settings.paired, each prompt is decoded
     autoregressively again right beside the drafter's run (alternately before and after), and that
-    run is its baseline: the shared pass runs minutes earlier, and a CPU whose speed drifts by a third within minutes
-    (seen on the developers' machine) moves the ratios by as much."""
+    run is its baseline: the shared pass runs minutes earlier, and a CPU whose speed drifts by a
+    third within minutes (seen on the developers' machine) moves the ratios by as much."""
     name, gamma = parse_spec(spec)
     try:
         drafter = build_drafter(name, target, confidence=settings.confidence, dtype=settings.dtype, tree=settings.tree)

@@ -193,7 +193,7 @@ def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
         raise ValueError(f"matmul: need packed float32 or bf16 weights for [{M}, {K}] rows, got W {tuple(w.w.shape)}")
     if residual is not None:
         residual = residual.expand(M, N).contiguous()
-    y = torch.empty(M, N, dtype=torch.float32, device="cpu")
+    y = _out(M, N)
     packed, bias, residual = w.packed.data_ptr(), _ptr(w.bias), _ptr(residual)
     kernel().skinny_matmul(x.data_ptr(), M, K, packed, _bf16(w), N, bias, residual, y.data_ptr(), _threads())
     return y
@@ -209,6 +209,11 @@ def _bf16(*weights: tuple) -> int:
     if len(kinds) != 1:
         raise ValueError(f"the CPU kernel needs one packed dtype per call, got {sorted(map(str, kinds))}")
     return int(kinds == {torch.bfloat16})
+
+
+def _out(*shape: int) -> Tensor:
+    """An output buffer the kernel writes: fp32 in CPU memory, whatever torch's default dtype or device."""
+    return torch.empty(*shape, dtype=torch.float32, device="cpu")
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -266,7 +271,7 @@ def attention(
     H = qkv.w.shape[1] // D - 2 * Hkv
     Hd = o.w.shape[1]
     slots, mask = _attention_args("attention", kv, cos, sin, slots, mask)
-    out = torch.empty(M, Hd, dtype=torch.float32, device="cpu")
+    out = _out(M, Hd)
     # fmt: off
     _ran(kernel().attention_block(
         x.data_ptr(), M, K, _ptr(norm), eps, residual.data_ptr(),
@@ -283,7 +288,7 @@ def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Ten
     x = x.contiguous()
     M, Hd = x.shape
     intermediate = down.w.shape[0]
-    out = torch.empty(M, Hd, dtype=torch.float32, device="cpu")
+    out = _out(M, Hd)
     # fmt: off
     _ran(kernel().mlp_block(
         x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up.packed.data_ptr(), _bf16(gate_up, down), _ptr(gate_up.bias),
@@ -346,7 +351,7 @@ def decoder_layers(
     flags = (ctypes.c_int * len(layers))(*((i in skip[0]) + 2 * (i in skip[1]) for i in layers))
     tapped = sorted(set(taps))
     tap_at = (ctypes.c_long * len(layers))(*(tapped.index(i) if i in tapped else -1 for i in layers))
-    out = torch.empty(M, len(tapped) * Hd, dtype=torch.float32, device="cpu") if tapped else None
+    out = _out(M, len(tapped) * Hd) if tapped else None
     # fmt: off
     _ran(kernel().decoder_layers(
         x.data_ptr(), M, Hd, first, last, s.pointers, s.bf16, flags, eps, H, Hkv, D, intermediate,

@@ -13,10 +13,9 @@ the target's prefill. `draft` receives the whole sequence so far, ids [L]: the t
 ids[:L-1] into its KV cache and ids[L-1] is the newest token; it returns up to gamma tokens that
 should follow (or a token tree at most gamma deep; LookupFirst's lookups up to max(gamma,
 tokens)). A drafter that reads the target's hidden states (Medusa, MTP heads, EAGLE-3) names the
-layers in `hidden_layers` and receives, through
-`observe`, after every target forward, the residual streams after those layers at the positions
-the loop accepted, in order, the last one being the position that produced the newest token
-(after the prefill: every prompt position).
+layers in `hidden_layers` and receives, through `observe`, after every target forward, the
+residual streams after those layers at the positions the loop accepted, in order, the last one
+being the position that produced the newest token (after the prefill: every prompt position).
 """
 
 from typing import NamedTuple, Protocol

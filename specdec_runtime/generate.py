@@ -102,9 +102,10 @@ def generate(
 
     gamma: draft length; adaptive_gamma: transformers' heuristic (+2 after a fully accepted draft,
     -1 otherwise, within 1..max_gamma), on the rounds whose draft is at most gamma long (a longer
-    lookup draft says nothing about the drafter's own length). Greedy output equals the target's greedy output exactly;
-    sampled output follows the target's (warped) distribution exactly, except with
-    typical=(posterior_threshold, alpha): Medusa's typical acceptance for sampling, which is LOSSY.
+    lookup draft says nothing about the drafter's own length). Greedy output equals the target's
+    greedy output exactly; sampled output follows the target's (warped) distribution exactly,
+    except with typical=(posterior_threshold, alpha): Medusa's typical acceptance for sampling,
+    which is LOSSY.
     capacity: KV slots to make room for (at least prompt + max_new_tokens): pass the largest over
     a set of prompts, and every call reuses the same caches (and, compiled, the same CUDA graphs).
     timed: make the stage times in the stats exact on a GPU (a host sync per stage).

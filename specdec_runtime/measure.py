@@ -7,8 +7,7 @@
 
 With baseline=True each prompt is decoded autoregressively right beside the speculative run, so
 both see the same machine state (what a noisy shared machine needs for a fair ratio), each side
-first on every other prompt. The
-training recipes validate their drafters with this function.
+first on every other prompt. The training recipes validate their drafters with this function.
 """
 
 from collections.abc import Callable, Sequence
@@ -73,16 +72,12 @@ def measure(
         for d in ([None] if baseline else []) + [drafter]:
             generate(target, prompts[0], d, sampler(), **short)
     report = Report(greedy=sampler().greedy)
+    # With a baseline the two runs of a prompt alternate which goes first: whatever the first leaves
+    # behind (warm caches, a drifting clock speed) favours neither side.
+    sides = [(report.baseline, None), (report.spec, drafter)] if baseline else [(report.spec, drafter)]
     for i, ids in enumerate(progress(prompts) if progress else prompts):
-        # With a baseline the two runs of a prompt alternate which goes first: whatever the first
-        # leaves behind (warm caches, a drifting clock speed) favours neither side.
-        spec_first = baseline and i % 2 == 1
-        if spec_first:
-            report.spec.append(generate(target, ids, drafter, sampler(), **generate_kwargs))
-        if baseline:
-            report.baseline.append(generate(target, ids, None, sampler(), **generate_kwargs))
-        if not spec_first:
-            report.spec.append(generate(target, ids, drafter, sampler(), **generate_kwargs))
+        for runs, d in sides if i % 2 == 0 else sides[::-1]:
+            runs.append(generate(target, ids, d, sampler(), **generate_kwargs))
         if on_result:
             on_result(i, report.spec[-1], report.baseline[-1] if baseline else None)
     return report
