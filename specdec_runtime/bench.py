@@ -39,7 +39,7 @@ import torch
 from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.generate import generate
+from specdec_runtime.generate import generate, warm_up
 from specdec_runtime.loading import LoadedModel, resolve_model
 from specdec_runtime.prompts import Prompt
 from specdec_runtime.reference import assisted_kwargs, hf_generate
@@ -256,11 +256,10 @@ def bench_drafter(
 
     records = []
     try:  # warm-up: first calls pay for allocations, lazy init and compilation
-        short = min(8, settings.max_new_tokens)
         if drafter is not None:
-            generate(target.model, encoded[0], drafter, sampler(0), **{**spec_kw, "max_new_tokens": short})
+            warm_up(target.model, drafter, encoded[0], lambda: sampler(0), **spec_kw)
         if assist is not None:
-            reference(encoded[0], 0, short)
+            reference(encoded[0], 0, min(8, settings.max_new_tokens))
         for i, ids in enumerate(encoded):
             base = ar[i]
             paired = settings.paired and drafter is not None  # the same prompt, right beside: drift cancels

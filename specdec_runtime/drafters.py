@@ -59,6 +59,10 @@ class Drafter(Protocol):
         to draft (LookupFirst's lookups); the loop keeps what fits the tokens left to generate."""
         raise NotImplementedError
 
+    def longest(self, gamma: int) -> int:
+        """The longest chain draft asks for gamma tokens can return (warm_up captures up to it)."""
+        return gamma
+
     def observe(self, hidden: Tensor) -> None:
         """The target's residual streams after `hidden_layers` layers, concatenated [k, n * H], at
         the k positions just accepted (after the prefill: every prompt position)."""
@@ -290,6 +294,9 @@ class LookupFirst(Drafter):
 
     def observe(self, hidden: Tensor) -> None:
         self.drafter.observe(hidden)
+
+    def longest(self, gamma: int) -> int:
+        return max(self.drafter.longest(gamma), self.tokens)
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         found = self.lookup.draft(ids, max(gamma, self.tokens), sampler)

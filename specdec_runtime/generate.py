@@ -15,6 +15,7 @@ themselves say so: n-gram lookup, a draft exit's confidence test).
 """
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,34 @@ def verify_forward(target: Decoder, ids: Tensor, L: int, draft: Draft | None, ta
     else:
         out = target(torch.cat([root, draft.tokens])[None], L - 1, taps=taps)
     return DecoderOutput(out.logits[0], out.hidden[0] if taps else None)
+
+
+def warm_up(
+    target: Decoder,
+    drafter: Drafter | None,
+    prompt: list[int] | Tensor,
+    sampler: Callable[[], Sampler],
+    *,
+    max_new_tokens: int = 256,
+    gamma: int = 4,
+    adaptive_gamma: bool = False,
+    max_gamma: int = 16,
+    **generate_kwargs,
+) -> None:
+    """Decode a few tokens of `prompt` as generate(**the same arguments) would, so that what first
+    calls pay (allocations, lazy init; on the fast path compiling and capturing each step shape)
+    is paid before anything is timed. On the fast path every draft length the drafter can return
+    (1 up to drafter.longest(gamma), max_gamma where gamma adapts) runs once: a verify shape first
+    seen inside a timed prompt would put its compilation and capture in that prompt's time (a
+    lookup of 4 tokens at gamma 2 verifies 5)."""
+    kw = dict(generate_kwargs, adaptive_gamma=False)
+    if drafter is None or not target.compiled:
+        generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)
+        return
+    longest = drafter.longest(max_gamma if adaptive_gamma else gamma)
+    short = min(max_new_tokens, max(8, longest + 2))  # room for a full draft of every length
+    for g in range(1, longest + 1):
+        generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
 
 
 def cut(draft: Draft, g: int) -> Draft:

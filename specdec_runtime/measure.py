@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec_runtime.drafters import Drafter
-from specdec_runtime.generate import Generation, generate
+from specdec_runtime.generate import Generation, generate, warm_up
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
@@ -67,10 +67,9 @@ def measure(
     """
     longest = max(len(p) for p in prompts) + generate_kwargs.get("max_new_tokens", 256)
     generate_kwargs = {"capacity": longest, **generate_kwargs}
-    if warmup:  # first calls pay for allocations and lazy init; keep them out of the numbers
-        short = {**generate_kwargs, "max_new_tokens": min(8, generate_kwargs.get("max_new_tokens", 8))}
+    if warmup:  # first calls pay for allocations, lazy init and compilation: keep them out of the numbers
         for d in ([None] if baseline else []) + [drafter]:
-            generate(target, prompts[0], d, sampler(), **short)
+            warm_up(target, d, prompts[0], sampler, **generate_kwargs)
     report = Report(greedy=sampler().greedy)
     # With a baseline the two runs of a prompt alternate which goes first: whatever the first leaves
     # behind (warm caches, a drifting clock speed) favours neither side.

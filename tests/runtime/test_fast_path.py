@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from specdec_runtime import graphs
-from specdec_runtime.drafters import ModelDrafter, NgramDrafter
+from specdec_runtime.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from specdec_runtime.generate import generate
-from specdec_runtime.measure import divergences
+from specdec_runtime.measure import divergences, measure
 from specdec_runtime.medusa import MedusaDrafter
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.mtp import MTPDrafter, MTPHeads
@@ -136,6 +136,39 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
     assert {key[0][1] for key in target.steps} <= {1, 2, 3, 4} | trees  # T: decode, chains of 1-3, the trees
+
+
+class SometimesLong(Drafter):
+    """Drafts gamma tokens, or 5 once the sequence is past 20 tokens (as a lookup of 5 at gamma 2
+    does where the output starts to repeat): the short warm-up of one prompt never sees it."""
+
+    name = "sometimes long"
+
+    def longest(self, gamma: int) -> int:
+        return max(gamma, 5)
+
+    def draft(self, ids, gamma, sampler):
+        return Draft(ids[-(5 if ids.numel() > 20 else gamma) :].flip(0).clone(), None)  # any tokens do
+
+
+def test_measure_warms_up_every_draft_length_before_timing():
+    """measure()'s warm-up runs every draft length the drafter can return (up to longest(gamma)),
+    so no verify shape is compiled or captured inside a timed prompt; outputs stay the target's."""
+    eager, target, _ = pair()
+    timed_from = []
+
+    def progress(prompts):  # measure() iterates this once its warm-up is done
+        timed_from.append(compile_counts())
+        yield from prompts
+
+    prompts = [PROMPT, PROMPT + [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+    report = measure(target, SometimesLong(), prompts, sampler=Sampler, baseline=True, max_new_tokens=20, gamma=2,
+                     progress=progress)  # fmt: skip
+    assert compile_counts() == timed_from[0]
+    assert 6 in {key[0][1] for key in target.steps}  # drafts of 5 were verified
+    assert sum(r.stats.drafted_at[4] for r in report.spec) > 0
+    for ids, run in zip(prompts, report.spec):
+        assert run.tokens == generate(eager, ids, None, max_new_tokens=20).tokens
 
 
 def test_a_steps_outputs_live_until_that_step_runs_again():

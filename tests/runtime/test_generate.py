@@ -285,6 +285,7 @@ def test_lookup_first_drafts_its_own_length_where_lookup_matches():
     assert drafter.lookups > 0 and len(out.stats.drafted_at) == 5  # lookups of 5 tokens
     assert out.stats.accepted_at[4] > 0  # ... accepted in full
     assert asked and set(asked) <= {1, 2}  # the model drafter's rounds stay at gamma (or the tokens left)
+    assert (drafter.longest(2), drafter.longest(7)) == (5, 7)  # what warm_up runs up to
     with pytest.raises(ValueError, match="tokens >= 1"):
         LookupFirst(NgramDrafter(3), tokens=0)
 
