@@ -346,6 +346,7 @@ def summarize(records: Sequence[dict], greedy: bool) -> dict:
         "tau": s.tau,
         "acceptance_rate": s.acceptance_rate,
         "acceptance_per_position": s.acceptance_per_position,
+        "lookups": s.lookups,
         "tok_s": s.tokens_per_s,
         "ar_tok_s": ar.tokens_per_s,
         "speedup": s.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else None,
@@ -410,6 +411,7 @@ def markdown(settings: BenchSettings, rows: Sequence[dict]) -> str:
             continue
         a = r["categories"]["all"]
         by_pos = " ".join(f"{x:.2f}" for x in a["acceptance_per_position"][:8]) or "-"
+        by_pos += f" ({a['lookups']})" if a.get("lookups") else ""
         ref = fmt(a["ref_tok_s"], ".1f") if a["ref_tok_s"] is not None else f"n/a: {r['reference']}"
         lines.append(
             f"| {r['drafter']} | {r['mode']} | {r['gamma']} | {a['tau']:.2f} | {by_pos} | {a['tok_s']:.1f} "

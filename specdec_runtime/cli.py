@@ -357,6 +357,7 @@ def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa:
     for name, idx in rows:
         s = report.total("spec", idx)
         by_pos = " ".join(f"{a:.2f}" for a in s.acceptance_per_position[:8]) or "-"
+        by_pos += f" ({s.lookups})" if s.lookups else ""
         cells = [
             name,
             str(len(idx)),

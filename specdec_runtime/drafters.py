@@ -40,6 +40,7 @@ class Draft(NamedTuple):
     # A token tree (Medusa): tokens are its nodes after the root, verified in one forward with
     # tree attention; the loop keeps the accepted branch's KV entries.
     tree: Tree | None = None
+    lookup: bool = False  # drafted by LookupFirst's prompt lookup, not its model (stats count it apart)
 
 
 class Drafter(Protocol):
@@ -303,5 +304,5 @@ class LookupFirst(Drafter):
         if found.tokens.numel():
             self.lookups += 1
             self.drafter.pass_round()
-            return found
+            return found._replace(lookup=True)
         return self.drafter.draft(ids, gamma, sampler)

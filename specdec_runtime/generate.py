@@ -198,7 +198,8 @@ def generate(
                 new, stop = new[: i + 1], True
                 break
         depth = 0 if draft is None else (draft.tree.depth if draft.tree is not None else draft.tokens.shape[0])
-        stats.record_round(depth, min(n, len(new)))  # accepted drafts after a stop token are not output
+        lookup = draft is not None and draft.lookup
+        stats.record_round(depth, min(n, len(new)), lookup)  # accepted drafts after a stop token are not output
         out += new
         L += len(new)
         if adaptive_gamma and drafter is not None and g_max == gamma and depth <= gamma:

@@ -21,6 +21,11 @@ class GenerationStats:
     rounds_with_draft: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position: rounds that drafted it
     accepted_at: list[int] = field(default_factory=list)  # per draft position: rounds that accepted it
+    # LookupFirst's prompt-lookup rounds, counted apart from its model's (the positions above): a
+    # lookup drafts 4 tokens where the model drafts 2, and is right or wrong for other reasons.
+    lookup_rounds: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0  # drafting
     target_s: float = 0.0  # the target's verify forwards alone (exact on a GPU only with generate(timed=True))
@@ -28,11 +33,17 @@ class GenerationStats:
     total_s: float = 0.0
     calls: int = 0
 
-    def record_round(self, drafted: int, accepted: int) -> None:
-        """Count one target forward that checked `drafted` tokens and accepted `accepted` of them."""
+    def record_round(self, drafted: int, accepted: int, lookup: bool = False) -> None:
+        """Count one target forward that checked `drafted` tokens and accepted `accepted` of them
+        (lookup: drafted by LookupFirst's prompt lookup)."""
         self.target_forwards += 1
         if drafted:
             self.rounds_with_draft += 1
+        if lookup:
+            self.lookup_rounds += 1
+            self.lookup_drafted += drafted
+            self.lookup_accepted += accepted
+            return
         grow = drafted - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
@@ -48,11 +59,11 @@ class GenerationStats:
 
     @property
     def drafted(self) -> int:
-        return sum(self.drafted_at)
+        return sum(self.drafted_at) + self.lookup_drafted
 
     @property
     def accepted(self) -> int:
-        return sum(self.accepted_at)
+        return sum(self.accepted_at) + self.lookup_accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,8 +72,21 @@ class GenerationStats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        """P(draft position i accepted | it was drafted), for i = 0, 1, ..."""
+        """P(draft position i accepted | it was drafted), for i = 0, 1, ..., over the drafter's own
+        rounds (a LookupFirst's lookups are in `lookups`)."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def lookups(self) -> str:
+        """LookupFirst's lookup rounds in words ("" without any): their share of the drafted
+        rounds and the tokens accepted of those drafted, per round."""
+        if not self.lookup_rounds:
+            return ""
+        n = self.lookup_rounds
+        return (
+            f"lookup {n / self.rounds_with_draft:.0%} of rounds, "
+            f"{self.lookup_accepted / n:.1f} of {self.lookup_drafted / n:.1f} accepted"
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,7 +95,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("tau", "acceptance_rate", "acceptance_per_position", "tokens_per_s"):
+        for name in ("tau", "acceptance_rate", "acceptance_per_position", "lookups", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d
 
@@ -96,6 +120,9 @@ SUMMED = (
     "new_tokens",
     "target_forwards",
     "rounds_with_draft",
+    "lookup_rounds",
+    "lookup_drafted",
+    "lookup_accepted",
     "prefill_s",
     "draft_s",
     "target_s",

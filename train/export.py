@@ -91,6 +91,7 @@ METRIC_NAMES = {
     "tokens_per_s": "tokens/s (speculative)",
     "ar_tokens_per_s": "tokens/s (autoregressive)",
     "acceptance_per_position": "acceptance per draft position",
+    "lookups": "prompt-lookup rounds (counted apart from the positions above)",
     "gamma": "gamma (draft length)",
     "nodes": "tree nodes",
     "max_new_tokens": "max new tokens",

@@ -67,6 +67,7 @@ def validate(
         "ar_tokens_per_s": ar.tokens_per_s,
         "acceptance_rate": spec.acceptance_rate,
         "acceptance_per_position": spec.acceptance_per_position,
+        **({"lookups": spec.lookups} if spec.lookups else {}),
         "new_tokens": spec.new_tokens,
         "prompts": len(prompts),
         "gamma": gamma,

@@ -11,6 +11,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler
+from specdec_runtime.stats import GenerationStats
 from tests.conftest import (
     BigramStub,
     assert_cache_is_a_fresh_prefill,
@@ -282,12 +283,32 @@ def test_lookup_first_drafts_its_own_length_where_lookup_matches():
     drafter = LookupFirst(Spy(table, 1), tokens=5)
     out = generate(target, [3], drafter, max_new_tokens=60, gamma=2)
     assert out.tokens == bigram_greedy(table, 3, 60)
-    assert drafter.lookups > 0 and len(out.stats.drafted_at) == 5  # lookups of 5 tokens
-    assert out.stats.accepted_at[4] > 0  # ... accepted in full
+    s = out.stats
+    assert drafter.lookups > 0 and s.lookup_rounds == drafter.lookups  # counted apart from the model's rounds
+    assert len(s.drafted_at) <= 2 and s.lookup_drafted > 2 * s.lookup_rounds  # lookups of 5, the model's of 2
+    assert s.lookup_accepted > 2 * s.lookup_rounds  # ... accepted past gamma (lookups of 2 accept at most 2)
+    assert s.drafted == sum(s.drafted_at) + s.lookup_drafted and s.lookups.startswith("lookup ")
     assert asked and set(asked) <= {1, 2}  # the model drafter's rounds stay at gamma (or the tokens left)
     assert (drafter.longest(2), drafter.longest(7)) == (5, 7)  # what warm_up runs up to
     with pytest.raises(ValueError, match="tokens >= 1"):
         LookupFirst(NgramDrafter(3), tokens=0)
+
+
+def test_stats_count_lookup_rounds_apart_and_add_up():
+    """A lookup round goes to the lookup counts, not to the drafter's positions; totals and the
+    dict round trip keep them; tau and the acceptance rate count every round."""
+    a, b = GenerationStats(new_tokens=9), GenerationStats(new_tokens=4)
+    a.record_round(2, 1)
+    a.record_round(4, 4, lookup=True)
+    a.record_round(4, 0, lookup=True)
+    b.record_round(2, 2)
+    b.record_round(0, 0)
+    t = GenerationStats.total([a, GenerationStats.from_dict(b.to_dict())])
+    assert t.drafted_at == [2, 2] and t.accepted_at == [2, 1] and t.acceptance_per_position == [1.0, 0.5]
+    assert (t.lookup_rounds, t.lookup_drafted, t.lookup_accepted) == (2, 8, 4)
+    assert t.acceptance_rate == 7 / 12 and t.target_forwards == 5 and t.tau == 13 / 5
+    assert t.lookups == "lookup 50% of rounds, 2.0 of 4.0 accepted" and b.lookups == ""
+    assert GenerationStats.from_dict(a.to_dict()) == a
 
 
 def test_adaptive_gamma_ignores_rounds_longer_than_gamma():
