@@ -9,7 +9,9 @@ each decode step: the machine's speed drifts, and the two drift together), so th
 close autoregressive decoding runs to the machine's limit; one verify forward of a chain
 of T tokens and of a tree of 1 + N tokens, in decode steps; and one draft step of each drafter
 kind (an EAGLE-3 layer + draft-vocabulary head, 4 Medusa heads, the target's first 2 layers), in
-decode steps. Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay.
+decode steps. Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay. With
+the CPU kernel, a table of products of 1 to 256 rows (--rows) against MKL's GEMM: where a step's
+rows stop costing what one row costs, and where MKL takes over (cpu_kernel.MAX_ROWS).
 Random drafter weights of the shapes the recipes train (the cost does not depend on the values).
 """
 
@@ -45,20 +47,43 @@ def timed(fn, reps: int) -> float:
 
 def step_and_bandwidth(step, reps: int) -> tuple[float, float]:
     """(median ms of step(), median read bandwidth in GB/s), the two alternated call by call: the
-    bandwidth is torch's threads summing a 512 MiB fp32 tensor (past any cache), read right beside
-    each step, so the bound a step is held to moves with the machine's speed as the step does."""
+    bandwidth is the faster of two reads of a 512 MiB fp32 tensor (past any cache), torch's sum and
+    the CPU kernel's plain stream (cpu_kernel.stream_sum, where it is built; torch's sum read up to
+    a third slower on a 2-core Zen 4), right beside each step, so the bound a step is held to moves
+    with the machine's speed as the step does."""
     x = torch.ones(128 * 2**20)
+    reads = [x.sum] + ([lambda: cpu_kernel.stream_sum(x)] if cpu_kernel.kernel() is not None else [])
     for _ in range(3):
-        step(), x.sum()
+        step(), [read() for read in reads]
     ms, gbs = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
+        best = float("inf")
+        for read in reads:
+            t0 = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - t0)
         t1 = time.perf_counter()
         step()
         ms.append((time.perf_counter() - t1) * 1000)
-        gbs.append(x.numel() * 4 / (t1 - t0) / 1e9)
+        gbs.append(x.numel() * 4 / best / 1e9)
     return sorted(ms)[reps // 2], sorted(gbs)[reps // 2]
+
+
+def products_table(m: Decoder, rows: list[int], reps: int) -> None:
+    """Products of M rows by every weight matrix of the target (a step's products without the rest):
+    the CPU kernel against MKL's x @ W (what a step of more than MAX_ROWS rows runs), in ms and
+    GFLOP/s, each row count's two timed back to back."""
+    weights = [mod.params for mod in m.modules() if isinstance(mod, Linear)]
+    flops = 2 * sum(w.w.numel() for w in weights)
+    print("\n| rows | kernel ms | kernel GFLOP/s | MKL ms | MKL GFLOP/s | kernel / MKL time |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for M in rows:
+        xs = [torch.randn(M, w.w.shape[0], dtype=w.w.dtype) for w in weights]
+        with torch.inference_mode():
+            kernel = timed(lambda xs=xs: [cpu_kernel.matmul(x, w) for x, w in zip(xs, weights)], reps)
+            mkl = timed(lambda xs=xs: [x @ w.w for x, w in zip(xs, weights)], reps)
+        print(f"| {M} | {kernel:.1f} | {flops * M / kernel / 1e6:.0f} | {mkl:.1f} | {flops * M / mkl / 1e6:.0f} | "
+              f"{kernel / mkl:.2f} |")  # fmt: skip
 
 
 def gemv_gbs(m: Decoder, threads: int) -> float:
@@ -98,6 +123,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="auto", help="auto: float32, plus bfloat16 where this CPU does it fast")
     p.add_argument("--chains", default="1,2,3,4,5,6,8")
     p.add_argument("--nodes", default="4,8,12,16,32")
+    p.add_argument("--rows", default="1,8,16,32,64,128,256", help="the products table's row counts ('' for none)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
     cpu = torch.device("cpu")
@@ -137,6 +163,8 @@ def main() -> None:
                     + ", ".join(f"{gb:.1f} GB/s with {n} thread{'s' * (n > 1)}" for n, gb in gemv.items())
                     + f", so a step's weights take {read / (gemv[threads] * 1e9) * 1000:.1f} ms"
                 )
+                if path == "kernel" and args.rows:
+                    products_table(m, [int(r) for r in args.rows.split(",")], max(3, args.reps // 4))
                 for T in map(int, args.chains.split(",")):
                     x = torch.randint(0, V, (1, T))
                     rows.setdefault(f"chain of {T}", []).append(timed(lambda m=m, x=x: m(x, PREFIX), args.reps))

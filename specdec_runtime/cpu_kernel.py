@@ -5,9 +5,11 @@ MKL computes a one-row fp32 product on one core (16.6 GB/s on the developers' 2-
 thread or 2, where two cores stream 28-34 GB/s), and its products of 2-16 rows re-read the weight
 for every few rows. `csrc/skinny.c` streams each weight once, split over torch's own OpenMP threads,
 for 1 to MAX_ROWS rows, from a copy packed in pairs of rows (pack(): one load of x feeds two weight
-rows, so 4-6 rows run near the 1-row rate; fp32, or bf16 for a drafter's weights), and sums every
-output in one fixed order whatever the row count: row for row, a verify step's products are
-bitwise those of a decode step. scripts/bench_cost.py measures it against torch's products.
+rows; fp32, or bf16 for a drafter's weights), up to 12 rows a pass from registers, the stream
+prefetched far ahead while the rows' multiply-adds run, so up to ~9 rows cost about what one row
+costs and a prompt's prefill of up to 128 rows runs faster than MKL's GEMM. It sums every output
+in one fixed order whatever the row count: row for row, a verify step's products (and a prefill's)
+are bitwise those of a decode step. scripts/bench_cost.py measures it against torch's products.
 
 `csrc/layers.c` runs a whole attention or MLP sublayer of such a step in one call (norm, products,
 rope, cache write, attention, gated activation), where torch dispatches some twenty small ops whose
@@ -37,7 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-MAX_ROWS = 16  # more rows (a prefill) are a compute-bound GEMM: MKL's
+MAX_ROWS = 128  # more rows (a long prefill): MKL's GEMM (faster from ~256 rows on; scripts/bench_cost.py --rows)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "skinny.c", CSRC / "layers.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -109,13 +111,14 @@ def kernel() -> ctypes.CDLL | None:
     P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
+        "stream_sum": [P, N, Int],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
         "decoder_layers": [P, N, N, N, N, P, Int, P, F, N, N, N, N, P, N, P, P, N, N, P, P, N, N, P, P, N, Int],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, (None if name == "skinny_matmul" else Int)
+        fn.argtypes, fn.restype = args, {"skinny_matmul": None, "stream_sum": ctypes.c_float}.get(name, Int)
     return lib
 
 
@@ -197,6 +200,14 @@ def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
     packed, bias, residual = w.packed.data_ptr(), _ptr(w.bias), _ptr(residual)
     kernel().skinny_matmul(x.data_ptr(), M, K, packed, _bf16(w), N, bias, residual, y.data_ptr(), _threads())
     return y
+
+
+def stream_sum(x: Tensor) -> float:
+    """The sum of fp32 x (contiguous, numel a multiple of 32) read as one plain stream over torch's
+    threads: the read bandwidth benchmarks hold products to (scripts/bench_cost.py)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() % 32:
+        raise ValueError("stream_sum: need a contiguous float32 tensor of a multiple of 32 elements")
+    return kernel().stream_sum(x.data_ptr(), x.numel(), _threads())
 
 
 def _threads() -> int:

@@ -45,11 +45,12 @@ def product64(x, wt, bias=None, residual=None):
 
 
 @needs_kernel
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 25, 128])
 @pytest.mark.parametrize("K,N", [(64, 96), (72, 61), (576, 960), (9, 5), (16, 1)])
 def test_against_float64(M, K, N):
-    """Every row-count / tile shape, K with and without a tail past the 16-wide steps, N not a
-    multiple of the tiles' widths nor of the tasks' 12 rows; with bias and residual."""
+    """Every row-count / tile shape (one pass of up to 6 or 12 rows, several passes of equal rows),
+    K with and without a tail past the 16-wide steps, N not a multiple of the tiles' widths nor of
+    the tasks' 16 rows; with bias and residual."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     x, wt = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
@@ -80,15 +81,16 @@ def test_bf16_weights_are_the_rounded_weights_widened_exactly(M, K, N):
 @needs_kernel
 def test_rows_do_not_depend_on_the_other_rows_or_threads():
     """A verify step's products give, row for row, bitwise what a decode step gives: each row of a
-    16-row product equals that row alone, and any block of rows containing it, with 1 or 2 threads."""
+    40-row product (four passes of 10 rows) equals that row alone, and any block of rows containing
+    it (one pass or several, of other sizes), with 1 or 2 threads."""
     g = torch.Generator().manual_seed(0)
-    x, wt = torch.randn(16, 576, generator=g), packed(torch.randn(1000, 576, generator=g))
+    x, wt = torch.randn(40, 576, generator=g), packed(torch.randn(1000, 576, generator=g))
     threads = torch.get_num_threads()
     with torch.inference_mode():
         full = cpu_kernel.matmul(x, wt)
-        for i in range(16):
+        for i in range(40):
             assert torch.equal(cpu_kernel.matmul(x[i : i + 1], wt), full[i : i + 1])
-        for lo, hi in [(0, 5), (3, 9), (7, 16), (2, 4)]:
+        for lo, hi in [(0, 5), (3, 9), (7, 16), (2, 4), (0, 13), (5, 30)]:
             assert torch.equal(cpu_kernel.matmul(x[lo:hi], wt), full[lo:hi])
         try:
             torch.set_num_threads(1)
@@ -112,7 +114,7 @@ def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
     cpu_kernel.matmul = counting
     try:
         with torch.inference_mode():
-            for M in (1, 5, 16, 17, 64):
+            for M in (1, 5, 16, cpu_kernel.MAX_ROWS, cpu_kernel.MAX_ROWS + 1):
                 x = torch.randn(M, 64, generator=g)
                 torch.testing.assert_close(linear(x, params), x @ w + params.bias)
             with cpu_kernel.disabled():
@@ -123,7 +125,22 @@ def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
         assert x.grad is not None
     finally:
         cpu_kernel.matmul = real
-    assert calls == [1, 5, 16]
+    assert calls == [1, 5, 16, cpu_kernel.MAX_ROWS]
+
+
+@needs_kernel
+def test_stream_sum_is_the_sum():
+    """The plain read that bench_cost holds decode steps to sums every element once, on any thread count."""
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert cpu_kernel.stream_sum(x) == pytest.approx(x.double().sum().item(), rel=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernel.stream_sum(x[:33])
 
 
 def test_refused_with_a_reason(monkeypatch, tmp_path, capsys):
@@ -238,23 +255,25 @@ def test_sublayers_under_masks_are_as_accurate_as_torchs():
 @needs_kernel
 def test_sublayers_run_in_it_only_where_they_should(monkeypatch):
     """One sequence's few fp32 rows run the whole layer stack in the kernel in one call, a batch's
-    few rows their MLPs; a prefill, a batch's attention, and anything under autograd run in torch."""
+    few rows their MLPs; more than MAX_ROWS rows, a batch's attention, and anything under autograd
+    run in torch."""
     model = wide_decoder(64)
     calls = []
     for name in ("attention", "mlp", "decoder_layers"):
         real = getattr(cpu_kernel, name)
         monkeypatch.setattr(cpu_kernel, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
-    model.setup_cache(2, 32)
-    model(torch.randint(0, 256, (2, 20)), 0)  # a prefill of 2 x 20 rows
+    rows = cpu_kernel.MAX_ROWS // 2 + 1
+    model.setup_cache(2, rows + 8)
+    model(torch.randint(0, 256, (2, rows)), 0)  # a prefill of 2 x rows: more than MAX_ROWS
     assert calls == []
-    model(torch.randint(0, 256, (2, 1)), 20)  # a batch of 2: the MLP's rows only
+    model(torch.randint(0, 256, (2, 1)), rows)  # a batch of 2: the MLP's rows only
     assert calls == ["mlp"] * 2
     calls.clear()
-    model(torch.randint(0, 256, (1, 3)), 21)
+    model(torch.randint(0, 256, (1, 3)), rows + 1)
     assert calls == ["decoder_layers"]
     calls.clear()
     monkeypatch.setattr(cpu_kernel, "stack_usable", lambda x: False)  # sublayer by sublayer
-    model(torch.randint(0, 256, (1, 3)), 21)
+    model(torch.randint(0, 256, (1, 3)), rows + 1)
     assert calls == ["attention", "mlp"] * 2
 
 
