@@ -36,7 +36,6 @@ from recipes.common import (
 )
 from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import resolve_dtype
 from specdec_runtime.model import Decoder
 from train import losses
 from train.checkpoint import save_checkpoint
@@ -272,9 +271,8 @@ class Validation:
         metrics: dict[str, Any] = {}
         model = self.trained() if cfg.validate.enabled else None
         if cfg.validate.enabled and run.main:
-            dtype = resolve_dtype("auto", run.device)
-            self.runtime = self.runtime or runtime_decoder(self.target, None, run.device, dtype)
-            decoder = runtime_decoder(model, self.vocab_ids, run.device, dtype)
+            self.runtime = self.runtime or runtime_decoder(self.target, None, run.device)
+            decoder = runtime_decoder(model, self.vocab_ids, run.device)
             metrics = validate(
                 self.runtime,
                 ModelDrafter(decoder, vocab_size=self.target.config.vocab_size, name="distilled"),

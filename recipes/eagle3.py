@@ -45,7 +45,7 @@ from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafter_spec import LOOKUP
 from specdec_runtime.drafters import LookupFirst
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
-from specdec_runtime.loading import cache_root, load_hf_config, resolve_dtype, resolve_model
+from specdec_runtime.loading import cache_root, load_hf_config, resolve_model
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids, with_responses
@@ -264,8 +264,7 @@ class Validation:
         if cfg.validate.enabled and run.main:
             self.training.eval()
             estimate = self.estimate() if self.held_out else {}
-            dtype = resolve_dtype("auto", run.device)
-            self.runtime = self.runtime or runtime_decoder(self.target, None, run.device, dtype)
+            self.runtime = self.runtime or runtime_decoder(self.target, None, run.device)
             drafter = Eagle3Drafter(copy.deepcopy(self.model), self.runtime, tree_budget=v.tree_budget,
                                     top_k=v.top_k, gamma=v.gamma, name="eagle3")  # fmt: skip
             if v.lookup:  # prompt lookup where it matches, the drafter elsewhere

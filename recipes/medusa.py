@@ -312,8 +312,7 @@ def validate_medusa(
     original target's, and teacher-forced top-1 agreement (logged during training as target/agree).
     """
     device = run.device
-    dtype = resolve_dtype("auto", device)
-    decoder = runtime_decoder(served, None, device, dtype)
+    decoder = runtime_decoder(served, None, device)
     drafter = MedusaDrafter(copy.deepcopy(model.heads).float(), decoder, tree, name="medusa")
     metrics = validate(
         decoder,
@@ -330,7 +329,7 @@ def validate_medusa(
         metrics["measured_against"] = "the adapted target (export/target): tau, speedup and lossless are its own"
         run.say("Medusa-2: speedup and losslessness are measured against the adapted target, which the heads serve")
         before = original_target(model)
-        original = runtime_decoder(before, None, device, dtype)
+        original = runtime_decoder(before, None, device)
         kw = dict(sampler=Sampler, max_new_tokens=cfg.validate.max_new_tokens, stop_ids=run.stop_ids, warmup=False)
         prompts = [torch.as_tensor(p, device=device) for p in data.val_prompts]
         a = measure(original, None, prompts, **kw).spec

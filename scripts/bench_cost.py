@@ -1,6 +1,6 @@
 """The CPU cost model of speculative decoding on a target: what each piece costs in decode steps.
 
-    python scripts/bench_cost.py                      # fp32, and bf16 when this CPU does it fast
+    python scripts/bench_cost.py                      # fp32, and bf16 where this CPU has the kernel or fast bf16
     python scripts/bench_cost.py --dtypes float32,bfloat16 --nodes 4,8,16
 
 For each dtype: one decode step (ms) against the memory-bandwidth bound (the bytes a step reads,
@@ -101,18 +101,19 @@ def gemv_gbs(m: Decoder, threads: int) -> float:
     with torch.inference_mode():
         ms = timed(products, 5)
     torch.set_num_threads(before)
-    return sum(w[0].numel() * w[0].element_size() for w in weights) / (ms / 1000) / 1e9
+    return sum(w[0].numel() * m.weight_dtype.itemsize for w in weights) / (ms / 1000) / 1e9
 
 
 def step_bytes(m: Decoder, prefix: int) -> int:
-    """Bytes one decode step reads: every weight matrix once (the embedding row aside) + the K/V of prefix tokens."""
+    """Bytes one decode step reads: every weight matrix once, in its weights' dtype (the embedding
+    row aside) + the K/V of prefix tokens."""
     c = m.config
     seen, total = set(), 0
     for name, p in m.named_parameters():
         if "embed" in name and not c.tie_word_embeddings or p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
+        total += p.numel() * (m.weight_dtype.itemsize if p.dim() == 2 else p.element_size())
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * prefix * m.dtype.itemsize
     return total + kv
 
@@ -120,7 +121,9 @@ def step_bytes(m: Decoder, prefix: int) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--dtypes", default="auto", help="auto: float32, plus bfloat16 where this CPU does it fast")
+    p.add_argument(
+        "--dtypes", default="auto", help="auto: float32, plus bfloat16 where the kernel or the CPU does it fast"
+    )
     p.add_argument("--chains", default="1,2,3,4,5,6,8")
     p.add_argument("--nodes", default="4,8,12,16,32")
     p.add_argument("--rows", default="1,8,16,32,64,128,256", help="the products table's row counts ('' for none)")
@@ -128,35 +131,37 @@ def main() -> None:
     args = p.parse_args()
     cpu = torch.device("cpu")
     dtypes = (
-        ["float32"] + (["bfloat16"] if fast_bf16(cpu).fast else []) if args.dtypes == "auto" else args.dtypes.split(",")
+        ["float32"] + (["bfloat16"] if fast_bf16(cpu).fast or cpu_kernel.reads_bf16_weights(cpu) else [])
+        if args.dtypes == "auto"
+        else args.dtypes.split(",")
     )
     print(f"{fast_bf16(cpu)}; {torch.get_num_threads()} threads")
     for dtype in dtypes:
         dt = resolve_dtype(dtype, cpu)
-        loaded = load_model(args.target, device="cpu", dtype=dt)
-        m = loaded.model
-        V, H = m.config.vocab_size, m.config.hidden_size
-        m.setup_cache(1, PREFIX + 512)
-        m.prefill(torch.randint(0, V, (1, PREFIX)))
-        read = step_bytes(m, PREFIX)
-        threads = torch.get_num_threads()
         # Each path in turn: torch's ops (MKL's products on x86), and the compiled kernels where they
-        # are built (cpu_kernel.py: a float32 decode or verify step of up to 16 rows runs its
-        # sublayers in layers.c, the lm_head in skinny.c).
+        # are built (cpu_kernel.py: a decode or verify step of up to MAX_ROWS rows runs its layers in
+        # layers.c, the lm_head in skinny.c; a bf16 model as its bf16 weights, fp32 activations).
         paths = {"torch": cpu_kernel.disabled}
-        if dt == torch.float32 and cpu_kernel.kernel() is not None:
+        if cpu_kernel.kernel() is not None and dt in (torch.float32, torch.bfloat16):
             paths["kernel"] = contextlib.nullcontext
         decode, rows = {}, {}
+        threads = torch.get_num_threads()
         for path, within in paths.items():
-            with within():
-                m.keep_cpu_copies()  # what this path's products read: W^T for MKL, or packed for the kernel
+            with within():  # loaded inside: what this path's products read (W^T for MKL, or packed)
+                loaded = load_model(args.target, device="cpu", dtype=dt)
+                m = loaded.model
+                V, H = m.config.vocab_size, m.config.hidden_size
+                m.setup_cache(1, PREFIX + 512)
+                m.prefill(torch.randint(0, V, (1, PREFIX)))
+                read = step_bytes(m, PREFIX)
                 x = torch.randint(0, V, (1, 1))
                 one, bw = step_and_bandwidth(lambda m=m, x=x: m(x, PREFIX), args.reps)
                 decode[path] = one
                 bound = read / (bw * 1e9) * 1000
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
+                what = f"{dtype} weights, fp32 activations" if m.bf16_weights else dtype
                 print(
-                    f"\n## {dtype}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; read "
+                    f"\n## {what}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; read "
                     f"bandwidth beside it {bw:.1f} GB/s, so the bound is {bound:.1f} ms ({read / 1e6:.0f} MB a "
                     f"step): {bound / one:.0%} of the limit. Its "
                     "1-row products alone: "
@@ -186,7 +191,7 @@ def main() -> None:
             model = Eagle3Model(Eagle3Config.for_target(m.config, aux_layers=None, draft_vocab_size=8192))
             model.set_draft_vocab(torch.arange(8192))  # before the drafter reads it
             e3 = Eagle3Drafter(model, m)
-            ids, feature = torch.randint(0, V, (PREFIX + 1,)), torch.randn(1, 3 * H, dtype=dt)
+            ids, feature = torch.randint(0, V, (PREFIX + 1,)), torch.randn(1, 3 * H, dtype=m.dtype)
             e3.start(ids, PREFIX + 64)
 
             def eagle3(e3=e3, ids=ids, gamma=gamma, feature=feature):
@@ -198,8 +203,8 @@ def main() -> None:
                 f"| EAGLE-3 (8192-token head), chain of {gamma}: per step | {ms / gamma:.2f} | {ms / gamma / one:.3f} |"
             )
         for share in (True, False):
-            heads = MedusaHeads(H, V, 4, 1, share_lm_head=share).to(dt)
-            h = torch.randn(1, H, dtype=dt)
+            heads = MedusaHeads(H, V, 4, 1, share_lm_head=share).to(m.dtype)
+            h = torch.randn(1, H, dtype=m.dtype)
             with torch.inference_mode():
                 ms = timed(lambda heads=heads, h=h, m=m: heads(h, m.lm_head).topk(8, dim=-1), args.reps)
             print(f"| 4 Medusa heads, {'shared' if share else 'own'} lm_head: a round | {ms:.2f} | {ms / one:.3f} |")

@@ -315,14 +315,15 @@ def run_bench(args: argparse.Namespace) -> None:
         confidence=args.confidence,
         tree=args.tree,
         device=m.device.type,
-        dtype=str(m.dtype).removeprefix("torch."),
-        products=cpu_kernel.products(m.device, m.dtype),
+        dtype=str(m.weight_dtype).removeprefix("torch."),
+        products=cpu_kernel.products(m.device, m.dtype) + " (bf16 weights, fp32 activations)" * m.bf16_weights,
         chat=not args.no_chat_template,
         reference=not args.no_reference,
         paired=args.paired,
     )
     bench.check_settings(args.output_dir, settings, args.fresh)
-    hf = None if args.no_reference else load_hf_model(args.target, dtype=m.dtype).to(m.device).eval()
+    # transformers' model of the same arithmetic (a bf16 target on a CPU computes in fp32: Decoder.weight_dtype)
+    hf = None if args.no_reference else load_hf_model(args.target, m.dtype, m.weight_dtype).to(m.device).eval()
     bar = lambda total: tqdm(total=total, desc="bench", unit="run", file=sys.stderr)  # noqa: E731
     results = bench.run_bench(
         target, prompts, encoded, specs, settings, args.output_dir, modes=modes, hf=hf, progress=bar

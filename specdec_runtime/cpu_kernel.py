@@ -175,6 +175,15 @@ def packs(w: Tensor) -> bool:
     return _serves(w.device, w.dtype)
 
 
+def reads_bf16_weights(device: torch.device) -> bool:
+    """Whether a bf16 model on `device` runs as its bf16 weights in the kernel, with fp32
+    activations (model.Decoder.from_hf_state_dict): a CPU where the kernel computes fp32 products.
+    Its products read half the bytes of fp32 weights, widened exactly, so a decode step runs at
+    about twice the fp32 speed on any CPU, where torch's bf16 ops ran at a quarter of the memory
+    bound even on a CPU with AVX512-BF16 (scripts/bench_cost.py)."""
+    return _serves(device, torch.float32)
+
+
 def pack(w: Tensor, bf16: bool = False) -> Tensor:
     """W [K, N] (in, out) as skinny.c reads it: W^T's rows in pairs, each pair's two rows as
     alternating 8-element chunks of K, K padded to a multiple of 8 and N to even with zeros:

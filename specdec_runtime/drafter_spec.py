@@ -80,7 +80,9 @@ def build_drafter(
         return load_medusa(Path(spec).expanduser(), target, tree)
     if tree is not None:
         raise SpecdecError(f"--tree applies to Medusa heads; '{spec}' is not a Medusa export")
-    drafter = load_model(spec, device=target.model.device, dtype=dtype if dtype != "auto" else target.model.dtype)
+    drafter = load_model(
+        spec, device=target.model.device, dtype=dtype if dtype != "auto" else target.model.weight_dtype
+    )
     check_same_vocab(target, drafter)
     if target.model.compiled:  # a compiled target gets a compiled draft model
         drafter.model.compile()

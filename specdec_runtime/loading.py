@@ -323,11 +323,23 @@ def load_model(
     return LoadedModel(name, path, hf_config, config, model, tokenizer, stop_token_ids(tokenizer, generation_eos))
 
 
-def load_hf_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
-    """The transformers model for `name` (training and reference comparisons use it)."""
+def load_hf_model(
+    name: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The transformers model for `name` (training and reference comparisons use it). weight_dtype:
+    its weights rounded to that dtype's values, the arithmetic still dtype's: the model of a
+    runtime Decoder whose weight_dtype differs from its dtype (a bf16 target on a CPU)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, **kwargs)
+    if weight_dtype is not None and weight_dtype != dtype:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(weight_dtype))
+    return model
 
 
 def check_same_vocab(target: LoadedModel, drafter: LoadedModel) -> None:

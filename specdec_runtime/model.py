@@ -267,8 +267,9 @@ class Linear(nn.Module):
     def params(self) -> Weights:
         return Weights(self.weight, self.weight_t, self.bias, self.weight_packed)
 
-    def keep_cpu_copy(self) -> None:
-        _, self.weight_t, _, self.weight_packed = Weights.of(self.weight, cpu_copy=True)
+    def keep_cpu_copy(self, bf16: bool = False) -> None:
+        """bf16: the kernel's copy in bf16 (the weight's values must be bf16's: Decoder.bf16_weights)."""
+        _, self.weight_t, _, self.weight_packed = Weights.of(self.weight, cpu_copy=True, bf16=bf16)
 
     @property
     def cpu_copy(self) -> bool:
@@ -332,6 +333,9 @@ class Decoder(nn.Module):
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
         self._stack: cpu_kernel.Stack | None = None  # the layers' weights for the CPU kernel (kernel_stack())
+        # A bf16 model on a CPU with the kernel: fp32 parameters holding bf16 values, packed in bf16
+        # for the kernel (from_hf_state_dict). Activations, cache and logits are fp32.
+        self.bf16_weights = False
 
     @property
     def device(self) -> torch.device:
@@ -340,6 +344,13 @@ class Decoder(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the weights' values: the model's dtype, but bf16 for a bf16 model on a CPU,
+        which computes in fp32 from its bf16 weights (bf16_weights). transformers' model of the same
+        arithmetic: load_hf_model(name, dtype, weight_dtype)."""
+        return torch.bfloat16 if self.bf16_weights else self.dtype
 
     @property
     def compiled(self) -> bool:
@@ -373,10 +384,11 @@ class Decoder(nn.Module):
 
     def keep_cpu_copies(self) -> None:
         """Keep every weight also in the layout a CPU's products of a few rows stream once (twice
-        the weights' memory): the CPU kernel's, or W^T for MKL where it is not built (linear())."""
+        the weights' memory; 1.5 times with bf16_weights): the CPU kernel's, or W^T for MKL where
+        it is not built (linear())."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.keep_cpu_copy()
+                m.keep_cpu_copy(self.bf16_weights)
         self._stack = None
 
     def kernel_stack(self) -> "cpu_kernel.Stack | None":
@@ -395,9 +407,14 @@ class Decoder(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def load_state_dict(self, *args, **kwargs):
-        """nn.Module's, and the CPU copies of the weights (Weights.of) made again where kept."""
+        """nn.Module's, and the CPU copies of the weights (Weights.of) made again where kept (a
+        bf16_weights model rounds what it loads to bf16, as its weights are)."""
         self._stack = None
         result = super().load_state_dict(*args, **kwargs)
+        if self.bf16_weights:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(p.bfloat16())
         if any(isinstance(m, Linear) and m.cpu_copy for m in self.modules()):
             self.keep_cpu_copies()
         return result
@@ -584,11 +601,20 @@ class Decoder(nn.Module):
         vocab_ids [N]: keep only these rows of the lm_head (a drafter's draft vocabulary); its
         logits then cover those ids, in that order, and `model.vocab_ids` maps them back.
         cpu_copies: also keep every weight as a CPU's few-row products read it (see linear();
-        default: on a CPU).
+        default: on a CPU). bf16 on a CPU whose kernel is built (cpu_kernel.reads_bf16_weights):
+        the bf16 weights, held as fp32 values and packed in bf16 for the kernel, with fp32
+        activations (bf16_weights): half the bytes a step reads, and transformers' fp32 arithmetic
+        on the bf16 checkpoint, where torch's bf16 ops on a CPU are slow and round every activation.
         """
+        cpu = torch.device(device).type == "cpu"
+        cpu_copies = cpu if cpu_copies is None else cpu_copies
+        bf16_weights = dtype == torch.bfloat16 and cpu_copies and cpu_kernel.reads_bf16_weights(torch.device(device))
         with torch.device("meta"):
             model = cls(cfg, None if vocab_ids is None else len(vocab_ids))
-        prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+        if bf16_weights:  # the bf16 values, in fp32
+            prep = lambda w: w.to(device=device, dtype=torch.bfloat16).float().contiguous()  # noqa: E731
+        else:
+            prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         twice = lambda w: prep(torch.cat([w, w]))  # noqa: E731  (norm weights, see rms_norm)
         own = {"norm": twice(sd["model.norm.weight"])}
         embed = sd["model.embed_tokens.weight"]
@@ -601,9 +627,10 @@ class Decoder(nn.Module):
         for i in range(cfg.num_layers):
             own |= block_state_dict(cfg, sd, f"model.layers.{i}.", f"layers.{i}.", prep)
         model.load_state_dict(own, strict=True, assign=True)
+        model.bf16_weights = bf16_weights
         if vocab_ids is not None:
             model.vocab_ids = vocab_ids.to(device=device, dtype=torch.long)
-        if cpu_copies if cpu_copies is not None else torch.device(device).type == "cpu":
+        if cpu_copies:
             model.keep_cpu_copies()
         return model.eval()
 

@@ -320,3 +320,43 @@ def test_loading_new_weights_refreshes_what_the_kernel_reads():
     model(ids, 0)  # builds its stack from the first weights
     model.load_state_dict(other.state_dict(), strict=False)
     assert torch.equal(model(ids, 0).logits, other(ids, 0).logits)
+
+
+@needs_kernel
+def test_a_bf16_model_runs_its_bf16_weights_with_fp32_activations():
+    """dtype=bf16 on a CPU: the checkpoint's bf16 weights, held as fp32 values and packed in bf16
+    (half the bytes a step reads), with fp32 activations. Its logits are bitwise those of the fp32
+    model of the same bf16 checkpoint (the kernel widens bf16 exactly and sums in the same order),
+    which is transformers' fp32 arithmetic on it; a verify step's rows are its decode steps'; new
+    weights loaded into it are rounded as its own are; inside disabled() it is torch's bf16 model."""
+    from specdec_runtime.config import DecoderConfig
+    from specdec_runtime.model import Decoder
+    from tests.conftest import tiny_hf_model
+
+    def build(hf, dtype, sd=None):
+        return Decoder.from_hf_state_dict(DecoderConfig.from_hf(hf.config), sd or hf.state_dict(), dtype=dtype)
+
+    shape = dict(hidden_size=256, head_dim=64, intermediate_size=200)
+    wide = tiny_hf_model("qwen2", seed=1, **shape)  # (qkv bias)
+    with torch.no_grad():
+        for p in wide.parameters():  # transformers' fp32 model of a bf16 checkpoint
+            p.copy_(p.bfloat16())
+    ckpt = {k: v.bfloat16() for k, v in wide.state_dict().items()}  # the checkpoint
+    model, fp32 = build(wide, torch.bfloat16, ckpt), build(wide, torch.float32)
+    assert model.bf16_weights and model.dtype == torch.float32 and model.weight_dtype == torch.bfloat16
+    assert all(torch.equal(p, p.bfloat16().float()) for p in model.parameters())
+    assert {m.weight_packed.dtype for m in model.modules() if hasattr(m, "weight_packed")} == {torch.bfloat16}
+    assert fp32.layers[0].qkv.weight_packed.dtype == torch.float32 and not fp32.bf16_weights
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(0))
+    verify, decode = decode_and_verify(model, ids, 9)
+    assert torch.equal(verify, decode)
+    assert torch.equal(verify, decode_and_verify(fp32, ids, 9)[0])
+    with torch.no_grad():
+        torch.testing.assert_close(verify, wide(ids).logits[0, 9:], atol=1e-4, rtol=1e-5)
+
+    other = tiny_hf_model("qwen2", seed=2, **shape)  # fp32 weights, not bf16 values
+    model.load_state_dict(build(other, torch.float32).state_dict())
+    assert torch.equal(decode_and_verify(model, ids, 9)[0], decode_and_verify(build(other, torch.bfloat16), ids, 9)[0])
+    with cpu_kernel.disabled():
+        torch_bf16 = build(wide, torch.bfloat16, ckpt)
+    assert torch_bf16.dtype == torch.bfloat16 and not torch_bf16.bf16_weights

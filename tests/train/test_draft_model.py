@@ -113,3 +113,22 @@ def test_draft_vocab_drafter_is_lossless_and_never_proposes_outside_it(tmp_path)
     drafter.start(prompt, 64)
     d = drafter.draft(prompt, 4, Sampler(temperature=1.0, seed=0))
     assert (d.tokens % 2 == 0).all() and (d.probs[:, 1::2] == 0).all()
+
+
+def test_validation_runs_a_bf16_target_from_its_bf16_weights_on_a_cpu():
+    """runtime_decoder's default dtype: a bf16 transformers model runs on a CPU as its bf16 weights
+    with fp32 activations where the kernel reads them (bitwise the fp32 model of the same weights,
+    which validation ran before, at half the bytes); an fp32 model in fp32."""
+    from specdec_runtime import cpu_kernel
+
+    hf = tiny_hf_model(seed=4)
+    cpu = torch.device("cpu")
+    assert not runtime_decoder(hf, None, cpu).bf16_weights
+    half = hf.to(torch.bfloat16)
+    ours = runtime_decoder(half, None, cpu)
+    assert ours.bf16_weights == cpu_kernel.reads_bf16_weights(cpu)
+    fp32 = runtime_decoder(half, None, cpu, torch.float32)
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    for m in (ours, fp32):
+        m.setup_cache(1, 12)
+    assert torch.equal(ours(ids, 0).logits, fp32(ids, 0).logits)
