@@ -605,10 +605,16 @@ class Decoder(nn.Module):
         the bf16 weights, held as fp32 values and packed in bf16 for the kernel, with fp32
         activations (bf16_weights): half the bytes a step reads, and transformers' fp32 arithmetic
         on the bf16 checkpoint, where torch's bf16 ops on a CPU are slow and round every activation.
+        float32 there, from weights that are all bf16 values (a checkpoint saved in bf16, as most
+        are): the same, which is then the fp32 model exactly, bitwise, at half the bytes.
         """
         cpu = torch.device(device).type == "cpu"
         cpu_copies = cpu if cpu_copies is None else cpu_copies
-        bf16_weights = dtype == torch.bfloat16 and cpu_copies and cpu_kernel.reads_bf16_weights(torch.device(device))
+        bf16_weights = (
+            cpu_copies
+            and cpu_kernel.reads_bf16_weights(torch.device(device))
+            and (dtype == torch.bfloat16 or dtype == torch.float32 and holds_bf16_values(sd.values()))
+        )
         with torch.device("meta"):
             model = cls(cfg, None if vocab_ids is None else len(vocab_ids))
         if bf16_weights:  # the bf16 values, in fp32
@@ -633,6 +639,14 @@ class Decoder(nn.Module):
         if cpu_copies:
             model.keep_cpu_copies()
         return model.eval()
+
+
+def holds_bf16_values(tensors) -> bool:
+    """Whether every floating tensor is bf16 or holds only bf16 values (exact in bf16)."""
+    for t in tensors:
+        if t.is_floating_point() and t.dtype != torch.bfloat16 and not torch.equal(t, t.bfloat16().to(t.dtype)):
+            return False
+    return True
 
 
 def block_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], src: str, dst: str, prep) -> dict[str, Tensor]:

@@ -326,9 +326,10 @@ def test_loading_new_weights_refreshes_what_the_kernel_reads():
 def test_a_bf16_model_runs_its_bf16_weights_with_fp32_activations():
     """dtype=bf16 on a CPU: the checkpoint's bf16 weights, held as fp32 values and packed in bf16
     (half the bytes a step reads), with fp32 activations. Its logits are bitwise those of the fp32
-    model of the same bf16 checkpoint (the kernel widens bf16 exactly and sums in the same order),
-    which is transformers' fp32 arithmetic on it; a verify step's rows are its decode steps'; new
-    weights loaded into it are rounded as its own are; inside disabled() it is torch's bf16 model."""
+    model of the same bf16 checkpoint packed in fp32 (the kernel widens bf16 exactly and sums in the
+    same order), which is transformers' fp32 arithmetic on it; so an fp32 model whose weights are
+    all bf16 values packs them in bf16 too; a verify step's rows are its decode steps'; new weights
+    loaded into it are rounded as its own are; inside disabled() it is torch's bf16 model."""
     from specdec_runtime.config import DecoderConfig
     from specdec_runtime.model import Decoder
     from tests.conftest import tiny_hf_model
@@ -342,11 +343,17 @@ def test_a_bf16_model_runs_its_bf16_weights_with_fp32_activations():
         for p in wide.parameters():  # transformers' fp32 model of a bf16 checkpoint
             p.copy_(p.bfloat16())
     ckpt = {k: v.bfloat16() for k, v in wide.state_dict().items()}  # the checkpoint
-    model, fp32 = build(wide, torch.bfloat16, ckpt), build(wide, torch.float32)
+    model = build(wide, torch.bfloat16, ckpt)
     assert model.bf16_weights and model.dtype == torch.float32 and model.weight_dtype == torch.bfloat16
     assert all(torch.equal(p, p.bfloat16().float()) for p in model.parameters())
     assert {m.weight_packed.dtype for m in model.modules() if hasattr(m, "weight_packed")} == {torch.bfloat16}
+    cfg = DecoderConfig.from_hf(wide.config)
+    fp32 = Decoder.from_hf_state_dict(cfg, wide.state_dict(), cpu_copies=False)
+    fp32.keep_cpu_copies()  # the fp32 model of the same weights, packed in fp32
     assert fp32.layers[0].qkv.weight_packed.dtype == torch.float32 and not fp32.bf16_weights
+    # In fp32 from weights that are all bf16 values, a model packs them in bf16 by itself.
+    assert build(wide, torch.float32).bf16_weights
+    assert not build(tiny_hf_model("qwen2", **shape), torch.float32).bf16_weights
     ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(0))
     verify, decode = decode_and_verify(model, ids, 9)
     assert torch.equal(verify, decode)

@@ -120,6 +120,8 @@ def test_validation_runs_a_bf16_target_from_its_bf16_weights_on_a_cpu():
     with fp32 activations where the kernel reads them (bitwise the fp32 model of the same weights,
     which validation ran before, at half the bytes); an fp32 model in fp32."""
     from specdec_runtime import cpu_kernel
+    from specdec_runtime.config import DecoderConfig
+    from specdec_runtime.model import Decoder
 
     hf = tiny_hf_model(seed=4)
     cpu = torch.device("cpu")
@@ -127,7 +129,9 @@ def test_validation_runs_a_bf16_target_from_its_bf16_weights_on_a_cpu():
     half = hf.to(torch.bfloat16)
     ours = runtime_decoder(half, None, cpu)
     assert ours.bf16_weights == cpu_kernel.reads_bf16_weights(cpu)
-    fp32 = runtime_decoder(half, None, cpu, torch.float32)
+    sd = {k: v.float() for k, v in half.state_dict().items()}
+    fp32 = Decoder.from_hf_state_dict(DecoderConfig.from_hf(half.config), sd, cpu_copies=False)
+    fp32.keep_cpu_copies()  # packed in fp32
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0))
     for m in (ours, fp32):
         m.setup_cache(1, 12)
