@@ -3,7 +3,8 @@
     python scripts/bench_eagle3_trees.py runs/quickstart/export
     python scripts/bench_eagle3_trees.py runs/quickstart/export --drafting chain:2,chain:3,tree:4x4:2,tree:8x4:3
 
-Drafting settings: `chain:G` (chains of G tokens) or `tree:BxK:D` (a tree of B nodes at most D
+Drafting settings: `chain:G` (chains of G tokens), `chain:G@C` (up to G, stopping after a token
+the drafter gives a probability below C) or `tree:BxK:D` (a tree of B nodes at most D
 deep, expanding the K most likely nodes of each level; Eagle3Drafter). Every validation prompt is
 decoded once autoregressively and once per setting (with and without lookup, unless --no-lookup),
 greedy, in an order that rotates from prompt to prompt, so the machine's drift hits every setting
@@ -35,19 +36,21 @@ class Setting:
     gamma: int
 
 
-def parse_drafting(spec: str) -> tuple[int, int, int]:
-    """'chain:G' -> (0, 1, G); 'tree:BxK:D' -> (B, K, D): (tree_budget, top_k, depth)."""
+def parse_drafting(spec: str) -> tuple[int, int, int, float]:
+    """'chain:G' -> (0, 1, G, 0); 'chain:G@C' -> (0, 1, G, C); 'tree:BxK:D' -> (B, K, D, 0):
+    (tree_budget, top_k, depth, draft-exit confidence)."""
     kind, _, rest = spec.partition(":")
     try:
         if kind == "chain":
-            return 0, 1, int(rest)
+            depth, _, conf = rest.partition("@")
+            return 0, 1, int(depth), float(conf or 0)
         if kind == "tree":
             size, depth = rest.split(":")
             budget, top_k = size.split("x")
-            return int(budget), int(top_k), int(depth)
+            return int(budget), int(top_k), int(depth), 0.0
     except ValueError:
         pass
-    raise SystemExit(f"drafting '{spec}': use chain:G or tree:BxK:D, e.g. chain:2 or tree:4x4:2")
+    raise SystemExit(f"drafting '{spec}': use chain:G, chain:G@C or tree:BxK:D, e.g. chain:2, chain:5@0.3, tree:4x4:2")
 
 
 def main() -> None:
@@ -67,8 +70,8 @@ def main() -> None:
     target = load_model(args.target, device="cpu", dtype=args.dtype)
     model, _ = read_speculators(args.export)
     settings = [Setting("autoregressive", None, 1)]
-    for spec, (budget, top_k, depth) in drafting:
-        drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth)
+    for spec, (budget, top_k, depth, conf) in drafting:
+        drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth, confidence=conf)
         settings.append(Setting(spec, drafter, depth))
         if not args.no_lookup:
             settings.append(Setting(f"{spec}+lookup", LookupFirst(drafter), depth))

@@ -44,7 +44,8 @@ def build_drafter(
     truncate:K      the target's first K layers + its final norm and lm_head (no training)
     mtp             the target's own multi-token-prediction heads (a target exported by recipes.mtp)
     DIR             an EAGLE-3 drafter (speculators format); tree: 'chain' for chains, None for
-                    the drafting of its export (an EAGLE-2 tree, or chains)
+                    the drafting of its export (an EAGLE-2 tree, or chains); confidence > 0: chains
+                    stop after a token drafted below it
     DIR             exported Medusa heads (FasterDecoding or vLLM layout); tree: a JSON file of
                     paths, 'chain', or None for the tree calibrated at export
     FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
@@ -75,7 +76,8 @@ def build_drafter(
     if is_eagle3_folder(Path(spec).expanduser()):
         if tree not in (None, "chain"):
             raise SpecdecError(f"--tree {tree}: an EAGLE-3 drafter builds its own trees; use --tree chain for chains")
-        return load_eagle3(Path(spec).expanduser(), target, tree_budget=0 if tree == "chain" else None)
+        budget = 0 if tree == "chain" else None
+        return load_eagle3(Path(spec).expanduser(), target, tree_budget=budget, confidence=confidence)
     if is_medusa_folder(Path(spec).expanduser()):
         return load_medusa(Path(spec).expanduser(), target, tree)
     if tree is not None:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from specdec_runtime import cpu_kernel
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
-from specdec_runtime.drafters import Draft, Drafter
+from specdec_runtime.drafters import Draft, Drafter, DraftExit
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, Weights, block_state_dict, linear, mlp, rms_norm, rope_table, self_attention
 from specdec_runtime.sampling import Sampler
@@ -264,10 +264,16 @@ class Eagle3Drafter(Drafter):
     matrices are rounded to bf16 (FusedLayer.of), as serving engines run drafters: a draft step
     reads half the bytes. Only drafts can change; the target, and so the output, is untouched.
     False: the trained fp32 weights exactly.
+
+    confidence > 0 (chains): a chain stops right after a token the drafter gives a probability
+    below it (DraftExit), so gamma can be long where the drafter is sure and a draft costs one
+    drafter step where it is not. Lossless as any draft length is: where a chain stops depends
+    only on tokens already drafted.
     """
 
     def __init__(self, model: Eagle3Model, target: Decoder, *, tree_budget: int = 0, top_k: int = 8,
-                 gamma: int | None = None, name: str = "eagle3", cpu_bf16: bool = True):  # fmt: skip
+                 gamma: int | None = None, name: str = "eagle3", cpu_bf16: bool = True,
+                 confidence: float = 0.0):  # fmt: skip
         cfg = model.config
         if cfg.target_hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
             raise SpecdecError(
@@ -281,6 +287,11 @@ class Eagle3Drafter(Drafter):
             )
         if tree_budget < 0 or top_k < 1:
             raise SpecdecError(f"eagle3 tree: need tree_budget >= 0 and top_k >= 1 (got {tree_budget}, {top_k})")
+        if confidence and tree_budget:
+            raise SpecdecError(
+                "eagle3: a draft-exit confidence applies to chains (tree_budget 0; --tree chain), not to trees"
+            )
+        self.draft_exit = DraftExit(confidence, adaptive=False) if confidence > 0 else None
         self.model = model.eval()  # its config and vocabulary; drafting reads self.w
         self.target, self.name, self.gamma = target, name, gamma
         self.tree_budget, self.top_k = tree_budget, top_k
@@ -357,6 +368,10 @@ class Eagle3Drafter(Drafter):
                 token = sampler.sample(p)
                 probs.append(p)
             tokens.append(token)
+            if self.draft_exit is not None:  # host sync per draft token, only when enabled
+                conf = probs[-1][token] if probs else logits[0].float().softmax(-1).max()
+                if self.draft_exit.stop(conf.item()):
+                    break
             if i + 1 < gamma:  # row L-1+i: the token just drafted, the previous row's prenorm; sees slots 0..L-1+i
                 pos = self.slots[L - 1 + i : L + i]
                 prenorm = self._rows(token.view(1), prenorm, pos, pos, None, L + i)

@@ -201,9 +201,12 @@ def read_speculators(folder: Path) -> tuple[Eagle3Model, dict[str, int]]:
     return model.float().eval(), drafting
 
 
-def load_eagle3(folder: str | Path, target: "LoadedModel", tree_budget: int | None = None) -> Eagle3Drafter:
-    """An Eagle3Drafter from an exported folder for a loaded target (tree_budget: override; 0 = chains)."""
+def load_eagle3(
+    folder: str | Path, target: "LoadedModel", tree_budget: int | None = None, confidence: float = 0.0
+) -> Eagle3Drafter:
+    """An Eagle3Drafter from an exported folder for a loaded target (tree_budget: override; 0 = chains;
+    confidence: chains stop after a token drafted with a probability below it)."""
     model, d = read_speculators(Path(folder))
     budget = d["tree_budget"] if tree_budget is None else tree_budget
     return Eagle3Drafter(model, target.model, tree_budget=budget, top_k=d["top_k"], gamma=d["gamma"],
-                         name=f"eagle3:{Path(folder).name}")  # fmt: skip
+                         name=f"eagle3:{Path(folder).name}", confidence=confidence)  # fmt: skip

@@ -137,6 +137,28 @@ def assert_follows(samples: list[int], probs: torch.Tensor) -> None:
     assert chisquare(c[keep].numpy(), expected.numpy()).pvalue > 1e-3
 
 
+def sequence_joint(next_logits, prompt: list[int], n: int, **warp_kw) -> dict[tuple[int, ...], float]:
+    """The exact probability of every sequence of n tokens sampled after prompt (sampling.warp with
+    warp_kw): next_logits(ids) gives the logits [V] of the token after the list ids."""
+    from specdec_runtime.sampling import warp
+
+    joint = {(): 1.0}
+    for _ in range(n):
+        longer = {}
+        for seq, p in joint.items():
+            probs = warp(next_logits(prompt + list(seq)), **warp_kw)
+            for t in probs.nonzero().flatten().tolist():
+                longer[seq + (t,)] = p * float(probs[t])
+        joint = longer
+    return joint
+
+
+def assert_sequences_follow(samples: list[list[int]], joint: dict[tuple[int, ...], float]) -> None:
+    """assert_follows over whole sequences (sequence_joint); one outside the joint fails it."""
+    cell = {seq: i for i, seq in enumerate(joint)}
+    assert_follows([cell.get(tuple(s), len(cell)) for s in samples], torch.tensor([*joint.values(), 0.0]))
+
+
 def assert_not_follows(samples: list[int], probs: torch.Tensor) -> None:
     """The same test rejects a wrong distribution (shows the test has power)."""
     from scipy.stats import chisquare

@@ -16,7 +16,7 @@ from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, gro
 from specdec_runtime.eagle3_format import is_eagle3_folder, read_speculators, save_speculators
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
-from specdec_runtime.sampling import Sampler, warp
+from specdec_runtime.sampling import Sampler
 from tests.conftest import runtime_from_hf, tiny_hf_model
 from train.eagle3 import Eagle3Training, shifted, target_states, warm_start
 
@@ -155,6 +155,28 @@ def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16()
     torch.testing.assert_close(runs[0][0], exact[0], rtol=0.05, atol=0.05)
 
 
+@torch.no_grad()
+def test_a_chain_with_a_draft_exit_stops_right_after_its_first_unsure_token():
+    """confidence: the chain is the one drafted without it, cut right after the first token whose
+    draft probability (softmax of the logits it was drafted from) is below the threshold; greedy
+    generation with it is still the target's own output."""
+    hf, target, model = tiny(warm=True, initializer_range=0.05)
+    prompt = torch.arange(7, 19)
+    logits, _, full = drafted_logits(Eagle3Drafter(model, target), target, prompt, gamma=6)
+    conf = [float(x.float().softmax(-1).max()) for x in logits]
+    threshold = sorted(conf)[len(conf) // 2]  # some tokens below it, some not
+    stop = next(i for i, c in enumerate(conf) if c < threshold)
+    _, _, cut = drafted_logits(Eagle3Drafter(model, target, confidence=threshold), target, prompt, gamma=6)
+    assert 0 < stop + 1 < 6 and torch.equal(cut.tokens, full.tokens[: stop + 1])
+
+    ar = generate(target, [5, 9, 11, 2, 7, 3, 9, 11], None, max_new_tokens=48)
+    spec = generate(target, [5, 9, 11, 2, 7, 3, 9, 11], Eagle3Drafter(model, target, confidence=0.3),
+                    max_new_tokens=48, gamma=6)  # fmt: skip
+    assert spec.tokens == ar.tokens and spec.stats.drafted > 0
+    with pytest.raises(SpecdecError, match="--tree chain"):
+        Eagle3Drafter(model, target, tree_budget=4, confidence=0.3)
+
+
 @pytest.mark.parametrize("budget", [0, 6, 16])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_greedy_speculative_output_equals_the_targets(budget, kind):
@@ -174,28 +196,32 @@ def test_greedy_speculative_output_equals_the_targets(budget, kind):
         assert spec.stats.drafted_at[0] == spec.stats.rounds_with_draft and len(spec.stats.drafted_at) <= 4
 
 
-@pytest.mark.parametrize("budget", [0, 5])
-def test_sampled_output_follows_the_targets_exact_distribution(budget):
-    """Two sampled tokens (top-k 3): the joint of the output equals the target's, enumerated
-    exactly (chi-square), with a chain drafter (rejection sampling) and a tree (multi-candidate)."""
-    from tests.conftest import assert_follows
+@pytest.mark.parametrize("budget, confidence", [(0, 0.0), (5, 0.0), (0, 0.34)])
+def test_sampled_output_follows_the_targets_exact_distribution(budget, confidence):
+    """Four sampled tokens (top-k 3), the last three through drafts: the joint of the output equals
+    the target's, enumerated exactly (chi-square), with a chain drafter (rejection sampling), a
+    tree (multi-candidate) and chains that stop after a sampled token below a draft probability."""
+    from tests.conftest import assert_sequences_follow, sequence_joint
 
     hf, target, model = tiny(warm=True, initializer_range=0.05)
     prompt, w = [3, 1, 4], dict(temperature=1.0, top_k=3)
-    target.setup_cache(1, 8)
-    first = warp(target.prefill(torch.tensor([prompt])).logits[0, -1], **w)
-    V = first.numel()
-    joint = torch.zeros(V * V)
-    for a in first.nonzero().flatten().tolist():
-        second = warp(target.prefill(torch.tensor([prompt + [a]])).logits[0, -1], **w)
-        for b in second.nonzero().flatten().tolist():
-            joint[a * V + b] = first[a] * second[b]
-    drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=2)
-    samples = []
-    for seed in range(1500):
-        out = generate(target, prompt, drafter, Sampler(**w, seed=seed), max_new_tokens=2, gamma=2)
-        samples.append(out.tokens[0] * V + out.tokens[1])
-    assert_follows(samples, joint)
+
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        target.setup_cache(1, 8)
+        return target.prefill(torch.tensor([ids])).logits[0, -1]
+
+    joint = sequence_joint(next_logits, prompt, 4, **w)
+    drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=2, confidence=confidence)
+    exits, stop = [], drafter.draft_exit.stop if confidence else None
+    if confidence:
+        drafter.draft_exit.stop = lambda p: exits.append(stop(p)) or exits[-1]
+    samples, drafted = [], 0
+    for seed in range(3000):
+        out = generate(target, prompt, drafter, Sampler(**w, seed=seed), max_new_tokens=4, gamma=2)
+        samples.append(out.tokens)
+        drafted += out.stats.drafted
+    assert drafted > 3000 and (not confidence or 0 < sum(exits) < len(exits))
+    assert_sequences_follow(samples, joint)
 
 
 def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
