@@ -9,10 +9,11 @@ each decode step: the machine's speed drifts, and the two drift together), so th
 close autoregressive decoding runs to the machine's limit; one verify forward of a chain
 of T tokens and of a tree of 1 + N tokens, in decode steps; and one draft step of each drafter
 kind (an EAGLE-3 layer + draft-vocabulary head, 4 Medusa heads, the target's first 2 layers), in
-decode steps. Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay. With
-the CPU kernel, a table of products of 1 to 256 rows (--rows) against MKL's GEMM: where a step's
-rows stop costing what one row costs, and where MKL takes over (cpu_kernel.MAX_ROWS).
-Random drafter weights of the shapes the recipes train (the cost does not depend on the values).
+decode steps (each the median ratio to a decode step run right before it, call by call).
+Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay. With the CPU kernel,
+a table of products of 1 to 256 rows (--rows) against MKL's GEMM: where a step's rows stop
+costing what one row costs, and where MKL takes over (cpu_kernel.MAX_ROWS). Random drafter
+weights of the shapes the recipes train (the cost does not depend on the values).
 """
 
 import argparse
@@ -43,6 +44,24 @@ def timed(fn, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2] * 1000
+
+
+def paired(fn, step, reps: int) -> tuple[float, float]:
+    """(median ms of fn(), median of fn's time over the time of a decode step()), the two alternated
+    call by call: a shared host's speed drifts (2x within minutes on a 2-core cloud machine), and a
+    ratio of neighbouring calls holds where one of separately timed medians does not."""
+    for _ in range(3):
+        fn(), step()
+    ms, ratios = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        fn()
+        t2 = time.perf_counter()
+        ms.append((t2 - t1) * 1000)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return sorted(ms)[reps // 2], sorted(ratios)[reps // 2]
 
 
 def step_and_bandwidth(step, reps: int) -> tuple[float, float]:
@@ -144,7 +163,7 @@ def main() -> None:
         paths = {"torch": cpu_kernel.disabled}
         if cpu_kernel.kernel() is not None and dt in (torch.float32, torch.bfloat16):
             paths["kernel"] = contextlib.nullcontext
-        decode, rows = {}, {}
+        rows = {}
         threads = torch.get_num_threads()
         for path, within in paths.items():
             with within():  # loaded inside: what this path's products read (W^T for MKL, or packed)
@@ -156,7 +175,6 @@ def main() -> None:
                 read = step_bytes(m, PREFIX)
                 x = torch.randint(0, V, (1, 1))
                 one, bw = step_and_bandwidth(lambda m=m, x=x: m(x, PREFIX), args.reps)
-                decode[path] = one
                 bound = read / (bw * 1e9) * 1000
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
                 what = f"{dtype} weights, fp32 activations" if m.bf16_weights else dtype
@@ -170,22 +188,22 @@ def main() -> None:
                 )
                 if path == "kernel" and args.rows:
                     products_table(m, [int(r) for r in args.rows.split(",")], max(3, args.reps // 4))
+                step = lambda m=m, x=x: m(x, PREFIX)  # noqa: E731  (every cost below: paired with it)
                 for T in map(int, args.chains.split(",")):
-                    x = torch.randint(0, V, (1, T))
-                    rows.setdefault(f"chain of {T}", []).append(timed(lambda m=m, x=x: m(x, PREFIX), args.reps))
+                    xs = torch.randint(0, V, (1, T))
+                    rows.setdefault(f"chain of {T}", []).append(paired(lambda m=m, x=xs: m(x, PREFIX), step, args.reps))
                 profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
                 for n in map(int, args.nodes.split(",")):
                     t = Tree.from_accuracies(profile, n).tensors
-                    x = torch.randint(0, V, (1, n + 1))
-                    ms = timed(lambda m=m, x=x, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"])), args.reps)
-                    rows.setdefault(f"tree of 1 + {n}", []).append(ms)
+                    xs = torch.randint(0, V, (1, n + 1))
+                    verify = lambda m=m, x=xs, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"]))  # noqa: E731
+                    rows.setdefault(f"tree of 1 + {n}", []).append(paired(verify, step, args.reps))
         print("\n| verified | " + " | ".join(f"{p} ms | {p}: decode steps" for p in paths) + " |")
         print("|---|" + "---:|---:|" * len(paths))
-        for name, times in rows.items():
-            cells = (f"{ms:.1f} | {ms / decode[p]:.2f}" for p, ms in zip(paths, times))
-            print(f"| {name} | " + " | ".join(cells) + " |")
-        one = decode[list(paths)[-1]]
-        print(f"(draft steps below: on the {list(paths)[-1]} path)")
+        for name, costs in rows.items():
+            print(f"| {name} | " + " | ".join(f"{ms:.1f} | {ratio:.2f}" for ms, ratio in costs) + " |")
+        print(f"(decode steps: the median ratio to a decode step run right before each call; draft steps below: on "
+              f"the {list(paths)[-1]} path)")  # fmt: skip
         print("\n| draft step | ms | decode steps |\n|---|---:|---:|")
         for gamma in (1, 3):
             model = Eagle3Model(Eagle3Config.for_target(m.config, aux_layers=None, draft_vocab_size=8192))
@@ -198,24 +216,22 @@ def main() -> None:
                 e3.observe(feature)
                 e3.draft(ids, gamma, Sampler())
 
-            ms = timed(eagle3, args.reps)
-            print(
-                f"| EAGLE-3 (8192-token head), chain of {gamma}: per step | {ms / gamma:.2f} | {ms / gamma / one:.3f} |"
-            )
+            ms, ratio = paired(eagle3, step, args.reps)
+            print(f"| EAGLE-3 (8192-token head), chain of {gamma}: per step | {ms / gamma:.2f} | {ratio / gamma:.3f} |")
         for share in (True, False):
             heads = MedusaHeads(H, V, 4, 1, share_lm_head=share).to(m.dtype)
             h = torch.randn(1, H, dtype=m.dtype)
             with torch.inference_mode():
-                ms = timed(lambda heads=heads, h=h, m=m: heads(h, m.lm_head).topk(8, dim=-1), args.reps)
-            print(f"| 4 Medusa heads, {'shared' if share else 'own'} lm_head: a round | {ms:.2f} | {ms / one:.3f} |")
+                ms, ratio = paired(lambda heads=heads, h=h, m=m: heads(h, m.lm_head).topk(8, dim=-1), step, args.reps)
+            print(f"| 4 Medusa heads, {'shared' if share else 'own'} lm_head: a round | {ms:.2f} | {ratio:.3f} |")
         for gamma in (1, 3):
             early = build_drafter("truncate:2", loaded)  # the target's first 2 layers + its lm_head
             ids = torch.randint(0, V, (PREFIX + 1,))
             early.start(ids, PREFIX + 64)
-            ms = timed(lambda d=early, ids=ids, gamma=gamma: d.draft(ids, gamma, Sampler()), args.reps)
+            ms, ratio = paired(lambda d=early, ids=ids, gamma=gamma: d.draft(ids, gamma, Sampler()), step, args.reps)
             print(
                 f"| truncate:2 (2 layers + the full lm_head), chain of {gamma}: per step | {ms / gamma:.2f} | "
-                f"{ms / gamma / one:.3f} |"
+                f"{ratio / gamma:.3f} |"
             )
 
 
