@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdec_runtime import cpu_kernel
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters import Drafter
 from specdec_runtime.loading import resolve_dtype
@@ -25,25 +24,16 @@ from specdec_runtime.sampling import Sampler
 from train.draft_model import full_state_dict
 
 
-def runtime_dtype(model: Any, device: torch.device) -> torch.dtype:
-    """The dtype the runtime runs a transformers model in: on a CPU, bf16 where the model's weights
-    are bf16 and the CPU kernel reads them so (fp32 arithmetic on the bf16 weights: bitwise what an
-    fp32 copy of them gives, at half the bytes a step reads; cpu_kernel.reads_bf16_weights), else
-    fp32; on CUDA bf16."""
-    if device.type == "cpu" and model.dtype == torch.bfloat16 and cpu_kernel.reads_bf16_weights(device):
-        return torch.bfloat16
-    return resolve_dtype("auto", device)
-
-
 def runtime_decoder(
     model: Any, vocab_ids: torch.Tensor | None, device: torch.device, dtype: torch.dtype | None = None
 ) -> Decoder:
     """The runtime Decoder of a transformers model in memory: the target (vocab_ids None) or a
     drafter, exactly as its export loads (use_draft_vocab has already untied its config), in
-    `dtype` (default: runtime_dtype). On CUDA it runs the fast path (CUDA graphs), as `specdec
-    generate` does by default there."""
+    `dtype` (default: the device's, fp32 on a CPU, where a model whose weights are bf16 then runs
+    as its bf16 weights with fp32 activations: Decoder.from_hf_state_dict). On CUDA it runs the
+    fast path (CUDA graphs), as `specdec generate` does by default there."""
     cfg = DecoderConfig.from_hf(model.config)
-    dtype = dtype or runtime_dtype(model, torch.device(device))
+    dtype = dtype or resolve_dtype("auto", torch.device(device))
     decoder = Decoder.from_hf_state_dict(cfg, full_state_dict(model, vocab_ids), device, dtype, vocab_ids=vocab_ids)
     if decoder.device.type == "cuda":
         decoder.compile()
