@@ -211,10 +211,12 @@ class Bf16Speed:
     device: str
     ratio: float  # < 1: bf16 is faster
     fast: bool
+    threads: int = 0  # a CPU's: torch's threads it was timed with (its default: one per physical core)
 
     def __str__(self) -> str:
         verdict = "using bf16" if self.fast else "using fp32"
-        return f"bf16 matmuls take {self.ratio:.2f}x the time of fp32 on this {self.device}: {verdict}"
+        threads = f" with {self.threads} thread{'s' * (self.threads > 1)}" if self.threads else ""
+        return f"bf16 matmuls take {self.ratio:.2f}x the time of fp32 on this {self.device}{threads}: {verdict}"
 
 
 @functools.cache
@@ -231,7 +233,7 @@ def _bf16_speed(device_type: str) -> Bf16Speed:
         timer = benchmark.Timer("x @ w", globals={"x": x, "w": w}, num_threads=torch.get_num_threads())
         times[dt] = timer.blocked_autorange(min_run_time=0.2).median
     ratio = times[torch.bfloat16] / times[torch.float32]
-    return Bf16Speed("CPU", ratio, ratio < 0.8)
+    return Bf16Speed("CPU", ratio, ratio < 0.8, torch.get_num_threads())
 
 
 def fast_bf16(device: torch.device) -> Bf16Speed:

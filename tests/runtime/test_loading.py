@@ -110,6 +110,7 @@ def test_fast_dtype_follows_the_measured_bf16_speed(monkeypatch):
     cpu = torch.device("cpu")
     speed = loading.fast_bf16(cpu)
     assert speed.ratio > 0 and speed.fast == (speed.ratio < 0.8) and loading.fast_bf16(cpu) is speed
+    assert f"on this CPU with {torch.get_num_threads()} thread" in str(speed)
     assert loading.resolve_dtype("fast", cpu) == (torch.bfloat16 if speed.fast else torch.float32)
     for ratio, dtype, mp in ((0.3, torch.bfloat16, "bf16"), (9.0, torch.float32, "no")):
         verdict = loading.Bf16Speed("CPU", ratio, ratio < 0.8)
