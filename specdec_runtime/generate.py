@@ -3,6 +3,7 @@
     out = generate(target, prompt_ids, drafter=None)                       # autoregressive
     out = generate(target, prompt_ids, drafter, Sampler(0.7, seed=0), gamma=5, stop_ids={2})
     out.tokens, out.stats.tau, out.stop_reason
+    rows = generate_batch(target, [ids_a, ids_b, ...], Sampler(), max_new_tokens=64, stop_ids={2})
 
 Each round: the drafter proposes g <= gamma tokens after the sequence (a chain, or a token tree at
 most gamma deep; LookupFirst's lookups may propose a longer chain, cut to the tokens left), the
@@ -12,6 +13,10 @@ slots are overwritten next round; a tree's accepted nodes move to the slots afte
 no drafter, or an empty draft, a round is a plain decode step, through the same code. There is one
 host sync per round: the accepted length and the new tokens come back together (drafters that sync
 themselves say so: n-gram lookup, a draft exit's confidence test).
+
+generate_batch decodes many prompts at once, autoregressively, for throughput (self-distillation
+data): the prompts are left-padded to one length (Decoder.left_pad), and every step runs all rows
+through each weight once.
 """
 
 import time
@@ -212,3 +217,50 @@ def generate(
     stats.new_tokens = len(out)
     stats.total_s = clock() - t_start
     return Generation(out, stats, "stop_token" if stop else "length")
+
+
+def cut_at_stop(tokens: list[int], stop_ids: set[int] | frozenset[int]) -> list[int]:
+    """Tokens up to and including the first stop token (what a finished row made after it is dropped)."""
+    for j, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: j + 1]
+    return tokens
+
+
+@torch.inference_mode()
+def generate_batch(
+    target: Decoder,
+    prompts: list[list[int]],
+    sampler: Sampler,
+    *,
+    max_new_tokens: int,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """Each prompt's new tokens (up to max_new_tokens, cut after its first stop token), decoded
+    autoregressively in one batch: left-padded to the longest prompt, one prefill, then one step of
+    all rows per token until every row has stopped. Rows that stopped keep stepping (their tokens
+    are dropped), so a batch of similar lengths wastes least. Greedy rows equal generate()'s output
+    for the same prompt but for rounding (a step's products see several rows; tested)."""
+    if max_new_tokens < 1 or not prompts:
+        raise SpecdecError(f"need prompts and max_new_tokens >= 1 (got {len(prompts)}, {max_new_tokens})")
+    B, T, device = len(prompts), max(len(p) for p in prompts), target.device
+    if min(len(p) for p in prompts) == 0:
+        raise SpecdecError("a prompt is empty after tokenization")
+    check_fits(T, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+    target.setup_cache(B, T + max_new_tokens)
+    target.left_pad(torch.tensor([T - len(p) for p in prompts], device=device))
+    stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
+    token = sampler.next_token(target.prefill(ids.to(device), logits_to_keep=1).logits[:, -1])  # [B]
+    out, done = [token], torch.isin(token, stops)
+    for slot in range(T, T + max_new_tokens - 1):
+        if bool(done.all()):  # a host sync per step: nothing against a step of many rows
+            break
+        token = sampler.next_token(target(token[:, None], slot).logits[:, -1])
+        out.append(token)
+        done |= torch.isin(token, stops)
+    target.left_pad(None)
+    return [cut_at_stop(row, stop_ids) for row in torch.stack(out, 1).tolist()]

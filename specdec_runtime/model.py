@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from specdec_runtime import cpu_kernel
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
+from specdec_runtime.errors import SpecdecError
 from specdec_runtime.graphs import CapturedStep
 
 
@@ -330,6 +331,7 @@ class Decoder(nn.Module):
         self.kv_layers: list[Tensor] = []  # per-layer views of the cache
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per slot, built with the cache
         self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device
+        self.row_start: Tensor | None = None  # [B] each row's first slot under left padding (left_pad())
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
         self._stack: cpu_kernel.Stack | None = None  # the layers' weights for the CPU kernel (kernel_stack())
@@ -359,7 +361,9 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def setup_cache(self, batch: int, size: int) -> None:
         """Make room for `size` slots: the cache is allocated once and only ever grows (on the fast
-        path in steps of 256 slots, dropping the captured steps, which point at the old cache)."""
+        path in steps of 256 slots, dropping the captured steps, which point at the old cache).
+        New sequences start at slot 0 in every row (left_pad(None))."""
+        self.row_start = None
         if self.cache is not None and self.cache.size >= size and self.cache.kv.shape[1] == batch:
             return
         if self.steps is not None:
@@ -370,6 +374,15 @@ class Decoder(nn.Module):
         self.kv_layers = list(self.cache.kv.unbind(0))
         self.slots = torch.arange(size, device=self.device)
         self.rope = rope_table(self.config, size, self.device, self.dtype)
+
+    def left_pad(self, row_start: Tensor | None) -> None:
+        """Rows of a batch that start at different slots (prompts left-padded to one length): row b
+        attends to slots row_start[b] and later only; None: every row starts at slot 0. Positions stay
+        the slots in every row: attention sees RoPE positions only through their differences, so a
+        row's shift changes nothing but rounding. Eager forwards only (generate.generate_batch)."""
+        if row_start is not None and self.steps is not None:
+            raise SpecdecError("left-padded batches run eagerly: use a Decoder without compile()")
+        self.row_start = row_start if row_start is not None and bool(row_start.any()) else None
 
     def compile(self, backend: str = "inductor") -> None:
         """Turn on the fast path (module docstring): captured steps, with the layers' attention and
@@ -446,9 +459,10 @@ class Decoder(nn.Module):
     ) -> Tensor | None:
         """[group * T, bound] bool (rows repeat per folded query head), or None when every slot is
         seen (one new token after `live` slots only). Slots past the newest are stale (rejected
-        drafts, earlier prompts) and masked out."""
-        T, window = slots.shape[0], self.config.sliding_window
-        if live and T == 1 and tree is None and (window is None or bound <= window):
+        drafts, earlier prompts) and masked out. Under left_pad, [B, 1, group * T, bound]: each row
+        also masks the slots before its start."""
+        T, window, padded = slots.shape[0], self.config.sliding_window, self.row_start is not None
+        if live and T == 1 and tree is None and (window is None or bound <= window) and not padded:
             return None
         k_slot = self.slots[:bound]
         if tree is None:
@@ -460,6 +474,9 @@ class Decoder(nn.Module):
             k_pos = k_slot if tree is None else k_slot.index_copy(0, slots, positions)
             mask &= k_pos[None, :] > positions[:, None] - window
         group = self.config.num_heads // self.config.num_kv_heads
+        if padded:  # [B, T, bound] -> [B, 1 (kv heads), group * T, bound]
+            mask = mask[None] & (k_slot[None, None, :] >= self.row_start[:, None, None])
+            return mask.repeat(1, group, 1)[:, None]
         return mask.repeat(group, 1) if group > 1 else mask
 
     @torch.inference_mode()
@@ -551,7 +568,8 @@ class Decoder(nn.Module):
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()
         h, tapped = x.reshape(B * T, -1), []  # the layers work on [B*T, H]
-        if layer_fns == (attention, mlp) and B == 1 and cpu_kernel.stack_usable(h) and self.kernel_stack():
+        one = B == 1 and self.row_start is None
+        if layer_fns == (attention, mlp) and one and cpu_kernel.stack_usable(h) and self.kernel_stack():
             c = self.config  # the CPU kernel runs the layers in one call
             dims = (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
             h, hidden = cpu_kernel.decoder_layers(

@@ -4,7 +4,9 @@
                                    batch_size=32, temperature=0.0, cache_dir=cache / key)
     key = cache_key(target_path, prompts, settings)    # target + prompts + generation settings
 
-Generation is batched with left padding (transformers' generate). With a cache_dir, every finished
+Generation is batched with left padding: by transformers' generate for a transformers model, by the
+runtime's generate_batch for a specdec_runtime Decoder (the same tokens ~1.2x faster on 2 CPU
+cores; recipes choose with responses.engine). With a cache_dir, every finished
 batch is appended to a per-process part file, so an interrupted run resumes where it stopped, and
 a finished set is merged into responses.jsonl that later runs (any process count) read directly.
 Under several processes each one generates its share (prompt i goes to rank i % world).
@@ -18,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from specdec_runtime.generate import cut_at_stop, generate_batch
+from specdec_runtime.model import Decoder
+from specdec_runtime.sampling import Sampler
 
 DONE = "responses.jsonl"
 
@@ -44,18 +50,13 @@ def _read_parts(cache_dir: Path) -> dict[int, list[int]]:
     return done
 
 
-def cut_at_stop(tokens: list[int], stop_ids: set[int] | frozenset[int]) -> list[int]:
-    """Tokens up to and including the first stop token (what follows is padding)."""
-    for j, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: j + 1]
-    return tokens
-
-
 @torch.inference_mode()
 def _generate_batch(
-    model: Any, batch: list[list[int]], pad_id: int, stop_ids: frozenset[int], **kw: Any
+    model: Any, batch: list[list[int]], pad_id: int, stop_ids: frozenset[int], sampler: Sampler, **kw: Any
 ) -> list[list[int]]:
+    if isinstance(model, Decoder):
+        n = kw["max_new_tokens"]
+        return generate_batch(model, batch, sampler, max_new_tokens=n, stop_ids=stop_ids, pad_id=pad_id)
     T = max(len(p) for p in batch)
     ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -101,7 +102,9 @@ def generate_responses(
     sampling = (
         {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
     )
-    torch.manual_seed(seed + rank)
+    torch.manual_seed(seed + rank)  # transformers' sampling; the runtime's draws from its sampler
+    device = model.device if isinstance(model, Decoder) else "cpu"
+    sampler = Sampler(temperature, top_p=top_p, seed=seed + rank, device=device)
     bar = progress(len(todo), len(prompts)) if progress else None
     mine: dict[int, list[int]] = {}
     for b in range(0, len(todo), batch_size):
@@ -111,6 +114,7 @@ def generate_responses(
             [list(prompts[i]) for i in idx],
             pad_id,
             stop_ids,
+            sampler,
             max_new_tokens=max_new_tokens,
             **sampling,
         )

@@ -25,17 +25,22 @@ from train.draft_model import full_state_dict
 
 
 def runtime_decoder(
-    model: Any, vocab_ids: torch.Tensor | None, device: torch.device, dtype: torch.dtype | None = None
+    model: Any,
+    vocab_ids: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    fast_path: bool = True,
 ) -> Decoder:
     """The runtime Decoder of a transformers model in memory: the target (vocab_ids None) or a
     drafter, exactly as its export loads (use_draft_vocab has already untied its config), in
     `dtype` (default: the device's, fp32 on a CPU, where a model whose weights are bf16 then runs
     as its bf16 weights with fp32 activations: Decoder.from_hf_state_dict). On CUDA it runs the
-    fast path (CUDA graphs), as `specdec generate` does by default there."""
+    fast path (CUDA graphs), as `specdec generate` does by default there, unless fast_path=False
+    (batched generation: generate_batch runs eagerly)."""
     cfg = DecoderConfig.from_hf(model.config)
     dtype = dtype or resolve_dtype("auto", torch.device(device))
     decoder = Decoder.from_hf_state_dict(cfg, full_state_dict(model, vocab_ids), device, dtype, vocab_ids=vocab_ids)
-    if decoder.device.type == "cuda":
+    if decoder.device.type == "cuda" and fast_path:
         decoder.compile()
     return decoder
 

@@ -8,7 +8,7 @@ import torch
 from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.generate import generate
+from specdec_runtime.generate import generate, generate_batch
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
@@ -17,10 +17,12 @@ from tests.conftest import (
     assert_cache_is_a_fresh_prefill,
     assert_follows,
     assert_not_follows,
+    assert_sequences_follow,
     bigram_greedy,
     bigram_table,
     exact_joint,
     runtime_from_hf,
+    sequence_joint,
     tiny_decoder,
     tiny_hf_model,
 )
@@ -334,3 +336,46 @@ def test_cut_keeps_a_chains_first_tokens_with_their_distributions_and_residual_r
     c = cut(d, 3)
     assert c.tokens.tolist() == [0, 1, 2] and torch.equal(c.probs, d.probs[:3])
     assert torch.equal(c.residual, d.residual[:, :4]) and c.resume_layer == 2  # the root's row + 3
+
+
+BATCH_PROMPTS = [[1, 5, 9], [1, 7, 7, 7, 30, 12, 40, 41, 42, 43, 44, 45], [1, 4], [1, 20, 21, 22, 23], [3]]
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [("llama", {}), ("llama", {"num_key_value_heads": 4}), ("qwen2", {"tie_word_embeddings": True}),
+     ("mistral", {"sliding_window": 8})],  # the window slides over the padding too
+    ids=["llama", "llama-mha", "qwen2-tied", "mistral-window"],
+)  # fmt: skip
+def test_generate_batch_rows_equal_each_prompt_decoded_alone(kind, overrides):
+    """Left-padded rows decode exactly as each prompt alone (generate, itself tested against
+    transformers), rows cut after their first stop token while the others go on."""
+    target = tiny_decoder(kind, seed=3, **overrides)
+    free = [generate(target, p, max_new_tokens=14).tokens for p in BATCH_PROMPTS]
+    stop = free[1][4]  # row 1 stops at its 5th token (maybe others too)
+    alone = [generate(target, p, max_new_tokens=14, stop_ids={stop}).tokens for p in BATCH_PROMPTS]
+    assert len(alone[1]) == 5 and any(len(a) == 14 for a in alone)
+    assert generate_batch(target, BATCH_PROMPTS, Sampler(), max_new_tokens=14, stop_ids={stop}, pad_id=0) == alone
+    assert generate(target, BATCH_PROMPTS[0], max_new_tokens=14).tokens == free[0]  # left_pad undone for batch 1
+
+
+def test_generate_batch_samples_each_padded_row_from_the_targets_distribution():
+    """Short prompts padded beside a long one: their first two sampled tokens follow the exact joint
+    of the target's warped distribution (chi-square over the 9 pairs of top-3 tokens)."""
+    hf = tiny_hf_model(seed=4)
+    target = runtime_from_hf(hf)
+    short, long = [1, 5, 9], [1, 7, 7, 7, 30, 12, 40, 41, 42, 43]
+    rows = generate_batch(target, [long] + [short] * 799, Sampler(1.0, top_k=3, seed=0), max_new_tokens=2)
+
+    def next_logits(ids):
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0, -1]
+
+    assert_sequences_follow(rows[1:], sequence_joint(next_logits, short, 2, temperature=1.0, top_k=3))
+
+
+def test_left_padded_batches_refuse_the_fast_path():
+    target = tiny_decoder(seed=0)
+    target.compile(backend="aot_eager")
+    with pytest.raises(SpecdecError, match="eagerly"):
+        target.left_pad(torch.tensor([2, 0]))

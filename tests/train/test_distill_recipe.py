@@ -118,6 +118,7 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
         ("data.train=missing.jsonl", "does not exist"),
         ("drafter.num_layers=5", "choose 1..1"),
         ("responses.samples_per_prompt=2", "temperature > 0"),
+        ("responses.engine=vllm", "responses.engine='vllm': use one of auto, runtime, transformers"),
     ],
 )
 def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, override, message):

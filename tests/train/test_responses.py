@@ -23,6 +23,14 @@ def test_batched_greedy_responses_equal_one_by_one_decoding():
     assert got == [oracle(model, p, 12) for p in PROMPTS]
 
 
+def test_the_runtime_engine_gives_one_by_one_decodings_responses():
+    """A runtime Decoder generates with generate_batch (left-padded rows through the runtime)."""
+    model = tiny_hf_model(seed=2)
+    decoder = runtime_from_hf(model)
+    got = R.generate_responses(decoder, PROMPTS, pad_id=0, stop_ids=frozenset({2}), max_new_tokens=12, batch_size=3)
+    assert got == [oracle(model, p, 12) for p in PROMPTS]
+
+
 def test_cut_at_stop_keeps_the_stop_token():
     assert R.cut_at_stop([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
     assert R.cut_at_stop([5, 6], {2}) == [5, 6]
