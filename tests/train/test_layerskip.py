@@ -110,10 +110,13 @@ def test_proxy_of_the_empty_set_is_exact_on_a_transformer():
 
 def test_cost_models_split_a_decode_step():
     target = tiny_decoder("llama", seed=0, num_hidden_layers=3)
+    # The measured model's shares come from timings, which on a tiny model on a busy machine may
+    # show no saving at all (fixed 1, shares 0): only what holds for any timings is asserted of it.
     for cost in (CostModel.from_params(target), CostModel.measure(target, gamma=4, repeats=3)):
         assert cost.draft_cost(LayerSkip()) == pytest.approx(1.0)
         assert cost.draft_cost(LayerSkip(attn={0, 1, 2}, mlp={0, 1, 2})) == pytest.approx(cost.fixed)
-        assert 0 < cost.fixed < 1 and cost.attn_share > 0 and cost.mlp_share > 0
+        assert cost.fixed + 3 * (cost.attn_share + cost.mlp_share) == pytest.approx(1.0)
+        assert 0 < cost.fixed <= 1 and cost.attn_share >= 0 and cost.mlp_share >= 0
         assert cost.verify_extra >= 0
     p = CostModel.from_params(target)  # hidden 64, 4 heads / 2 kv heads of 16, intermediate 128, vocab 256
     attn, mlp, head = 64 * (64 + 2 * 32) + 64 * 64, 3 * 64 * 128, 64 * 256
