@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,35 @@ def _read_parts(cache_dir: Path) -> dict[int, list[int]]:
     return done
 
 
-@torch.inference_mode()
-def _generate_batch(
-    model: Any, batch: list[list[int]], pad_id: int, stop_ids: frozenset[int], sampler: Sampler, **kw: Any
-) -> list[list[int]]:
+def _batch_generator(
+    model: Any,
+    *,
+    pad_id: int,
+    stop_ids: frozenset[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+) -> Callable[[list[list[int]]], list[list[int]]]:
+    """A batch of prompts -> their responses: the runtime's generate_batch for a specdec_runtime
+    Decoder (sampling from its own Sampler), transformers' generate for a transformers model."""
     if isinstance(model, Decoder):
-        n = kw["max_new_tokens"]
-        return generate_batch(model, batch, sampler, max_new_tokens=n, stop_ids=stop_ids, pad_id=pad_id)
+        sampler = Sampler(temperature, top_p=top_p, seed=seed, device=model.device)
+        return partial(
+            generate_batch, model, sampler=sampler, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id
+        )
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    )
+    return partial(
+        _transformers_batch, model, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, **sampling
+    )
+
+
+@torch.inference_mode()
+def _transformers_batch(
+    model: Any, batch: list[list[int]], *, pad_id: int, stop_ids: frozenset[int], **kw: Any
+) -> list[list[int]]:
     T = max(len(p) for p in batch)
     ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -99,25 +122,16 @@ def generate_responses(
         part = (cache_dir / f"part-{rank}-of-{world}-{os.getpid()}.jsonl").open("a")
     todo = [i for i in range(len(prompts)) if i % world == rank and i not in done]
     todo.sort(key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
-    sampling = (
-        {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-    )
     torch.manual_seed(seed + rank)  # transformers' sampling; the runtime's draws from its sampler
-    device = model.device if isinstance(model, Decoder) else "cpu"
-    sampler = Sampler(temperature, top_p=top_p, seed=seed + rank, device=device)
+    generate = _batch_generator(
+        model, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_p=top_p, seed=seed + rank,
+    )  # fmt: skip
     bar = progress(len(todo), len(prompts)) if progress else None
     mine: dict[int, list[int]] = {}
     for b in range(0, len(todo), batch_size):
         idx = todo[b : b + batch_size]
-        outs = _generate_batch(
-            model,
-            [list(prompts[i]) for i in idx],
-            pad_id,
-            stop_ids,
-            sampler,
-            max_new_tokens=max_new_tokens,
-            **sampling,
-        )
+        outs = generate([list(prompts[i]) for i in idx])
         for i, r in zip(idx, outs):
             mine[i] = r
             if part is not None:

@@ -40,7 +40,7 @@ def test_cache_resumes_an_interrupted_run_and_is_reused(tmp_path, monkeypatch):
     model = tiny_hf_model(seed=2)
     kw = dict(pad_id=0, stop_ids=frozenset({2}), max_new_tokens=8, batch_size=2, cache_dir=tmp_path)
     want = R.generate_responses(model, PROMPTS, **{**kw, "cache_dir": None})
-    real, calls = R._generate_batch, []
+    real, calls = R._transformers_batch, []
 
     def dies_after_two(*a, **k):
         if len(calls) == 2:
@@ -48,12 +48,12 @@ def test_cache_resumes_an_interrupted_run_and_is_reused(tmp_path, monkeypatch):
         calls.append(a[1])
         return real(*a, **k)
 
-    monkeypatch.setattr(R, "_generate_batch", dies_after_two)
+    monkeypatch.setattr(R, "_transformers_batch", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
         R.generate_responses(model, PROMPTS, **kw)
     assert not (tmp_path / R.DONE).exists()
     calls.clear()
-    monkeypatch.setattr(R, "_generate_batch", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(R, "_transformers_batch", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     assert R.generate_responses(model, PROMPTS, **kw) == want
     assert sum(len(b) for b in calls) == 1  # only the prompt not finished before the interruption
     assert (tmp_path / R.DONE).is_file() and not list(tmp_path.glob("part-*"))
