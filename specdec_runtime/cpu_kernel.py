@@ -4,8 +4,8 @@ A decode step multiplies one row by every weight matrix, so it is bound by readi
 MKL computes a one-row fp32 product on one core (16.6 GB/s on the developers' 2-core EPYC, with 1
 thread or 2, where two cores stream 28-34 GB/s), and its products of 2-16 rows re-read the weight
 for every few rows. `csrc/skinny.c` streams each weight once, split over torch's own OpenMP threads,
-for 1 to MAX_ROWS rows, from a copy packed in pairs of rows (pack(): one load of x feeds two weight
-rows; fp32, or bf16 for a drafter's weights), up to 12 rows a pass from registers, the stream
+for 1 to MAX_ROWS rows, from a copy packed in quads of rows (pack(): one load of x feeds four
+independent sums; fp32, or bf16 for a drafter's weights), up to 12 rows a pass from registers, the stream
 prefetched far ahead while the rows' multiply-adds run, so up to ~9 rows cost about what one row
 costs and a prompt's prefill of up to 128 rows runs faster than MKL's GEMM. It sums every output
 in one fixed order whatever the row count: row for row, a verify step's products (and a prefill's)
@@ -185,14 +185,14 @@ def reads_bf16_weights(device: torch.device) -> bool:
 
 
 def pack(w: Tensor, bf16: bool = False) -> Tensor:
-    """W [K, N] (in, out) as skinny.c reads it: W^T's rows in pairs, each pair's two rows as
-    alternating 8-element chunks of K, K padded to a multiple of 8 and N to even with zeros:
-    [ceil(N / 2), 2 * K8], streamed once in order by a product. fp32, or rounded to bf16 (half the
-    bytes, widened exactly in the kernel: for a drafter, whose weights need not be exact)."""
+    """W [K, N] (in, out) as skinny.c reads it: W^T's rows in quads, each quad's four rows as
+    alternating 8-element chunks of K, K padded to a multiple of 8 and N to a multiple of 4 with
+    zeros: [ceil(N / 4), 4 * K8], streamed once in order by a product. fp32, or rounded to bf16
+    (half the bytes, widened exactly in the kernel: for a drafter, whose weights need not be exact)."""
     K, N = w.shape
-    padded = torch.nn.functional.pad(w.detach(), (0, N % 2, 0, -K % 8))
-    K8, N2 = padded.shape[0], padded.shape[1] // 2
-    packed = padded.view(K8 // 8, 8, N2, 2).permute(2, 0, 3, 1).reshape(N2, 2 * K8)
+    padded = torch.nn.functional.pad(w.detach(), (0, -N % 4, 0, -K % 8))
+    K8, N4 = padded.shape[0], padded.shape[1] // 4
+    packed = padded.view(K8 // 8, 8, N4, 4).permute(2, 0, 3, 1).reshape(N4, 4 * K8)
     return packed.to(torch.bfloat16) if bf16 else packed
 
 

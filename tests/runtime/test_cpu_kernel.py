@@ -24,15 +24,15 @@ def packed(wt, bias=None):
 
 
 def test_pack_layout():
-    """W^T's rows in pairs, alternating 8-float chunks, K padded to 8 and N to even with zeros."""
-    wt = torch.arange(3 * 10, dtype=torch.float32).view(3, 10)  # N 3, K 10
+    """W^T's rows in quads, alternating 8-float chunks, K padded to 8 and N to a multiple of 4 with zeros."""
+    wt = torch.arange(5 * 10, dtype=torch.float32).view(5, 10)  # N 5, K 10
     p = cpu_kernel.pack(wt.t())
     zeros = [0.0] * 6
-    row = lambda n: wt[n].tolist() if n < 3 else [0.0] * 10  # noqa: E731
-    for pair in range(2):
-        a, b = row(2 * pair), row(2 * pair + 1)
-        assert p[pair].tolist() == a[:8] + b[:8] + a[8:] + zeros + b[8:] + zeros
-    assert p.shape == (2, 32)
+    row = lambda n: wt[n].tolist() if n < 5 else [0.0] * 10  # noqa: E731
+    for quad in range(2):
+        rows = [row(4 * quad + r) for r in range(4)]
+        assert p[quad].tolist() == sum((r[:8] for r in rows), []) + sum((r[8:] + zeros for r in rows), [])
+    assert p.shape == (2, 64)
 
 
 def product64(x, wt, bias=None, residual=None):
