@@ -227,6 +227,16 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int] | frozenset[int]) -> list[
     return tokens
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Prompts left-padded to the longest: (ids [B, T] with every row's last prompt token at T - 1,
+    each row's first prompt position [B])."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+    return ids, torch.tensor([T - len(p) for p in prompts])
+
+
 @torch.inference_mode()
 def generate_batch(
     target: Decoder,
@@ -244,15 +254,13 @@ def generate_batch(
     for the same prompt but for rounding (a step's products see several rows; tested)."""
     if max_new_tokens < 1 or not prompts:
         raise SpecdecError(f"need prompts and max_new_tokens >= 1 (got {len(prompts)}, {max_new_tokens})")
-    B, T, device = len(prompts), max(len(p) for p in prompts), target.device
     if min(len(p) for p in prompts) == 0:
         raise SpecdecError("a prompt is empty after tokenization")
+    ids, starts = left_padded(prompts, pad_id)
+    (B, T), device = ids.shape, target.device
     check_fits(T, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long)
     target.setup_cache(B, T + max_new_tokens)
-    target.left_pad(torch.tensor([T - len(p) for p in prompts], device=device))
+    target.left_pad(starts.to(device))
     stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
     token = sampler.next_token(target.prefill(ids.to(device), logits_to_keep=1).logits[:, -1])  # [B]
     out, done = [token], torch.isin(token, stops)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdec_runtime.generate import cut_at_stop, generate_batch
+from specdec_runtime.generate import cut_at_stop, generate_batch, left_padded
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
 
@@ -80,12 +80,9 @@ def _batch_generator(
 def _transformers_batch(
     model: Any, batch: list[list[int]], *, pad_id: int, stop_ids: frozenset[int], **kw: Any
 ) -> list[list[int]]:
-    T = max(len(p) for p in batch)
-    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for b, p in enumerate(batch):  # left padding: every row's last prompt token is at T - 1
-        ids[b, T - len(p) :] = torch.tensor(p)
-        attn[b, T - len(p) :] = 1
+    ids, starts = left_padded(batch, pad_id)
+    T = ids.shape[1]
+    attn = (torch.arange(T)[None] >= starts[:, None]).long()
     dev = next(model.parameters()).device
     out = model.generate(
         input_ids=ids.to(dev), attention_mask=attn.to(dev), pad_token_id=pad_id, eos_token_id=sorted(stop_ids), **kw

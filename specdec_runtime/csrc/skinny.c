@@ -44,8 +44,8 @@ static inline float f32_float(f32 v) { return v; }
 /* MR rows of x against the R of one quad's 4 rows that start at row h (R = 4: the whole quad, in
    one pass; R = 2: its halves in turn, where 4 * MR accumulators would not fit in registers; w:
    the quad's 4 * K8 elements): R * MR accumulators (the compiler unrolls the constant loops and
-   keeps them in registers). `rows`: how many
-   of the quad's rows are real (N not a multiple of 4: the last quad's others are padding). */
+   keeps them in registers). `rows`: how many of the quad's rows are real (N not a multiple of 4:
+   the last quad's others are padding). */
 #define LINES(T) (int)(32 * sizeof(T) / 64) /* 64-byte lines a step of a quad reads: 2 fp32, 1 bf16 */
 #define TILE(T, MR, R)                                                                                  \
     static void tile_##T##_##MR(const float *x, const void *wp, long K, float *y, long N, int rows,     \
@@ -71,8 +71,9 @@ static inline float f32_float(f32 v) { return v; }
             }                                                                                           \
             for (int m = 0; m < MR; m++)                                                                \
                 for (int r = 0; r < R && h + r < rows; r++) {                                           \
+                    const T *tail = w + 4 * k + 8 * r; /* row r's last chunk: K - k values, then zeros */  \
                     float s = hsum(a[m][r]);                                                            \
-                    for (long j = k; j < K; j++) s = fmaf(T##_float(w[3 * k + 8 * r + j]), x[m * K + j], s); \
+                    for (long j = k; j < K; j++) s = fmaf(T##_float(tail[j - k]), x[m * K + j], s);     \
                     if (bias) s += bias[h + r];                                                         \
                     if (res) s += res[m * N + h + r];                                                   \
                     y[m * N + h + r] = s;                                                               \

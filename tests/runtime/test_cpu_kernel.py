@@ -46,11 +46,11 @@ def product64(x, wt, bias=None, residual=None):
 
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 25, 128])
-@pytest.mark.parametrize("K,N", [(64, 96), (72, 61), (576, 960), (9, 5), (16, 1)])
+@pytest.mark.parametrize("K,N", [(64, 96), (72, 61), (576, 960), (9, 5), (16, 1), (44, 6), (27, 7)])
 def test_against_float64(M, K, N):
     """Every row-count / tile shape (one pass of up to 6 or 12 rows, several passes of equal rows),
     K with and without a tail past the 16-wide steps, N not a multiple of the tiles' widths nor of
-    the tasks' 16 rows; with bias and residual."""
+    the tasks' 16 rows (a last quad of 1, 2 and 3 real rows); with bias and residual."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     x, wt = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
