@@ -5,12 +5,14 @@
     data = conversations(cfg, run)                # the conversation recipes' train / validation prompts
     target = load_target(cfg, run)                # the HF target, frozen, in model.dtype
     examples, prompts = training_examples(cfg, run, target, data)
-    optimizer, scheduler = make_optimizer_from(cfg, params)
+    horizon = make_horizon(cfg, run)             # trainer.max_steps, or what fits trainer.max_minutes
+    optimizer, scheduler = make_optimizer_from(cfg, params, horizon)
     tracker = make_tracker(cfg, run, "medusa")
-    resumed = resume(cfg, run, optimizer, scheduler)   # + config.yaml, what runs from here on
-    progress = make_progress(cfg, run, tracker, resumed.step, "medusa", postfix=("loss",))
+    resumed = resume(cfg, run, optimizer, scheduler, horizon)   # + config.yaml, what runs from here on
+    progress = make_progress(cfg, run, tracker, resumed.step, horizon, "medusa", postfix=("loss",))
     batches = make_batches(cfg, run, examples)
-    ... the recipe's own loop (optimizer_step, progress.update, save_checkpoint, validation_due) ...
+    for step in horizon.steps_from(resumed.step):
+        ... the recipe's own loop (optimizer_step, progress.update, save_checkpoint, validation_due) ...
     finish(cfg, run, result, export, cmd, tracker, "medusa")  # metrics.json, Hub push, W&B artifact, closing lines
 
 Recipe files keep what is particular to them (models, losses, validation, export) and write their
@@ -53,7 +55,7 @@ from train.data import (
 )
 from train.export import push_to_hub
 from train.launch import MIXED_PRECISION, make_accelerator, whole
-from train.loop import Progress, hyperparameters, make_optimizer, restore_hyperparameters
+from train.loop import Horizon, Progress, hyperparameters, make_optimizer, restore_hyperparameters
 from train.responses import DONE as RESPONSES_DONE
 from train.responses import cache_key, generate_responses
 from train.run_folder import RunLock, config_changes, describe_changes, truncate_log, write_config
@@ -72,6 +74,9 @@ def check_trainer(cfg: DictConfig) -> list[str]:
     for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
         if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
             problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
+    minutes = cfg.trainer.get("max_minutes")
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes <= 0):
+        problems.append(f"trainer.max_minutes={minutes} must be a positive number of minutes (or null: no limit)")
     if cfg.validate.max_new_tokens < 1:
         problems.append("validate.max_new_tokens must be >= 1")
     if cfg.device not in ("auto", "cpu"):
@@ -179,6 +184,7 @@ class Run:
 RESUMABLE = (
     "output_dir",
     "trainer.max_steps",
+    "trainer.max_minutes",
     "trainer.log_every",
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
@@ -391,8 +397,16 @@ def training_examples(
 # ---------------------------------------------------------------- the loop's pieces
 
 
-def make_optimizer_from(cfg: DictConfig, params: Any) -> tuple[Any, Any]:
-    """AdamW and its schedule from cfg.optim over cfg.trainer.max_steps (params: parameters or
+def make_horizon(cfg: DictConfig, run: Run) -> Horizon:
+    """The steps the run trains: trainer.max_steps, cut once at the end of the warm-up (at least 10
+    steps in) to what fits trainer.max_minutes, every process taking rank 0's decision."""
+    agree = lambda n: broadcast_object_list([n])[0]  # noqa: E731
+    decide_at = max(cfg.optim.warmup_steps, 10)
+    return Horizon(cfg.trainer.max_steps, cfg.trainer.get("max_minutes"), decide_at, agree=agree, say=run.say)
+
+
+def make_optimizer_from(cfg: DictConfig, params: Any, horizon: Horizon) -> tuple[Any, Any]:
+    """AdamW and its schedule from cfg.optim over the horizon's steps (params: parameters or
     groups, see train.loop.make_optimizer)."""
     o = cfg.optim
     return make_optimizer(
@@ -400,7 +414,7 @@ def make_optimizer_from(cfg: DictConfig, params: Any) -> tuple[Any, Any]:
         lr=o.lr,
         weight_decay=o.weight_decay,
         warmup_steps=o.warmup_steps,
-        max_steps=cfg.trainer.max_steps,
+        max_steps=horizon,
         schedule=o.schedule,
         betas=tuple(o.betas),
         min_lr_ratio=o.min_lr_ratio,
@@ -431,12 +445,14 @@ class Resumed:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # a recipe's own tensors
 
 
-def resume(cfg: DictConfig, run: Run, optimizer: Any, scheduler: Any) -> Resumed:
-    """Restore the newest intact checkpoint (trainer.resume) into the prepared objects, with the
-    configured optimizer settings; then record what runs from here on: config.yaml (the changed
-    settings in config_history.jsonl) and log.jsonl cut back to the checkpoint's step."""
+def resume(cfg: DictConfig, run: Run, optimizer: Any, scheduler: Any, horizon: Horizon) -> Resumed:
+    """Restore the newest intact checkpoint (trainer.resume) into the prepared objects and the
+    horizon (its cut), with the configured optimizer settings; then record what runs from here on:
+    config.yaml (the changed settings in config_history.jsonl) and log.jsonl cut back to the
+    checkpoint's step. Checkpoints record the horizon as state["horizon"]."""
     configured = hyperparameters(optimizer)
     step, state, extra = checkpoint.resume(run.accelerator, run.checkpoints) if cfg.trainer.resume else (0, {}, {})
+    horizon.restore(state.get("horizon"))  # before the schedule's learning rate is recomputed
     restore_hyperparameters(optimizer, scheduler, configured)
     if run.main:
         write_config(run.out, OmegaConf.to_yaml(cfg, resolve=True), run.changes, step)
@@ -466,23 +482,24 @@ def make_batches(cfg: DictConfig, run: Run, examples: list[Any]) -> Batches:
 
 
 def make_progress(
-    cfg: DictConfig, run: Run, tracker: Tracker, start_step: int, desc: str, postfix: tuple[str, ...]
+    cfg: DictConfig, run: Run, tracker: Tracker, start_step: int, horizon: Horizon, desc: str, postfix: tuple[str, ...]
 ) -> Progress:
-    """The progress bar and train/* log of steps start_step..trainer.max_steps (says what it trains)."""
+    """The progress bar and train/* log of steps start_step..the horizon (says what it trains)."""
     T, acc = cfg.trainer, run.accelerator
-    if start_step < T.max_steps:
+    if start_step < horizon.steps:
+        limit = f", at most {T.max_minutes:g} min (trainer.max_minutes)" if T.get("max_minutes") else ""
         run.say(
-            f"training steps {start_step}..{T.max_steps} ({acc.num_processes} processes, "
-            f"global batch {T.micro_batch * T.grad_accum * acc.num_processes})"
+            f"training steps {start_step}..{horizon.steps} ({acc.num_processes} processes, "
+            f"global batch {T.micro_batch * T.grad_accum * acc.num_processes}{limit})"
         )
     return Progress(
-        tracker, start=start_step, total=T.max_steps, log_every=T.log_every, desc=desc, postfix=postfix, show=run.main
+        tracker, start=start_step, total=horizon, log_every=T.log_every, desc=desc, postfix=postfix, show=run.main
     )
 
 
-def validation_due(cfg: DictConfig, done: int) -> bool:
-    """A validation during training after `done` steps (the final one runs after the loop)."""
-    return bool(cfg.validate.every) and done % cfg.validate.every == 0 and done < cfg.trainer.max_steps
+def validation_due(cfg: DictConfig, done: int, last: int) -> bool:
+    """A validation during training after `done` of `last` steps (the final one runs after the loop)."""
+    return bool(cfg.validate.every) and done % cfg.validate.every == 0 and done < last
 
 
 # ---------------------------------------------------------------- the end

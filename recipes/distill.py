@@ -24,6 +24,7 @@ from recipes.common import (
     generation_kwargs,
     load_target,
     make_batches,
+    make_horizon,
     make_optimizer_from,
     make_progress,
     make_tracker,
@@ -90,19 +91,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     drafter = build_drafter(cfg, run, target)
     examples, prompts = training_examples(cfg, run, target, data)  # on-policy: none yet (the loop makes them)
     vocab_ids = draft_vocabulary(cfg, run, drafter, target, examples, prompts)
-    optimizer, scheduler = make_optimizer_from(cfg, [p for p in drafter.parameters() if p.requires_grad])
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    optimizer, scheduler = make_optimizer_from(cfg, [p for p in drafter.parameters() if p.requires_grad], horizon)
     student, optimizer, scheduler = accelerator.prepare(SelectedLogits(drafter), optimizer, scheduler)
     loss = Distillation(SelectedLogits(target), student, vocab_ids, cfg.loss, run)
     tracker = make_tracker(cfg, run, "distill")
-    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
+    resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
     if on_policy and "ids" in resumed.extra:
         examples = unpack(resumed.extra)
     validation = Validation(cfg, run, data, target, student, vocab_ids, tracker)
 
     # ---------------------------------------------------------------- loop
-    progress = make_progress(cfg, run, tracker, resumed.step, "distill", postfix=("loss", "acceptance_est"))
+    progress = make_progress(cfg, run, tracker, resumed.step, horizon, "distill", postfix=("loss", "acceptance_est"))
     batches, stats, history = None, resumed.stats, resumed.history
-    for step in range(resumed.step, T.max_steps):
+    for step in horizon.steps_from(resumed.step):
         if on_policy and (step % r.refresh_every == 0 or not examples):  # the drafter's own samples
             examples, batches = drafter_responses(cfg, run, student, prompts, step), None
         batches = batches or make_batches(cfg, run, examples)
@@ -110,24 +112,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         stats["acceptance_est"] = 1 - stats["tvd"]
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, T.max_steps):
+        if every(T.checkpoint_every, done, horizon.steps):
             tensors = pack(examples) if on_policy else None
-            state = {"stats": stats, "history": history}
+            state = {"stats": stats, "history": history, "horizon": horizon.state()}
             save_checkpoint(
                 accelerator, run.checkpoints, step=done, state=state, tensors=tensors, keep=T.keep_checkpoints
             )
-        if validation_due(cfg, done):
+        if validation_due(cfg, done, horizon.steps):
             history.append({"step": done, **validation(done)})
     progress.close()
 
     # ---------------------------------------------------------------- validate
-    metrics = validation(T.max_steps)
-    result = {"validation": metrics, "train": stats, "history": history, "step": T.max_steps}
+    metrics = validation(horizon.steps)
+    result = {"validation": metrics, "train": stats, "history": history, "step": horizon.steps}
 
     # ---------------------------------------------------------------- export
     model = validation.trained()
     if run.main:
-        export = write_export(cfg, run, model, vocab_ids, metrics, len(examples), launch)
+        export = write_export(cfg, run, model, vocab_ids, metrics, len(examples), launch, horizon.steps)
         cmd = f"specdec generate --target {cfg.model.name} --drafter {export} --gamma {cfg.validate.gamma} --baseline"
         finish(cfg, run, result, export, cmd, tracker, "distill")
     tracker.finish()
@@ -296,6 +298,7 @@ def write_export(
     metrics: dict[str, Any],
     n_examples: int,
     launch: str,
+    steps: int,
 ) -> Any:
     """export/: a plain HF folder (+ draft_vocab.safetensors) with a model card."""
     d, acc = model.config, run.accelerator
@@ -309,7 +312,7 @@ def write_export(
             "loss": _loss_name(cfg.loss),
             "responses": cfg.responses.source,
             "examples": n_examples,
-            "steps": cfg.trainer.max_steps,
+            "steps": steps,
             "global batch": cfg.trainer.micro_batch * cfg.trainer.grad_accum * acc.num_processes,
             "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
             "processes": f"{acc.num_processes} ({launch})",

@@ -30,6 +30,7 @@ from recipes.common import (
     finish,
     load_target,
     make_batches,
+    make_horizon,
     make_optimizer_from,
     make_progress,
     make_tracker,
@@ -100,37 +101,40 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     head_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(run.device)]
     embed = target.get_input_embeddings().weight.detach()
     training = Eagle3Training(model, embed, head_rows, steps=e.ttt_steps, decay=e.step_decay, ranks=cfg.validate.top_k)
-    optimizer, scheduler = make_optimizer_from(cfg, [p for p in model.parameters() if p.requires_grad])
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    optimizer, scheduler = make_optimizer_from(cfg, [p for p in model.parameters() if p.requires_grad], horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(training, optimizer, scheduler)
     loss = TTTLoss(wrapped, run, target, config, e.prompt_loss)
     tracker = make_tracker(cfg, run, "eagle3")
-    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
+    resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
     validation = Validation(cfg, run, data, target, accelerator.unwrap_model(wrapped), held_out, loss, tracker)
 
     # ---------------------------------------------------------------- loop
     steps = [f"step{k}" for k in range(e.ttt_steps)]
-    progress = make_progress(cfg, run, tracker, resumed.step, "eagle3", ("loss", "step0/top1", f"{steps[-1]}/top1"))
+    progress = make_progress(
+        cfg, run, tracker, resumed.step, horizon, "eagle3", ("loss", "step0/top1", f"{steps[-1]}/top1")
+    )
     batches, stats, history = make_batches(cfg, run, examples), resumed.stats, resumed.history
-    for step in range(resumed.step, T.max_steps):
+    for step in horizon.steps_from(resumed.step):
         stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
         per_group_rates(stats, steps)
         stats["tau_estimate"] = tau_estimate([stats[f"{s}/top1"] for s in steps])  # training data
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, T.max_steps):
-            state = {"stats": stats, "history": history}
+        if every(T.checkpoint_every, done, horizon.steps):
+            state = {"stats": stats, "history": history, "horizon": horizon.state()}
             save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
-        if validation_due(cfg, done):
+        if validation_due(cfg, done, horizon.steps):
             history.append({"step": done, **validation(done)})
     progress.close()
 
     # ---------------------------------------------------------------- validate
-    metrics = validation(T.max_steps)
-    result = {"validation": metrics, "train": stats, "history": history, "step": T.max_steps}
+    metrics = validation(horizon.steps)
+    result = {"validation": metrics, "train": stats, "history": history, "step": horizon.steps}
 
     # ---------------------------------------------------------------- export
     if run.main:
-        export = write_export(cfg, run, validation.model, metrics, len(examples))
+        export = write_export(cfg, run, validation.model, metrics, len(examples), horizon.steps)
         spec = f"{export}{LOOKUP}" if cfg.validate.lookup else export
         finish(cfg, run, result, export, f"specdec generate --target {cfg.model.name} --drafter {spec} --baseline",
                tracker, "eagle3")  # fmt: skip
@@ -285,7 +289,9 @@ class Validation:
         return metrics
 
 
-def write_export(cfg: DictConfig, run: Run, model: Eagle3Model, metrics: dict[str, Any], n_examples: int) -> Path:
+def write_export(
+    cfg: DictConfig, run: Run, model: Eagle3Model, metrics: dict[str, Any], n_examples: int, steps: int
+) -> Path:
     """export/: the speculators folder (config.json, model.safetensors) and a model card."""
     e, v = cfg.eagle3, cfg.validate
     card = Card(
@@ -299,7 +305,7 @@ def write_export(cfg: DictConfig, run: Run, model: Eagle3Model, metrics: dict[st
             "init": e.init,
             "responses": cfg.responses.source,
             "examples": n_examples,
-            "steps": cfg.trainer.max_steps,
+            "steps": steps,
             "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
             "validation drafts": (
                 f"tree of {v.tree_budget} nodes, depth {v.gamma}, top-{v.top_k}"

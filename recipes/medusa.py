@@ -30,6 +30,7 @@ from recipes.common import (
     finish,
     load_target,
     make_batches,
+    make_horizon,
     make_optimizer_from,
     make_progress,
     make_tracker,
@@ -136,29 +137,30 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     model, groups = build_model(cfg, run, target)
     if m.cache_hidden:  # Medusa-1: the frozen target runs once per example, not once per epoch
         examples = hidden_states(cfg, run, target, examples)
-    optimizer, scheduler = make_optimizer_from(cfg, groups)
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    optimizer, scheduler = make_optimizer_from(cfg, groups, horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     loss = HeadsLoss(wrapped, run, m.cache_hidden)
     tracker = make_tracker(cfg, run, "medusa")
-    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
+    resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
 
     # ---------------------------------------------------------------- loop
     postfix = ("loss", "head1/top1", f"head{m.num_heads}/top1")
-    progress = make_progress(cfg, run, tracker, resumed.step, m.mode, postfix)
+    progress = make_progress(cfg, run, tracker, resumed.step, horizon, m.mode, postfix)
     batches, stats = make_batches(cfg, run, examples), resumed.stats
-    for step in range(resumed.step, T.max_steps):
+    for step in horizon.steps_from(resumed.step):
         stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
         per_group_rates(stats, [f"head{k}" for k in range(1, m.num_heads + 1)])
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, T.max_steps):
-            state = {"stats": stats, "history": []}
+        if every(T.checkpoint_every, done, horizon.steps):
+            state = {"stats": stats, "history": [], "horizon": horizon.state()}
             save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
     progress.close()
 
     # ---------------------------------------------------------------- calibrate + validate
     trained = accelerator.unwrap_model(wrapped).eval()
-    result: dict[str, Any] = {"train": stats, "history": [], "step": T.max_steps}
+    result: dict[str, Any] = {"train": stats, "history": [], "step": horizon.steps}
     tree, served = None, None
     if run.main:
         served = adapted_target(trained) if trained.joint else target  # what tree decoding runs on (merged once)
@@ -168,7 +170,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
         numbers = {f"val/{k}": v for k, v in result["validation"].items() if isinstance(v, int | float)}
         if numbers:
-            tracker.log(numbers, T.max_steps)
+            tracker.log(numbers, horizon.steps)
     accelerator.wait_for_everyone()
 
     # ---------------------------------------------------------------- export
@@ -378,7 +380,7 @@ def write_export(
             "heads": f"{m.num_heads} x {m.num_layers} residual block(s)" + (", shared lm_head" * m.share_lm_head),
             "tree": f"{len(tree)} nodes, depth {tree.depth}" if tree is not None else "-",
             "responses": cfg.responses.source,
-            "steps": cfg.trainer.max_steps,
+            "steps": result["step"],
             "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
         },
         metrics=result.get("validation") or None,

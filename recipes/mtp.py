@@ -28,6 +28,7 @@ from recipes.common import (
     check_trainer,
     finish,
     make_batches,
+    make_horizon,
     make_optimizer_from,
     make_progress,
     make_tracker,
@@ -201,38 +202,41 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
         f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {m.trainable}), {m.backward} backward"
     )
-    optimizer, scheduler = make_optimizer_from(cfg, trainable)
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    optimizer, scheduler = make_optimizer_from(cfg, trainable, horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     model = accelerator.unwrap_model(wrapped)
     tracker = make_tracker(cfg, run, "mtp")
     backward = make_backward_fn(accelerator, wrapped, weights, sequential)
     held_out = HeldOut(model, val_seqs[: cfg.validate.eval_sequences], T.micro_batch, accelerator, tracker)
-    resumed = resume(cfg, run, optimizer, scheduler)  # + config.yaml: what runs from here on
+    resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
 
     # ---------------------------------------------------------------- loop
-    progress = make_progress(cfg, run, tracker, resumed.step, "mtp", postfix=("loss", "loss_0", f"acc_{n - 1}"))
+    progress = make_progress(
+        cfg, run, tracker, resumed.step, horizon, "mtp", postfix=("loss", "loss_0", f"acc_{n - 1}")
+    )
     batches, stats, history = make_batches(cfg, run, examples), resumed.stats, resumed.history
-    for step in range(resumed.step, T.max_steps):
+    for step in horizon.steps_from(resumed.step):
         micro = batches.step(step)
         stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, micro, None, T.max_grad_norm,
                                backward_fn=backward)  # fmt: skip
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, T.max_steps):
-            state = {"stats": stats, "history": history}
+        if every(T.checkpoint_every, done, horizon.steps):
+            state = {"stats": stats, "history": history, "horizon": horizon.state()}
             save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
-        if validation_due(cfg, done):
+        if validation_due(cfg, done, horizon.steps):
             history.append({"step": done, **held_out(done)})
     progress.close()
 
     # ---------------------------------------------------------------- evaluate + validate
     model.eval()
-    heldout = held_out(T.max_steps)
+    heldout = held_out(horizon.steps)
     run.say(
         "held-out per head: "
         + ", ".join(f"{i}: loss {heldout[f'loss_{i}']:.3f} acc {heldout[f'acc_{i}']:.2f}" for i in range(n))
     )
-    result: dict[str, Any] = {"train": stats, "history": history, "heldout": heldout}
+    result: dict[str, Any] = {"train": stats, "history": history, "heldout": heldout, "step": horizon.steps}
     if run.main and cfg.validate.enabled and n > 1:
         result["validation"] = validate_mtp(cfg, run, model, val_seqs)
 
@@ -343,7 +347,7 @@ def write_export(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any
             "trunk layers": model.trunk_layers,
             "trainable": m.trainable,
             "loss weights": loss_weights(cfg),
-            "steps": cfg.trainer.max_steps,
+            "steps": result["step"],
             "sequence length": cfg.trainer.max_seq_len,
             "held-out loss per head": [heldout[f"loss_{i}"] for i in range(n)],
             "held-out top-1 per head": [heldout[f"acc_{i}"] for i in range(n)],

@@ -1,12 +1,14 @@
 """The pieces a recipe's training loop calls (the loop itself is written out in each recipe).
 
-    optimizer, scheduler = make_optimizer(params, lr=3e-4, weight_decay=0.0, warmup_steps=10, max_steps=100)
+    horizon = Horizon(100, max_minutes=5.0, decide_at=10)  # 100 steps, or what fits 5 minutes
+    optimizer, scheduler = make_optimizer(params, lr=3e-4, weight_decay=0.0, warmup_steps=10, max_steps=horizon)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    progress = Progress(tracker, start=0, total=100, log_every=10, desc="distill", postfix=("loss",), show=True)
-    for step in range(start, max_steps):
+    horizon.restore(checkpoint_state.get("horizon"))       # a resumed run keeps its cut
+    progress = Progress(tracker, start=0, total=horizon, log_every=10, desc="distill", postfix=("loss",), show=True)
+    for step in horizon.steps_from(start):
         stats = optimizer_step(accelerator, model, optimizer, scheduler, batches.step(step), loss_fn, max_grad_norm=1.0)
         progress.update(step + 1, stats)                   # the bar, and train/* in the log every log_every steps
-        if every(checkpoint_every, step + 1, max_steps): save_checkpoint(...)
+        if every(checkpoint_every, step + 1, horizon.steps): save_checkpoint(..., state={"horizon": horizon.state()})
     progress.close()
 
 loss_fn(micro_batch) returns (loss summed over its tokens, token count, {metric: sum over tokens}).
@@ -20,7 +22,7 @@ accumulation steps and DDP averages over processes; both are undone here).
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,13 +33,79 @@ LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
 BackwardFn = Callable[[Any, float], tuple[Tensor, dict[str, Tensor]]]
 
 
+class Horizon:
+    """How many steps a run trains: max_steps, or fewer where max_minutes is given and the run's
+    first steps say they would not fit. The cut is made once, when decide_at - 1 steps are done (the
+    warm-up's: no step already taken had a schedule over another horizon), at the rate of the
+    steps since the first (which pays for warm-up work), the time counting from the loop's start;
+    it never cuts below decide_at. A checkpoint records it (state()), so a resumed run keeps the same
+    steps and schedule. agree(n) -> n: every process takes rank 0's decision (a broadcast); say:
+    where the decision is told."""
+
+    def __init__(
+        self,
+        max_steps: int,
+        max_minutes: float | None = None,
+        decide_at: int = 10,
+        *,
+        agree: Callable[[int], int] = lambda n: n,
+        say: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if max_minutes is not None and max_minutes <= 0:
+            raise ValueError(f"trainer.max_minutes={max_minutes}: give a positive number of minutes, or null for none")
+        self.configured = self.steps = max_steps
+        self.max_minutes, self.decide_at = max_minutes, max(decide_at, 3)
+        self.agree, self.say, self.clock = agree, say, clock
+        self.decided = max_minutes is None
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint records: the configured steps and the steps this run takes."""
+        return {"max_steps": self.configured, "steps": self.steps, "decided": self.decided}
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        """A checkpoint's state(): its cut holds while max_steps is the one it was made for (a
+        resumed run given another trainer.max_steps takes that, uncut)."""
+        if saved and saved.get("max_steps") == self.configured:
+            self.steps, self.decided = saved["steps"], saved["decided"] or self.decided
+
+    def steps_from(self, start: int) -> Iterator[int]:
+        """The step indices start, start + 1, ... up to the horizon. The cut is decided before step
+        decide_at - 1 runs, so that the loop body of every step, the last one included, sees the
+        final horizon (its checkpoint, its log line)."""
+        timed = not self.decided and start + 2 < self.decide_at  # a decision ahead, with steps to time
+        step, began, first = start, self.clock() if timed else 0.0, 0.0
+        while step < self.steps:
+            if timed and step == start + 1:
+                first = self.clock()
+            if timed and step == self.decide_at - 1:
+                self._decide(step, self.clock() - began, (self.clock() - first) / (step - start - 1))
+            yield step
+            step += 1
+
+    def _decide(self, done: int, elapsed: float, per_step: float) -> None:
+        """After `done` steps that took `elapsed` seconds, the later ones `per_step` each."""
+        fit = done + int(max(60 * self.max_minutes - elapsed, 0) / per_step)
+        steps = self.agree(min(self.steps, max(fit, done + 1)))
+        self.decided = True
+        need = elapsed + (self.steps - done) * per_step
+        if steps < self.steps:
+            self.say(
+                f"trainer.max_minutes={self.max_minutes:g}: {self.steps} steps would take ~{need / 60:.1f} min "
+                f"at {per_step:.2f} s a step here; training {steps} steps (the schedule ends there)"
+            )
+        else:
+            self.say(f"trainer.max_minutes={self.max_minutes:g}: {self.steps} steps fit (~{need / 60:.1f} min)")
+        self.steps = steps
+
+
 def make_optimizer(
     params: Iterable[Any],
     *,
     lr: float,
     weight_decay: float,
     warmup_steps: int,
-    max_steps: int,
+    max_steps: "int | Horizon",
     schedule: str = "cosine",
     betas: tuple[float, float] = (0.9, 0.95),
     min_lr_ratio: float = 0.1,
@@ -46,6 +114,7 @@ def make_optimizer(
 
     params: parameters, or groups {"params": [...], "lr": x, "frozen_steps": n}: a group's own
     peak learning rate, and n first steps at learning rate 0 (its parameters stay unchanged).
+    max_steps: the schedule's horizon, or a Horizon (read at every step: it may be cut).
     """
     if schedule not in ("cosine", "linear", "constant"):
         raise ValueError(f"optim.schedule='{schedule}': use cosine, linear or constant")
@@ -59,7 +128,8 @@ def make_optimizer(
             return (step + 1) / (warmup_steps + 1)
         if schedule == "constant":
             return 1.0
-        t = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        total = max_steps.steps if isinstance(max_steps, Horizon) else max_steps
+        t = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
         shape = 0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t
         return min_lr_ratio + (1 - min_lr_ratio) * shape
 
@@ -131,15 +201,30 @@ def every(n: int, done: int, last: int) -> bool:
 
 class Progress:
     """The training progress bar (shown on rank 0) and the metric log: each step's `postfix` stats
-    on the bar; all stats (+ `extra`) logged as train/<name> every log_every steps and at the last."""
+    on the bar; all stats (+ `extra`) logged as train/<name> every log_every steps and at the last
+    (total: the steps, or a Horizon whose cut the bar follows)."""
 
     def __init__(
-        self, tracker: Any, *, start: int, total: int, log_every: int, desc: str, postfix: tuple[str, ...], show: bool
+        self,
+        tracker: Any,
+        *,
+        start: int,
+        total: "int | Horizon",
+        log_every: int,
+        desc: str,
+        postfix: tuple[str, ...],
+        show: bool,
     ):
-        self.tracker, self.total, self.log_every, self.postfix = tracker, total, log_every, postfix
-        self.bar = tqdm(initial=start, total=total, desc=desc, unit="step", disable=not show)
+        self.tracker, self.horizon, self.log_every, self.postfix = tracker, total, log_every, postfix
+        self.bar = tqdm(initial=start, total=self.total, desc=desc, unit="step", disable=not show)
+
+    @property
+    def total(self) -> int:
+        return self.horizon.steps if isinstance(self.horizon, Horizon) else self.horizon
 
     def update(self, done: int, stats: dict[str, float], **extra: float) -> None:
+        if self.bar.total != self.total:
+            self.bar.total = self.total
         self.bar.update(1)
         self.bar.set_postfix({k: f"{stats[k]:.4f}" for k in self.postfix if k in stats})
         if every(self.log_every, done, self.total):

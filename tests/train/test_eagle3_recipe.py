@@ -142,6 +142,34 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
     assert logged(resumed) == pytest.approx(logged(straight), rel=1e-6, abs=1e-7)
 
 
+def test_max_minutes_cuts_the_run_and_a_resumed_run_keeps_the_cut(tiny, tmp_path, monkeypatch, capfd):
+    """A time limit already spent when the warm-up ends (step 10): the run stops there, with the
+    losses of the uncut run's first 10 steps; the cut is in the checkpoint, the metrics and the
+    card, and a run killed right after its last checkpoint resumes into validation, not more steps."""
+    limited = ("validate.enabled=false", "trainer.max_steps=14", "trainer.checkpoint_every=5")
+    uncut = tmp_path / "uncut"
+    eagle3.run(config(tiny, uncut, *limited))
+    real = checkpoint.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real(*args, **kwargs)
+        if kwargs["step"] == 10:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle3, "save_checkpoint", save_then_die)
+    cut = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        eagle3.run(config(tiny, cut, *limited, "trainer.max_minutes=1e-6"))
+    assert "trainer.max_minutes=1e-06: 14 steps would take" in capfd.readouterr().out
+    state = json.loads((cut / "checkpoints" / "step-0000010" / "trainer_state.json").read_text())
+    assert state["horizon"] == {"max_steps": 14, "steps": 10, "decided": True}
+    monkeypatch.setattr(eagle3, "save_checkpoint", real)
+    result = eagle3.run(config(tiny, cut, *limited, "trainer.max_minutes=1e-6"))
+    assert result["step"] == 10 and logged(cut) == pytest.approx(logged(uncut)[:10], rel=1e-6, abs=1e-7)
+    assert "| steps | 10 |" in (Path(result["export"]) / "README.md").read_text()
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step-0000005", "step-0000010"]
+
+
 def test_live_target_states_give_the_cached_runs_losses(tiny, tmp_path):
     cached, live = tmp_path / "cached", tmp_path / "live"
     eagle3.run(config(tiny, cached, "validate.enabled=false", "trainer.max_steps=3"))

@@ -1,0 +1,95 @@
+"""trainer.max_minutes: the horizon is cut once, at the end of the warm-up, to what fits at the rate
+of the first steps; the schedule and the progress bar follow the cut, a checkpoint keeps it."""
+
+import pytest
+import torch
+
+from train.loop import Horizon, Progress, make_optimizer
+
+
+class Clock:
+    """A clock that advances `per_step` seconds each time the loop body ends a step (tick)."""
+
+    def __init__(self, first: float, per_step: float):
+        self.now, self.first, self.per_step, self.ticks = 0.0, first, per_step, 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += self.first if self.ticks == 0 else self.per_step
+        self.ticks += 1
+
+
+def run(horizon: Horizon, clock: Clock, start: int = 0) -> list[int]:
+    steps = []
+    for step in horizon.steps_from(start):
+        steps.append(step)
+        clock.tick()
+    return steps
+
+
+def test_the_steps_that_do_not_fit_are_cut_at_the_decision_step():
+    # First step 30 s (warm-up work), then 2 s a step; 5 minutes: after 10 steps 48 s are spent,
+    # 252 s are left, 126 more steps fit.
+    clock, said = Clock(30.0, 2.0), []
+    horizon = Horizon(1000, max_minutes=5, decide_at=10, say=said.append, clock=clock)
+    assert run(horizon, clock) == list(range(136))
+    assert horizon.steps == 136 and horizon.state() == {"max_steps": 1000, "steps": 136, "decided": True}
+    assert len(said) == 1 and "1000 steps would take ~33.8 min at 2.00 s a step" in said[0]
+    assert "training 136 steps" in said[0]
+
+
+def test_steps_that_fit_are_kept_and_no_limit_reads_no_clock():
+    clock, said = Clock(1.0, 1.0), []
+    horizon = Horizon(50, max_minutes=5, decide_at=10, say=said.append, clock=clock)
+    assert run(horizon, clock) == list(range(50)) and said == ["trainer.max_minutes=5: 50 steps fit (~0.8 min)"]
+    unlimited = Horizon(50, clock=lambda: pytest.fail("read the clock"), say=pytest.fail)
+    assert run(unlimited, Clock(1.0, 1.0)) == list(range(50))
+
+
+def test_a_budget_already_spent_stops_at_the_decision_step_and_processes_agree():
+    clock = Clock(100.0, 1.0)
+    asked = []
+    horizon = Horizon(
+        40, max_minutes=1, decide_at=5, say=lambda s: None, clock=clock, agree=lambda n: asked.append(n) or 7
+    )
+    assert run(horizon, clock) == list(range(7))  # rank 0's decision (7) wins over this process's own (5)
+    assert asked == [5]
+
+
+def test_a_checkpoint_keeps_the_cut_unless_max_steps_changed():
+    clock = Clock(30.0, 2.0)
+    first = Horizon(1000, max_minutes=5, decide_at=10, say=lambda s: None, clock=clock)
+    run(first, clock)
+    saved = first.state()
+    again = Horizon(1000, max_minutes=5, decide_at=10, say=pytest.fail, clock=clock)
+    again.restore(saved)
+    assert again.steps == 136 and run(again, clock, start=100) == list(range(100, 136))  # no second decision
+    more = Horizon(2000, max_minutes=5, decide_at=10, say=pytest.fail, clock=clock)
+    more.restore(saved)
+    assert more.steps == 2000
+    with pytest.raises(ValueError, match="max_minutes=0: give a positive number"):
+        Horizon(10, max_minutes=0)
+
+
+def test_the_schedule_and_the_progress_bar_follow_the_cut():
+    """Past the cut the learning rate is the schedule of a run configured with the cut's steps;
+    before it (the warm-up) every step's rate is the same either way."""
+    clock = Clock(30.0, 2.0)
+    horizon = Horizon(1000, max_minutes=5, decide_at=10, say=lambda s: None, clock=clock)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer, scheduler = make_optimizer([param], lr=0.1, weight_decay=0.0, warmup_steps=10, max_steps=horizon)
+    other, reference = make_optimizer([param], lr=0.1, weight_decay=0.0, warmup_steps=10, max_steps=136)
+    progress = Progress(None, start=0, total=horizon, log_every=1000, desc="t", postfix=(), show=False)
+    lrs, expected = [], []
+    for step in horizon.steps_from(0):
+        lrs.append(scheduler.get_last_lr()[0])
+        expected.append(reference.get_last_lr()[0])
+        optimizer.step(), other.step()  # no gradient: only the schedules move
+        scheduler.step(), reference.step()
+        clock.tick()
+        if step + 1 < 136:  # Progress logs at its total: the last step would log
+            progress.update(step + 1, {})
+    assert lrs == expected and len(lrs) == 136 and lrs[-1] < lrs[20]
+    assert progress.total == 136 and progress.bar.total == 136
