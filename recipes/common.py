@@ -402,7 +402,8 @@ def make_horizon(cfg: DictConfig, run: Run) -> Horizon:
     steps in) to what fits trainer.max_minutes, every process taking rank 0's decision."""
     agree = lambda n: broadcast_object_list([n])[0]  # noqa: E731
     decide_at = max(cfg.optim.warmup_steps, 10)
-    return Horizon(cfg.trainer.max_steps, cfg.trainer.get("max_minutes"), decide_at, agree=agree, say=run.say)
+    say = lambda line: run.main and tqdm.write(line)  # noqa: E731  (on its own line, above the progress bar)
+    return Horizon(cfg.trainer.max_steps, cfg.trainer.get("max_minutes"), decide_at, agree=agree, say=say)
 
 
 def make_optimizer_from(cfg: DictConfig, params: Any, horizon: Horizon) -> tuple[Any, Any]:
