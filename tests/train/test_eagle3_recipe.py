@@ -180,10 +180,12 @@ def test_live_target_states_give_the_cached_runs_losses(tiny, tmp_path):
 def test_two_processes_match_one_on_the_same_global_batch_and_zero3_is_refused(tiny, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.enabled=false")
-    eagle3.run(config(tiny, one, *short, "trainer.micro_batch=4"))  # 4 x 2 accumulation = 2 x 2 x 2 processes
-    proc = accelerate_launch("multi_cpu", ["-m", "recipes.eagle3", *overrides(tiny, two, *short)])
+    # a spent time limit: both cut 12 steps to 10, the two processes by rank 0's decision (a broadcast)
+    cut = ("trainer.max_steps=12", "trainer.max_minutes=1e-6", "trainer.checkpoint_every=12")
+    eagle3.run(config(tiny, one, *short, *cut, "trainer.micro_batch=4"))  # 4 x 2 accumulation = 2 x 2 x 2 processes
+    proc = accelerate_launch("multi_cpu", ["-m", "recipes.eagle3", *overrides(tiny, two, *short, *cut)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert logged(two) == pytest.approx(logged(one), rel=1e-5, abs=1e-6)
+    assert len(logged(one)) == 10 and logged(two) == pytest.approx(logged(one), rel=1e-5, abs=1e-6)
     z3 = tmp_path / "z3"
     refused = accelerate_launch("deepspeed_zero3", ["-m", "recipes.eagle3", *overrides(tiny, z3, *short)])
     assert refused.returncode != 0 and "recipes.eagle3 does not run under DeepSpeed ZeRO-3" in refused.stderr
