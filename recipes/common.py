@@ -488,7 +488,7 @@ def make_progress(
     """The progress bar and train/* log of steps start_step..the horizon (says what it trains)."""
     T, acc = cfg.trainer, run.accelerator
     if start_step < horizon.steps:
-        limit = f", at most {T.max_minutes:g} min (trainer.max_minutes)" if T.get("max_minutes") else ""
+        limit = f", at most {horizon.max_minutes:g} min (trainer.max_minutes)" if horizon.max_minutes else ""
         run.say(
             f"training steps {start_step}..{horizon.steps} ({acc.num_processes} processes, "
             f"global batch {T.micro_batch * T.grad_accum * acc.num_processes}{limit})"

@@ -57,29 +57,31 @@ class Horizon:
         self.configured = self.steps = max_steps
         self.max_minutes, self.decide_at = max_minutes, max(decide_at, 3)
         self.agree, self.say, self.clock = agree, say, clock
-        self.decided = max_minutes is None
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint records: the configured steps and the steps this run takes."""
-        return {"max_steps": self.configured, "steps": self.steps, "decided": self.decided}
+        return {"max_steps": self.configured, "steps": self.steps}
 
     def restore(self, saved: dict[str, Any] | None) -> None:
         """A checkpoint's state(): its cut holds while max_steps is the one it was made for (a
-        resumed run given another trainer.max_steps takes that, uncut)."""
+        resumed run given another trainer.max_steps takes that, uncut). The decision precedes the
+        body of step decide_at - 1, so every checkpoint after it has its cut; one before it holds
+        max_steps, and a run resumed from it decides again where it has steps to time first."""
         if saved and saved.get("max_steps") == self.configured:
-            self.steps, self.decided = saved["steps"], saved["decided"] or self.decided
+            self.steps = saved["steps"]
 
     def steps_from(self, start: int) -> Iterator[int]:
         """The step indices start, start + 1, ... up to the horizon. The cut is decided before step
         decide_at - 1 runs, so that the loop body of every step, the last one included, sees the
         final horizon (its checkpoint, its log line)."""
-        timed = not self.decided and start + 2 < self.decide_at  # a decision ahead, with steps to time
+        timed = self.max_minutes is not None and start + 2 < self.decide_at  # a decision ahead, steps to time
         step, began, first = start, self.clock() if timed else 0.0, 0.0
         while step < self.steps:
             if timed and step == start + 1:
                 first = self.clock()
             if timed and step == self.decide_at - 1:
-                self._decide(step, self.clock() - began, (self.clock() - first) / (step - start - 1))
+                now = self.clock()
+                self._decide(step, now - began, (now - first) / (step - start - 1))
             yield step
             step += 1
 
@@ -87,7 +89,6 @@ class Horizon:
         """After `done` steps that took `elapsed` seconds, the later ones `per_step` each."""
         fit = done + int(max(60 * self.max_minutes - elapsed, 0) / per_step)
         steps = self.agree(min(self.steps, max(fit, done + 1)))
-        self.decided = True
         need = elapsed + (self.steps - done) * per_step
         if steps < self.steps:
             self.say(

@@ -35,7 +35,7 @@ def test_the_steps_that_do_not_fit_are_cut_at_the_decision_step():
     clock, said = Clock(30.0, 2.0), []
     horizon = Horizon(1000, max_minutes=5, decide_at=10, say=said.append, clock=clock)
     assert run(horizon, clock) == list(range(136))
-    assert horizon.steps == 136 and horizon.state() == {"max_steps": 1000, "steps": 136, "decided": True}
+    assert horizon.steps == 136 and horizon.state() == {"max_steps": 1000, "steps": 136}
     assert len(said) == 1 and "1000 steps would take ~33.8 min at 2.00 s a step" in said[0]
     assert "training 136 steps" in said[0]
 
