@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import (
     cache_root,
+    cpu_threads,
     fast_bf16,
     load_hf_model,
     resolve_device,
@@ -158,6 +159,9 @@ class Run:
     gen_cfg: Any  # the model's generation config, or None
     stop_ids: frozenset[int]
     changes: dict[str, tuple] = field(default_factory=dict)  # settings changed since the run folder's config.yaml
+    # The CPU threads each kind of work runs on ("train", "decode": cpu_threads), where this run
+    # chose them (one process on a CPU); empty otherwise (torch's or accelerate's setting stands).
+    threads: dict[str, int] = field(default_factory=dict)
 
     @property
     def main(self) -> bool:
@@ -229,7 +233,24 @@ def start(cfg: DictConfig) -> Run:
     broadcast_object_list(outcome)
     if "error" in outcome[0]:
         raise SpecdecError(outcome[0]["error"])
-    return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"])
+    threads = choose_threads(accelerator, training=trainer is not None)
+    return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"], threads=threads)
+
+
+def choose_threads(accelerator: Any, training: bool) -> dict[str, int]:
+    """On a CPU, in one process: the threads training and decoding run fastest on (cpu_threads,
+    timed where there is a choice), said; the process takes training's (decoding's in a recipe
+    that does not train), and validate() decoding's. Several processes keep accelerate's setting."""
+    if accelerator.device.type != "cpu" or accelerator.num_processes > 1:
+        return {}
+    choices = {work: cpu_threads(work) for work in ("train", "decode")}
+    train, decode = choices.values()
+    if train.timed or decode.timed or train.threads != decode.threads:
+        print(f"threads: {train}\nthreads: {decode}", file=sys.stderr)
+    else:  # nothing to choose between: one line
+        print(f"threads: {str(train).replace('training', 'training and decoding', 1)}", file=sys.stderr)
+    torch.set_num_threads(choices["train" if training else "decode"].threads)
+    return {work: choice.threads for work, choice in choices.items()}
 
 
 def resumed_changes(cfg: DictConfig, out: Path) -> dict[str, tuple]:

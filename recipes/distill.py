@@ -283,6 +283,7 @@ class Validation:
                 stop_ids=run.stop_ids,
                 gamma=cfg.validate.gamma,
                 max_new_tokens=cfg.validate.max_new_tokens,
+                threads=run.threads.get("decode"),
             )
             metrics["device"] = str(run.device)
             self.tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}, step)

@@ -281,6 +281,7 @@ class Validation:
                 stop_ids=run.stop_ids,
                 gamma=v.gamma,
                 max_new_tokens=v.max_new_tokens,
+                threads=run.threads.get("decode"),
             )
             metrics |= {"device": str(run.device), "nodes": v.tree_budget or None, "drafter": drafter.name, **estimate}
             self.training.train()

@@ -299,6 +299,7 @@ def validate_skipset(cfg: DictConfig, run: Run, target: LoadedModel, skipset: Sk
         stop_ids=target.stop_ids,
         gamma=cfg.draft.gamma,
         max_new_tokens=cfg.validate.max_new_tokens,
+        threads=run.threads.get("decode"),
     )
     metrics["device"] = str(target.model.device)
     skipset.tau, skipset.speedup = metrics["tau"], metrics["speedup"]

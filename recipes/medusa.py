@@ -324,6 +324,7 @@ def validate_medusa(
         stop_ids=run.stop_ids,
         gamma=tree.depth,
         max_new_tokens=cfg.validate.max_new_tokens,
+        threads=run.threads.get("decode"),
     )
     metrics["device"] = str(device)
     metrics.update(nodes=len(tree), head_top1=accuracy[:, 0].tolist(), head_top5=accuracy[:, :5].sum(1).tolist())

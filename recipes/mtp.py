@@ -309,6 +309,7 @@ def validate_mtp(cfg: DictConfig, run: Run, model: MTPModel, val_seqs: torch.Ten
         stop_ids=frozenset({run.tokenizer.eos_token_id}),
         gamma=gamma,
         max_new_tokens=v.max_new_tokens,
+        threads=run.threads.get("decode"),
     )
     metrics["device"] = str(device)
     return metrics

@@ -37,7 +37,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "on", "off"],
         help="the fast path: each decode, draft and verify step one CUDA graph (auto: on CUDA only)",
     )
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU threads (0: what decodes fastest here, timed if there is a choice)"
+    )
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
     p.add_argument("--seed", type=int, default=0)
 
@@ -141,7 +143,7 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.confidence < 1:
         problems.append(f"--confidence must be in [0, 1), got {args.confidence}")
     if args.threads < 0:
-        problems.append(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+        problems.append(f"--threads must be >= 0 (0 = the fastest, timed), got {args.threads}")
     if problems:
         raise SpecdecError("; ".join(problems))
 
@@ -150,10 +152,14 @@ def load_target(args: argparse.Namespace) -> "LoadedModel":  # noqa: F821
     """The target on its device, compiled for CUDA graphs when --compile asks (auto: on CUDA)."""
     import torch
 
-    from specdec_runtime.loading import load_model
+    from specdec_runtime.loading import cpu_threads, load_model, resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif resolve_device(args.device).type == "cpu":
+        choice = cpu_threads("decode")
+        torch.set_num_threads(choice.threads)
+        print(f"threads: {choice} (--threads N to set them)", file=sys.stderr)
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     if args.compile == "on" or (args.compile == "auto" and target.model.device.type == "cuda"):
         target.model.compile()

@@ -97,6 +97,7 @@ METRIC_NAMES = {
     "max_new_tokens": "max new tokens",
     "prompts": "validation prompts",
     "device": "device",
+    "threads": "CPU threads (decoding)",
     "drafter": "drafting (specdec_runtime)",
     "measured_against": "speedup measured against",
     "target_agreement": "adapted target: teacher-forced top-1 agreement with the original",

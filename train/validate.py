@@ -55,20 +55,29 @@ def validate(
     gamma: int,
     max_new_tokens: int,
     progress: bool = True,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """Greedy speculative vs autoregressive decoding of every prompt; the numbers a model card reports."""
+    """Greedy speculative vs autoregressive decoding of every prompt; the numbers a model card reports.
+    threads: the CPU threads to decode on (a run's choice for decoding, Run.threads), restored after."""
     bar = (lambda it: tqdm(it, desc="validate", unit="prompt")) if progress else None
-    report = measure(
-        target,
-        drafter,
-        [torch.as_tensor(p, device=target.device) for p in prompts],
-        sampler=Sampler,
-        baseline=True,
-        progress=bar,
-        max_new_tokens=max_new_tokens,
-        gamma=gamma,
-        stop_ids=stop_ids,
-    )
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        decoding_threads = torch.get_num_threads()
+        report = measure(
+            target,
+            drafter,
+            [torch.as_tensor(p, device=target.device) for p in prompts],
+            sampler=Sampler,
+            baseline=True,
+            progress=bar,
+            max_new_tokens=max_new_tokens,
+            gamma=gamma,
+            stop_ids=stop_ids,
+        )
+    finally:
+        torch.set_num_threads(before)
     spec, ar = report.total(), report.total("baseline")
     out: dict[str, Any] = {
         "tau": spec.tau,
@@ -83,6 +92,7 @@ def validate(
         "prompts": len(prompts),
         "gamma": gamma,
         "max_new_tokens": max_new_tokens,
+        **({"threads": decoding_threads} if target.device.type == "cpu" else {}),
     }
     per_category = {}
     for cat in sorted({c for c in categories if c}):

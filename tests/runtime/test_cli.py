@@ -182,3 +182,27 @@ def test_generate_runs_on_cuda_by_default_without_a_warning(tiny_dir, tmp_path, 
             table = run([*argv, "--drafter", drafter, "--baseline", "--output", str(out_file)], capsys)
         record = json.loads(out_file.read_text())
         assert record["identical_to_baseline"] and "100%" in table
+
+
+def test_generate_decodes_on_the_measured_thread_count_unless_told(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--threads 0 (the default): the count decoding ran fastest on here (cpu_threads), said;
+    --threads N: N, nothing timed."""
+    from specdec_runtime import loading
+
+    choice = loading.ThreadChoice("decode", 1, ((1, 0.004), (2, 0.006)))
+    asked = []
+    monkeypatch.setattr(loading, "cpu_threads", lambda work: asked.append(work) or choice)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    common = ["generate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "4"]
+    before = torch.get_num_threads()
+    try:
+        main([*common, "--output", str(tmp_path / "a.jsonl")])
+        assert torch.get_num_threads() == 1 and asked == ["decode"]
+        assert "threads: decoding on 1 CPU thread: its timed work took 4.00 ms with 1, 6.00 ms with 2" in (
+            capsys.readouterr().err
+        )
+        main([*common, "--threads", "2", "--output", str(tmp_path / "b.jsonl")])
+        assert torch.get_num_threads() == 2 and asked == ["decode"] and "threads:" not in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

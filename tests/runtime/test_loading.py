@@ -118,3 +118,101 @@ def test_fast_dtype_follows_the_measured_bf16_speed(monkeypatch):
         monkeypatch.setattr("recipes.common.fast_bf16", lambda device, v=verdict: v)
         assert loading.resolve_dtype("fast", cpu) == dtype and mixed_precision("fast", "cpu") == mp
         assert ("using bf16" if dtype == torch.bfloat16 else "using fp32") in str(verdict)
+
+
+@pytest.mark.parametrize(
+    "default, usable, quota, env, candidates, why",
+    [
+        (2, 4, None, "", [2, 4], ""),  # SMT siblings: both counts are timed
+        (2, 2, None, "", [2], "one per core: 2 usable CPUs, no SMT siblings to try"),
+        (8, 16, 2, "", [2], "the cgroup's quota: 2 CPUs of the 8 cores torch would use"),
+        (2, 4, 3, "", [2, 3], ""),  # a quota above the cores, below the siblings
+        (2, 4, None, "3", [2], "OMP_NUM_THREADS"),  # the user's setting (torch applied it): kept
+    ],
+)
+def test_thread_candidates_are_the_cores_and_the_usable_cpus_within_a_quota(
+    monkeypatch, default, usable, quota, env, candidates, why
+):
+    from specdec_runtime import loading
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: default)
+    monkeypatch.setattr(loading.os, "sched_getaffinity", lambda pid: set(range(usable)))
+    monkeypatch.setattr(loading, "_cgroup_cpus", lambda: quota)
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert loading.thread_candidates() == (candidates, why)
+
+
+@pytest.mark.parametrize(
+    "files, cpus",
+    [
+        ({"cpu.max": "200000 100000\n"}, 2),
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),  # no cgroup files
+    ],
+)
+def test_cgroup_quota_in_cpus(tmp_path, files, cpus):
+    from specdec_runtime.loading import _cgroup_cpus
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _cgroup_cpus(tmp_path) == cpus
+
+
+def test_thread_timing_runs_each_count_alternately_and_restores_torchs():
+    from specdec_runtime.loading import _median_times
+
+    before, ran = torch.get_num_threads(), []
+    median = _median_times(lambda: ran.append(torch.get_num_threads()), [1, 2], repeats=3)
+    assert ran == [2, 1, 1, 2, 2, 1, 1, 2]  # a warm-up pair, then each repeat in the other order
+    assert set(median) == {1, 2} and all(t >= 0 for t in median.values())
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize(
+    "times, chosen",
+    [({2: 1.0, 4: 0.90}, 4), ({2: 1.0, 4: 0.97}, 2), ({2: 1.0, 4: 1.30}, 2), ({2: 0.5, 4: 1.0}, 2)],
+)
+def test_a_count_other_than_torchs_must_be_5_percent_faster(monkeypatch, times, chosen):
+    from specdec_runtime import loading
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(loading, "thread_candidates", lambda: ([2, 4], ""))
+    monkeypatch.setattr(loading, "_median_times", lambda work, candidates: times)
+    loading.cpu_threads.cache_clear()
+    try:
+        for work in ("decode", "train"):
+            choice = loading.cpu_threads(work)
+            assert choice.threads == chosen and choice.timed == tuple(sorted(times.items()))
+            assert f"on {chosen} CPU threads: its timed work took {1e3 * times[2]:.2f} ms with 2" in str(choice)
+    finally:
+        loading.cpu_threads.cache_clear()
+    with pytest.raises(ValueError, match="'decode' or 'train'"):
+        loading.cpu_threads("verify")
+
+
+def test_thread_choice_on_this_machine_times_real_work_where_there_is_a_choice(monkeypatch):
+    """Forced to choose between 1 thread and torch's count, both kinds of work run and are timed
+    on this CPU, and the choice follows the rule from the times it recorded."""
+    from specdec_runtime import loading
+
+    default = torch.get_num_threads()
+    if default < 2:
+        pytest.skip("one CPU thread: nothing to choose between")
+    monkeypatch.setattr(loading, "thread_candidates", lambda: ([1, default], ""))
+    loading.cpu_threads.cache_clear()
+    try:
+        for work in ("decode", "train"):
+            choice = loading.cpu_threads(work)
+            times = dict(choice.timed)
+            assert set(times) == {1, default} and torch.get_num_threads() == default
+            assert choice.threads == (1 if times[1] < 0.95 * times[default] else default)
+    finally:
+        loading.cpu_threads.cache_clear()
+    monkeypatch.undo()
+    candidates, why = loading.thread_candidates()  # unpatched: what this machine offers
+    assert max(candidates) <= len(loading.os.sched_getaffinity(0)) and min(candidates) == min(default, max(candidates))
+    assert bool(why) == (len(candidates) == 1)

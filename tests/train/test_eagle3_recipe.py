@@ -216,3 +216,63 @@ def test_the_exports_drafting_settings_are_those_validation_used(tiny, tmp_path)
     result = eagle3.run(config(tiny, out, "trainer.max_steps=2", "validate.num_prompts=1"))
     drafting = json.loads((Path(result["export"]) / "specdec_drafting.json").read_text())
     assert drafting == {"gamma": 3, "tree_budget": 6, "top_k": 2}
+
+
+def test_training_and_validation_run_on_the_threads_measured_fastest_for_each(tiny, tmp_path, monkeypatch, capfd):
+    """One process on a CPU: training takes the thread count its timed matmul ran fastest on,
+    validation the one decoding ran fastest on (metrics.json says which), and the process goes
+    back to training's after validating; both choices are said up front."""
+    import torch
+
+    from specdec_runtime.loading import ThreadChoice
+
+    choices = {
+        "train": ThreadChoice("train", 1, ((1, 0.010), (2, 0.012))),
+        "decode": ThreadChoice("decode", 2, ((1, 0.009), (2, 0.005))),
+    }
+    monkeypatch.setattr("recipes.common.cpu_threads", choices.get)
+    seen = []
+
+    def validate(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        metrics = eagle3_validate(*args, **kwargs)
+        seen.append(torch.get_num_threads())
+        return metrics
+
+    eagle3_validate = eagle3.validate
+    monkeypatch.setattr(eagle3, "validate", validate)
+    before = torch.get_num_threads()
+    try:
+        result = eagle3.run(config(tiny, tmp_path / "run", "trainer.max_steps=2", "validate.tree_budget=0"))
+    finally:
+        torch.set_num_threads(before)
+    err = capfd.readouterr().err
+    assert "threads: training on 1 CPU thread: its timed work took 10.00 ms with 1, 12.00 ms with 2" in err
+    assert "threads: decoding on 2 CPU threads: its timed work took 9.00 ms with 1, 5.00 ms with 2" in err
+    assert seen == [1, 1] and result["validation"]["threads"] == 2
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["validation"]["threads"] == 2
+    assert "| CPU threads (decoding) | 2 |" in (Path(result["export"]) / "README.md").read_text()
+
+
+def test_thread_choices_are_one_line_when_nothing_was_timed_and_untouched_under_several_processes(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import torch
+
+    from recipes.common import choose_threads
+    from specdec_runtime.loading import ThreadChoice
+
+    why = "one per core: 2 usable CPUs, no SMT siblings to try"
+    monkeypatch.setattr("recipes.common.cpu_threads", lambda work: ThreadChoice(work, 2, why=why))
+    cpu = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    before = torch.get_num_threads()
+    try:
+        assert choose_threads(cpu, training=True) == {"train": 2, "decode": 2}
+        assert capsys.readouterr().err == f"threads: training and decoding on 2 CPU threads ({why})\n"
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        assert choose_threads(SimpleNamespace(device=torch.device("cpu"), num_processes=2), training=True) == {}
+        assert choose_threads(SimpleNamespace(device=torch.device("cuda"), num_processes=1), training=True) == {}
+        assert capsys.readouterr().err == "" and torch.get_num_threads() == 1  # accelerate's setting stands
+    finally:
+        torch.set_num_threads(before)
