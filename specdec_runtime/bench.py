@@ -294,7 +294,8 @@ def bench_drafter(
         if bar is not None:  # the prompts it will not decode
             bar.update(len(encoded) - len(records))
         return failure(spec, "decode", e)
-    return {"gamma": gamma if drafter is not None else 0, "reference": why_not or "yes", "records": records}
+    threads = {"threads": torch.get_num_threads()} if device.type == "cpu" else {}
+    return {"gamma": gamma if drafter is not None else 0, "reference": why_not or "yes", "records": records, **threads}
 
 
 def reference_kwargs(
@@ -381,7 +382,8 @@ def summaries(results: Sequence[dict]) -> list[dict]:
                 rows.append(row | {"error": entry["error"]})
             else:
                 cats = by_category(entry["records"], mode == "greedy")
-                rows.append(row | {"gamma": entry["gamma"], "reference": entry["reference"], "categories": cats})
+                row |= {"gamma": entry["gamma"], "reference": entry["reference"], "categories": cats}
+                rows.append(row | ({"threads": entry["threads"]} if "threads" in entry else {}))  # CPU, not older runs
     return rows
 
 
@@ -396,8 +398,10 @@ def markdown(settings: BenchSettings, rows: Sequence[dict]) -> str:
     """The overview table (one row per drafter and mode) and, per mode, tau / speedup by category."""
     s = settings
     sampled = any(r.get("mode") == "sampled" for r in rows)  # its settings only where it ran
+    threads = sorted({r["threads"] for r in rows if "threads" in r})
     lines = [
         f"target `{s.target}` · {s.prompts} · max {s.max_new_tokens} new tokens · {s.device} {s.dtype}"
+        + (f" · {'/'.join(map(str, threads))} CPU threads" if threads else "")
         + (f" · sampled: T={s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}" if sampled else ""),
         "",
         "| drafter | mode | gamma | tau | accept by position | tok/s | AR tok/s | speedup | lossless "

@@ -7,6 +7,7 @@ import pytest
 
 from specdec_runtime import bench
 from specdec_runtime.cli import main
+from specdec_runtime.loading import cpu_threads
 from specdec_runtime.stats import GenerationStats
 from tests.conftest import offline_run, save_tiny_model, write_prompt_file
 
@@ -73,6 +74,9 @@ def test_outputs_and_numbers_follow_from_the_records(benched):
     table = (benched / "results.md").read_text()
     assert "| truncate:2@2 | greedy | 2 |" in table and "failed to load: unknown model" in table
     assert "tau / speedup by category" in table and "sampled: T=" in table.splitlines()[0]
+    threads = cpu_threads("decode").threads  # what the CLI decoded on (--threads 0: the measured choice)
+    assert all(r["threads"] == threads for r in rows.values() if "error" not in r)
+    assert f" · {threads} CPU threads" in table.splitlines()[0]
     for png in ("speedup_tau.png", "acceptance.png"):
         assert (benched / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
