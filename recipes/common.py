@@ -238,18 +238,18 @@ def start(cfg: DictConfig) -> Run:
 
 
 def choose_threads(accelerator: Any, training: bool) -> dict[str, int]:
-    """On a CPU, in one process: the threads training and decoding run fastest on (cpu_threads,
-    timed where there is a choice), said; the process takes training's (decoding's in a recipe
-    that does not train), and validate() decoding's. Several processes keep accelerate's setting."""
+    """On a CPU, in one process: the threads training (where the recipe trains) and decoding run
+    fastest on (cpu_threads, timed where there is a choice), said; the process takes training's
+    (decoding's in a recipe that does not train), and validate() decoding's. Several processes
+    keep accelerate's setting."""
     if accelerator.device.type != "cpu" or accelerator.num_processes > 1:
         return {}
-    choices = {work: cpu_threads(work) for work in ("train", "decode")}
-    train, decode = choices.values()
-    if train.timed or decode.timed or train.threads != decode.threads:
-        print(f"threads: {train}\nthreads: {decode}", file=sys.stderr)
-    else:  # nothing to choose between: one line
-        print(f"threads: {str(train).replace('training', 'training and decoding', 1)}", file=sys.stderr)
-    torch.set_num_threads(choices["train" if training else "decode"].threads)
+    choices = {work: cpu_threads(work) for work in (("train", "decode") if training else ("decode",))}
+    if len(choices) == 2 and not any(c.timed for c in choices.values()):  # nothing was chosen between: one line
+        print(f"threads: {choices['decode'].describe('training and decoding')}", file=sys.stderr)
+    else:
+        print("\n".join(f"threads: {choice}" for choice in choices.values()), file=sys.stderr)
+    torch.set_num_threads(next(iter(choices.values())).threads)  # training's where it trains
     return {work: choice.threads for work, choice in choices.items()}
 
 

@@ -25,7 +25,7 @@ import torch
 from specdec_runtime import cpu_kernel
 from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
-from specdec_runtime.loading import fast_bf16, load_model, resolve_dtype
+from specdec_runtime.loading import fast_bf16, load_model, resolve_dtype, using_threads
 from specdec_runtime.medusa import MedusaHeads
 from specdec_runtime.model import Decoder, Linear, linear
 from specdec_runtime.sampling import Sampler
@@ -108,8 +108,6 @@ def products_table(m: Decoder, rows: list[int], reps: int) -> None:
 def gemv_gbs(m: Decoder, threads: int) -> float:
     """Bandwidth (GB/s) of the 1-row products of a decode step alone: linear() on every weight
     matrix of the target, run back to back with `threads` threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     weights = [mod.params for mod in m.modules() if isinstance(mod, Linear)]
     xs = [torch.randn(1, w[0].shape[0], dtype=w[0].dtype) for w in weights]
 
@@ -117,9 +115,8 @@ def gemv_gbs(m: Decoder, threads: int) -> float:
         for x, w in zip(xs, weights):
             linear(x, w)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), using_threads(threads):
         ms = timed(products, 5)
-    torch.set_num_threads(before)
     return sum(w[0].numel() * m.weight_dtype.itemsize for w in weights) / (ms / 1000) / 1e9
 
 

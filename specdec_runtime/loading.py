@@ -14,6 +14,7 @@ transformers + gguf and writes a plain safetensors folder (weights, tokenizer, c
 generation config) under $SPECDEC_CACHE (default ~/.cache/specdec); later loads read that folder.
 """
 
+import contextlib
 import difflib
 import functools
 import importlib.util
@@ -22,6 +23,8 @@ import re
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,7 +256,10 @@ class ThreadChoice:
     why: str = ""  # why nothing was timed
 
     def __str__(self) -> str:
-        what = {"decode": "decoding", "train": "training"}[self.work]
+        return self.describe({"decode": "decoding", "train": "training"}[self.work])
+
+    def describe(self, what: str) -> str:
+        """The choice said for `what` runs on it (several kinds of work where they share it)."""
         on = f"{what} on {self.threads} CPU thread{'s' * (self.threads > 1)}"
         if not self.timed:
             return f"{on} ({self.why})"
@@ -315,22 +321,30 @@ def _train_work() -> Any:
     return lambda: a @ b
 
 
+@contextlib.contextmanager
+def using_threads(threads: int | None) -> Iterator[int]:
+    """torch's CPU threads set to `threads` (None: left as they are) inside the block, and back to
+    what they were after it; yields the count in effect."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
 def _median_times(work: Any, candidates: list[int], repeats: int = 7) -> dict[int, float]:
     """Median seconds of work() with each thread count, the counts alternated within each repeat
     (a machine's speed drifts over seconds), after one warm-up run each."""
-    import time
-
-    before, times = torch.get_num_threads(), {n: [] for n in candidates}
-    try:
-        for i in range(repeats + 1):
-            for n in candidates if i % 2 else candidates[::-1]:
-                torch.set_num_threads(n)
+    times = {n: [] for n in candidates}
+    for i in range(repeats + 1):
+        for n in candidates if i % 2 else candidates[::-1]:
+            with using_threads(n):
                 start = time.perf_counter()
                 work()
                 if i:
                     times[n].append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 

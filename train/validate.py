@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters import Drafter
-from specdec_runtime.loading import resolve_dtype
+from specdec_runtime.loading import resolve_dtype, using_threads
 from specdec_runtime.measure import measure
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
@@ -60,11 +60,7 @@ def validate(
     """Greedy speculative vs autoregressive decoding of every prompt; the numbers a model card reports.
     threads: the CPU threads to decode on (a run's choice for decoding, Run.threads), restored after."""
     bar = (lambda it: tqdm(it, desc="validate", unit="prompt")) if progress else None
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        decoding_threads = torch.get_num_threads()
+    with using_threads(threads) as decoding_threads:
         report = measure(
             target,
             drafter,
@@ -76,8 +72,6 @@ def validate(
             gamma=gamma,
             stop_ids=stop_ids,
         )
-    finally:
-        torch.set_num_threads(before)
     spec, ar = report.total(), report.total("baseline")
     out: dict[str, Any] = {
         "tau": spec.tau,

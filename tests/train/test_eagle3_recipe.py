@@ -271,6 +271,10 @@ def test_thread_choices_are_one_line_when_nothing_was_timed_and_untouched_under_
         assert capsys.readouterr().err == f"threads: training and decoding on 2 CPU threads ({why})\n"
         assert torch.get_num_threads() == 2
         torch.set_num_threads(1)
+        assert choose_threads(cpu, training=False) == {"decode": 2}  # a recipe that does not train (layerskip)
+        assert capsys.readouterr().err == f"threads: decoding on 2 CPU threads ({why})\n"
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
         assert choose_threads(SimpleNamespace(device=torch.device("cpu"), num_processes=2), training=True) == {}
         assert choose_threads(SimpleNamespace(device=torch.device("cuda"), num_processes=1), training=True) == {}
         assert capsys.readouterr().err == "" and torch.get_num_threads() == 1  # accelerate's setting stands
