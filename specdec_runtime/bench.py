@@ -68,6 +68,7 @@ class BenchSettings:
     device: str = "cpu"
     dtype: str = "float32"
     products: str = "torch"  # a CPU's few-row products: cpu_kernel.products()
+    threads: int | None = None  # CPU threads every run decodes on (None on a GPU)
     chat: bool = True
     reference: bool = True
     paired: bool = False  # autoregressive runs timed next to each drafter's (see bench_drafter)
@@ -294,8 +295,7 @@ def bench_drafter(
         if bar is not None:  # the prompts it will not decode
             bar.update(len(encoded) - len(records))
         return failure(spec, "decode", e)
-    threads = {"threads": torch.get_num_threads()} if device.type == "cpu" else {}
-    return {"gamma": gamma if drafter is not None else 0, "reference": why_not or "yes", "records": records, **threads}
+    return {"gamma": gamma if drafter is not None else 0, "reference": why_not or "yes", "records": records}
 
 
 def reference_kwargs(
@@ -383,7 +383,7 @@ def summaries(results: Sequence[dict]) -> list[dict]:
             else:
                 cats = by_category(entry["records"], mode == "greedy")
                 row |= {"gamma": entry["gamma"], "reference": entry["reference"], "categories": cats}
-                rows.append(row | ({"threads": entry["threads"]} if "threads" in entry else {}))  # CPU, not older runs
+                rows.append(row)
     return rows
 
 
@@ -398,10 +398,9 @@ def markdown(settings: BenchSettings, rows: Sequence[dict]) -> str:
     """The overview table (one row per drafter and mode) and, per mode, tau / speedup by category."""
     s = settings
     sampled = any(r.get("mode") == "sampled" for r in rows)  # its settings only where it ran
-    threads = sorted({r["threads"] for r in rows if "threads" in r})
     lines = [
         f"target `{s.target}` · {s.prompts} · max {s.max_new_tokens} new tokens · {s.device} {s.dtype}"
-        + (f" · {'/'.join(map(str, threads))} CPU threads" if threads else "")
+        + (f" · {s.threads} CPU threads" if s.threads else "")
         + (f" · sampled: T={s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}" if sampled else ""),
         "",
         "| drafter | mode | gamma | tau | accept by position | tok/s | AR tok/s | speedup | lossless "

@@ -280,6 +280,7 @@ class Output:
 
 
 def run_bench(args: argparse.Namespace) -> None:
+    import torch
     from tqdm import tqdm
 
     from specdec_runtime import bench, cpu_kernel
@@ -326,6 +327,7 @@ def run_bench(args: argparse.Namespace) -> None:
         chat=not args.no_chat_template,
         reference=not args.no_reference,
         paired=args.paired,
+        threads=torch.get_num_threads() if m.device.type == "cpu" else None,
     )
     bench.check_settings(args.output_dir, settings, args.fresh)
     # transformers' model of the same arithmetic (a bf16 target on a CPU computes in fp32: Decoder.weight_dtype)

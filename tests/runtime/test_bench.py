@@ -4,6 +4,7 @@ the autoregressive oracle, transformers' reference outputs, failures, resume, W&
 import json
 
 import pytest
+import torch
 
 from specdec_runtime import bench
 from specdec_runtime.cli import main
@@ -75,7 +76,7 @@ def test_outputs_and_numbers_follow_from_the_records(benched):
     assert "| truncate:2@2 | greedy | 2 |" in table and "failed to load: unknown model" in table
     assert "tau / speedup by category" in table and "sampled: T=" in table.splitlines()[0]
     threads = cpu_threads("decode").threads  # what the CLI decoded on (--threads 0: the measured choice)
-    assert all(r["threads"] == threads for r in rows.values() if "error" not in r)
+    assert json.loads((benched / "settings.json").read_text())["threads"] == threads
     assert f" · {threads} CPU threads" in table.splitlines()[0]
     for png in ("speedup_tau.png", "acceptance.png"):
         assert (benched / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -97,6 +98,13 @@ def test_reruns_resume_per_drafter_and_refuse_other_settings(benched, tiny_dir, 
     with pytest.raises(SystemExit):
         main(argv(tiny_dir, tmp_path, benched, "none", "--max-new-tokens", "21"))
     assert "max_new_tokens: 20 -> 21" in capsys.readouterr().err
+    threads = json.loads((benched / "settings.json").read_text())["threads"]
+    try:
+        with pytest.raises(SystemExit):  # rows decoded on other thread counts would not compare
+            main(argv(tiny_dir, tmp_path, benched, "none", "--threads", str(threads + 1)))
+    finally:
+        torch.set_num_threads(threads)  # --threads set the process's count
+    assert f"threads: {threads} -> {threads + 1}" in capsys.readouterr().err
 
 
 def test_paired_measures_each_drafter_against_an_autoregressive_run_beside_it(tiny_dir, tmp_path, monkeypatch):
