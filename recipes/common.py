@@ -542,9 +542,14 @@ def finish(
     summary = {"recipe": recipe, "target": cfg.model.name} | {k: m[k] for k in ("tau", "speedup", "lossless") if k in m}
     tracker.log_artifact(export, f"{recipe}-{run.out.name}", metadata=summary)
     if m:
+        parts = []  # the two rates the ratio comes from, and the drafter
+        if m.get("ar_tokens_per_s"):
+            parts.append(f"{m['tokens_per_s']:.1f} against {m['ar_tokens_per_s']:.1f} tok/s")
+        if m.get("drafter"):
+            parts.append(f"drafter {m['drafter']}")
         run.say(
             f"\ntau {m['tau']:.2f}, speedup {m['speedup']:.2f}x over autoregressive"
-            + (f" (drafter {m['drafter']})" if m.get("drafter") else "")
+            + (f" ({', '.join(parts)})" if parts else "")
             + f", lossless {m['lossless']:.0%} ({m['prompts']} validation prompts)"
         )
     run.say(f"exported to {export}\ngenerate with it:\n  {generate_cmd}")

@@ -75,7 +75,7 @@ BF16_REL = 0.1  # bf16 responses, states and autocast: measured at most 5.8% fro
 PINNED = [4.984434605, 3.863532066, 3.148716211, 2.535025835, 2.213505745, 2.11321497, 1.858638763, 1.918724298]
 
 
-def test_tiny_run_pinned_losses_learning_validation_and_export(tiny, tmp_path):
+def test_tiny_run_pinned_losses_learning_validation_and_export(tiny, tmp_path, capfd):
     out = tmp_path / "run"
     result = eagle3.run(config(tiny, out))
     got = logged(out)
@@ -83,6 +83,12 @@ def test_tiny_run_pinned_losses_learning_validation_and_export(tiny, tmp_path):
     assert max(got[-2:]) < min(got[:2])  # it learns
     v = result["validation"]
     assert v["lossless"] == 1.0 and v["nodes"] == 6 and v["prompts"] == 4
+    assert v["speedup"] == pytest.approx(v["tokens_per_s"] / v["ar_tokens_per_s"])
+    closing = (  # the run's last word: the ratio and the two rates it comes from
+        f"tau {v['tau']:.2f}, speedup {v['speedup']:.2f}x over autoregressive ({v['tokens_per_s']:.1f} against "
+        f"{v['ar_tokens_per_s']:.1f} tok/s, drafter eagle3), lossless 100% (4 validation prompts)"
+    )
+    assert closing in capfd.readouterr().out
     assert {"tau_estimate_chain", "tau_estimate_tree", "step_top1"} <= set(v) and len(v["step_top1"]) == 3
     export = Path(result["export"])
     card = (export / "README.md").read_text()
