@@ -382,8 +382,7 @@ def summaries(results: Sequence[dict]) -> list[dict]:
                 rows.append(row | {"error": entry["error"]})
             else:
                 cats = by_category(entry["records"], mode == "greedy")
-                row |= {"gamma": entry["gamma"], "reference": entry["reference"], "categories": cats}
-                rows.append(row)
+                rows.append(row | {"gamma": entry["gamma"], "reference": entry["reference"], "categories": cats})
     return rows
 
 
