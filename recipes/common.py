@@ -56,7 +56,7 @@ from train.data import (
 )
 from train.export import push_to_hub
 from train.launch import MIXED_PRECISION, make_accelerator, whole
-from train.loop import Horizon, Progress, hyperparameters, make_optimizer, restore_hyperparameters
+from train.loop import Horizon, Progress, hyperparameters, make_optimizer, minutes_problem, restore_hyperparameters
 from train.responses import DONE as RESPONSES_DONE
 from train.responses import cache_key, generate_responses
 from train.run_folder import RunLock, config_changes, describe_changes, truncate_log, write_config
@@ -75,9 +75,8 @@ def check_trainer(cfg: DictConfig) -> list[str]:
     for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
         if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
             problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
-    minutes = cfg.trainer.get("max_minutes")
-    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes <= 0):
-        problems.append(f"trainer.max_minutes={minutes} must be a positive number of minutes (or null: no limit)")
+    if problem := minutes_problem(cfg.trainer.get("max_minutes")):
+        problems.append(problem)
     if cfg.validate.max_new_tokens < 1:
         problems.append("validate.max_new_tokens must be >= 1")
     if cfg.device not in ("auto", "cpu"):

@@ -33,6 +33,15 @@ LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
 BackwardFn = Callable[[Any, float], tuple[Tensor, dict[str, Tensor]]]
 
 
+def minutes_problem(max_minutes: Any) -> str | None:
+    """What is wrong with a trainer.max_minutes (a positive number of minutes, or None: no limit)."""
+    if max_minutes is None:
+        return None
+    if isinstance(max_minutes, bool) or not isinstance(max_minutes, int | float) or max_minutes <= 0:
+        return f"trainer.max_minutes={max_minutes}: give a positive number of minutes, or null for none"
+    return None
+
+
 class Horizon:
     """How many steps a run trains: max_steps, or fewer where max_minutes is given and the run's
     first steps say they would not fit. The cut is made once, when decide_at - 1 steps are done (the
@@ -52,8 +61,8 @@ class Horizon:
         say: Callable[[str], None] = print,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if max_minutes is not None and max_minutes <= 0:
-            raise ValueError(f"trainer.max_minutes={max_minutes}: give a positive number of minutes, or null for none")
+        if problem := minutes_problem(max_minutes):
+            raise ValueError(problem)
         self.configured = self.steps = max_steps
         self.max_minutes, self.decide_at = max_minutes, max(decide_at, 3)
         self.agree, self.say, self.clock = agree, say, clock

@@ -206,6 +206,7 @@ def test_two_processes_match_one_on_the_same_global_batch_and_zero3_is_refused(t
         ("eagle3.ttt_steps=0", "eagle3.ttt_steps=0 must be a positive integer"),
         ("eagle3.init=zeros", "eagle3.init='zeros'"),
         ("validate.top_k=0", "validate: need gamma >= 1"),
+        ("trainer.max_minutes=0", "trainer.max_minutes=0: give a positive number of minutes"),
     ],
 )
 def test_bad_values_stop_before_anything_loads(tiny, tmp_path, monkeypatch, override, message):

@@ -71,6 +71,9 @@ def test_a_checkpoint_keeps_the_cut_unless_max_steps_changed():
     assert more.steps == 2000
     with pytest.raises(ValueError, match="max_minutes=0: give a positive number"):
         Horizon(10, max_minutes=0)
+    for bad in (True, "5", -1.5):  # what check_trainer refuses before a run starts, the same words
+        with pytest.raises(ValueError, match=f"max_minutes={bad}: give a positive number"):
+            Horizon(10, max_minutes=bad)
 
 
 def test_the_schedule_and_the_progress_bar_follow_the_cut():
