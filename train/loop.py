@@ -109,6 +109,11 @@ class Horizon:
         self.steps = steps
 
 
+def steps_of(horizon: "int | Horizon") -> int:
+    """The steps a run takes now: a count, or a Horizon's (which its cut may lower)."""
+    return horizon.steps if isinstance(horizon, Horizon) else horizon
+
+
 def make_optimizer(
     params: Iterable[Any],
     *,
@@ -138,8 +143,7 @@ def make_optimizer(
             return (step + 1) / (warmup_steps + 1)
         if schedule == "constant":
             return 1.0
-        total = max_steps.steps if isinstance(max_steps, Horizon) else max_steps
-        t = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        t = min(1.0, (step - warmup_steps) / max(1, steps_of(max_steps) - warmup_steps))
         shape = 0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t
         return min_lr_ratio + (1 - min_lr_ratio) * shape
 
@@ -230,7 +234,7 @@ class Progress:
 
     @property
     def total(self) -> int:
-        return self.horizon.steps if isinstance(self.horizon, Horizon) else self.horizon
+        return steps_of(self.horizon)
 
     def update(self, done: int, stats: dict[str, float], **extra: float) -> None:
         if self.bar.total != self.total:
