@@ -21,7 +21,9 @@ self_attention() and mlp() their rows otherwise (sublayer_usable()).
 It is compiled on first use (`cc -O3 -march=native -fopenmp`, about a second) into
 $SPECDEC_CACHE/kernels and loaded with ctypes. Where it cannot be built or used (not Linux, no C
 compiler, torch not on OpenMP, or loading it would start a second OpenMP runtime) linear() keeps
-torch's products, and one line says why. SPECDEC_CPU_KERNEL=0 turns it off.
+torch's products, and one line says why. SPECDEC_CPU_KERNEL=0 turns it off. SPECDEC_CPU_MARCH
+builds it for another instruction set than this CPU's (e.g. x86-64-v3: AVX2 and FMA, no AVX-512),
+to measure how a CPU without AVX-512 would run.
 """
 
 import contextlib
@@ -42,8 +44,9 @@ from torch import Tensor
 MAX_ROWS = 128  # more rows (a long prefill): MKL's GEMM (faster from ~256 rows on; scripts/bench_cost.py --rows)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "skinny.c", CSRC / "layers.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 OFF = "SPECDEC_CPU_KERNEL"
+MARCH = "SPECDEC_CPU_MARCH"  # the compiler's -march (default native)
 _enabled = True  # see disabled()
 _sublayers = True  # see products_only()
 
@@ -75,7 +78,8 @@ def _build() -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     cpu = Path("/proc/cpuinfo").read_text().partition("flags")[2].partition("\n")[0]
     texts = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".c", ".h")]
-    key = hashlib.sha256("\0".join([*texts, version, cpu, *FLAGS]).encode()).hexdigest()[:16]
+    flags = (*FLAGS, f"-march={os.environ.get(MARCH) or 'native'}")
+    key = hashlib.sha256("\0".join([*texts, version, cpu, *flags]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"skinny-{key}.so"
     if out.exists():
         return out
@@ -83,7 +87,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        cmd = [cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise Unavailable(f"{cc} failed: {done.stderr.strip()[-500:]}")
