@@ -5,6 +5,10 @@ sublayers (layers.c): against the decoder in float64, as close as torch's fp32 p
 step's rows bitwise its decode steps', used exactly where they should be."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +174,23 @@ def test_built_once_per_cache(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert cpu_kernel._build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    "avx512vl" not in Path("/proc/cpuinfo").read_text(), reason="this CPU's own build is already its AVX2 path"
+)
+def test_the_avx2_build_passes_the_same_checks(tmp_path):
+    """CPUs without AVX-512 run the kernel's other path (16 vector registers: 12 accumulators, not
+    24). Built here for x86-64-v3 (SPECDEC_CPU_MARCH), it passes this file's checks against float64
+    and of rows, threads and stacks bitwise, in a process of its own (the kernel loads once)."""
+    env = os.environ | {"SPECDEC_CPU_MARCH": "x86-64-v3", "SPECDEC_CACHE": str(tmp_path)}
+    checks = "float64 or rounded or other_rows or accurate or bitwise"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", checks]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " skipped" not in done.stdout
+    assert len(list(tmp_path.glob("kernels/skinny-*.so"))) == 1  # its own build, not this process's
 
 
 @needs_kernel
