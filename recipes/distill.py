@@ -50,7 +50,7 @@ from train.draft_model import (
     use_draft_vocab,
 )
 from train.export import Card, export_standalone
-from train.launch import check_launch, gathered_state_dict, sharded, whole
+from train.launch import check_launch, gathered_state_dict, sharded, unwrap, whole
 from train.loop import every, optimizer_step
 from train.responses import generate_responses
 from train.validate import runtime_decoder, validate
@@ -224,7 +224,7 @@ class Distillation:
 def drafter_responses(cfg: DictConfig, run: Run, student: Any, prompts: list[list[int]], step: int) -> list[Example]:
     """On-policy data (DistillSpec): the drafter's own samples for the prompts, scored by the target."""
     acc = run.accelerator
-    model = acc.unwrap_model(student).model
+    model = unwrap(acc, student).model
     model.eval()
     with acc.autocast():
         responses = generate_responses(model, prompts, seed=cfg.seed + step, **generation_kwargs(cfg, run))
@@ -254,7 +254,7 @@ class Validation:
         """The drafter, whole, on rank 0 (None elsewhere). Under ZeRO-3 and FSDP every process
         takes part in gathering it into a fresh copy."""
         acc, run = self.run.accelerator, self.run
-        model = acc.unwrap_model(self.student).model
+        model = unwrap(acc, self.student).model
         if not sharded(acc):
             return model
         sd = gathered_state_dict(acc, self.student)

@@ -54,7 +54,7 @@ from train.draft_model import draft_vocab
 from train.eagle3 import Eagle3Training, accuracies, replay_chain, target_states, tau_estimate, warm_start
 from train.export import Card, export_eagle3
 from train.hidden_cache import cache_key, cache_states, padded
-from train.launch import check_launch
+from train.launch import check_launch, unwrap
 from train.loop import every, optimizer_step, per_group_rates
 from train.validate import runtime_decoder, validate
 
@@ -107,7 +107,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     loss = TTTLoss(wrapped, run, target, config, e.prompt_loss)
     tracker = make_tracker(cfg, run, "eagle3")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
-    validation = Validation(cfg, run, data, target, accelerator.unwrap_model(wrapped), held_out, loss, tracker)
+    validation = Validation(cfg, run, data, target, unwrap(accelerator, wrapped), held_out, loss, tracker)
 
     # ---------------------------------------------------------------- loop
     steps = [f"step{k}" for k in range(e.ttt_steps)]

@@ -51,7 +51,7 @@ from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids, with_responses
 from train.export import Card, export_medusa
 from train.hidden_cache import cache_key, cache_states, padded
-from train.launch import check_launch
+from train.launch import check_launch, unwrap
 from train.loop import every, optimizer_step, per_group_rates
 from train.medusa import MedusaTraining, causal_lm, final_hidden, head_accuracies, target_drift
 from train.validate import runtime_decoder, validate
@@ -159,7 +159,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     progress.close()
 
     # ---------------------------------------------------------------- calibrate + validate
-    trained = accelerator.unwrap_model(wrapped).eval()
+    trained = unwrap(accelerator, wrapped).eval()
     result: dict[str, Any] = {"train": stats, "history": [], "step": horizon.steps}
     tree, served = None, None
     if run.main:

@@ -44,7 +44,7 @@ from specdec_runtime.mtp import MTP_WEIGHTS, MTPDrafter, MTPHeads
 from train.checkpoint import save_checkpoint
 from train.corpus import corpus_documents, packed_corpus, train_tokenizer
 from train.export import Card, export_mtp
-from train.launch import check_launch
+from train.launch import check_launch, unwrap
 from train.loop import every, optimizer_step
 from train.mtp import TRAINABLE, MTPModel, PackedSequence, average_gradients, evaluate, heads_state_dict, mtp_step
 from train.validate import runtime_decoder, validate
@@ -150,7 +150,7 @@ def own_tokenizer(cfg: DictConfig, out: Path) -> Any:
 def make_backward_fn(accelerator: Any, wrapped: Any, weights: list[float], sequential: bool) -> Any:
     """The loop's backward_fn: one micro-batch's MTP forward + backward, and on the last micro-batch
     of an optimizer step the gradient average over processes (once; DDP itself never reduces)."""
-    model = accelerator.unwrap_model(wrapped)
+    model = unwrap(accelerator, wrapped)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def backward_fn(mb: list[PackedSequence], scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -205,7 +205,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
     optimizer, scheduler = make_optimizer_from(cfg, trainable, horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    model = accelerator.unwrap_model(wrapped)
+    model = unwrap(accelerator, wrapped)
     tracker = make_tracker(cfg, run, "mtp")
     backward = make_backward_fn(accelerator, wrapped, weights, sequential)
     held_out = HeldOut(model, val_seqs[: cfg.validate.eval_sequences], T.micro_batch, accelerator, tracker)

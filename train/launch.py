@@ -97,6 +97,20 @@ def launch_kind(accelerator: Any) -> str:
     return "single" if accelerator.num_processes == 1 else "ddp"
 
 
+def unwrap(accelerator: Any, wrapped: Any) -> Any:
+    """The model accelerator.prepare() returned as `wrapped`, unwrapped (accelerator.unwrap_model).
+    Without DeepSpeed or FSDP that is DDP's module, or the model itself in one process (mixed
+    precision patches its forward in place, and no recipe compiles it), so the DeepSpeed import
+    accelerate's unwrap_model makes wherever DeepSpeed is installed, to test for its engine, is
+    skipped: ~0.8 s, and on a CPU machine a warning that a GPU could not be detected."""
+    kind = launch_kind(accelerator)
+    if kind == "single":
+        return wrapped
+    if kind == "ddp":
+        return wrapped.module if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) else wrapped
+    return accelerator.unwrap_model(wrapped)
+
+
 def check_launch(accelerator: Any, recipe: str, fits: tuple[str, ...], why: str = "") -> str:
     """Refuse, before any model loads, a launcher config the recipe does not fit; returns the kind.
     fits: the kinds of launch_kind() the recipe runs under ("single" and "ddp" always fit)."""
@@ -151,5 +165,6 @@ def whole(accelerator: Any) -> Iterator[None]:
 def gathered_state_dict(accelerator: Any, wrapped: Any) -> dict[str, torch.Tensor] | None:
     """The prepared model's whole state dict on rank 0 (None elsewhere). Every process must call it:
     under ZeRO-3 and FSDP it gathers the shards."""
-    sd = accelerator.get_state_dict(wrapped)
+    kind = launch_kind(accelerator)
+    sd = unwrap(accelerator, wrapped).state_dict() if kind in ("single", "ddp") else accelerator.get_state_dict(wrapped)
     return {k: v.detach() for k, v in sd.items()} if accelerator.is_main_process else None

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specdec_runtime.errors import SpecdecError
 from tests.conftest import tiny_hf_model
@@ -53,17 +54,25 @@ def test_config_files_load_and_ask_for_what_their_name_says(name):
 
 WHERE_AM_I = """
 import os, sys, torch
-from train.launch import make_accelerator
+from train.launch import gathered_state_dict, make_accelerator, unwrap
 acc = make_accelerator(mixed_precision="no", grad_accum=1, seed=0, log_with=None, project_dir=sys.argv[1])
+model = torch.nn.Linear(2, 2)
+wrapped = acc.prepare(model)
+sd = gathered_state_dict(acc, wrapped)
 line = (f"rank {acc.process_index} of {acc.num_processes} on {acc.device.type} cuda visible "
-        f"{torch.cuda.is_available()} CUDA_VISIBLE_DEVICES {os.environ.get('CUDA_VISIBLE_DEVICES')}")
+        f"{torch.cuda.is_available()} CUDA_VISIBLE_DEVICES {os.environ.get('CUDA_VISIBLE_DEVICES')}, "
+        f"DDP {type(wrapped).__name__ == 'DistributedDataParallel'} unwrapped {unwrap(acc, wrapped) is model} "
+        f"state dict {sorted(sd) if sd else sd} deepspeed imported {'deepspeed' in sys.modules}")
 sys.stdout.write(line + "\\n")  # one write: the two processes share the pipe
 """
 
 
 def test_multi_cpu_runs_two_cpu_processes_even_where_cuda_is_visible(tmp_path):
     """The launch the findings saw fail on a one-GPU machine (rank 1: invalid device ordinal): the
-    file hides the GPUs from its processes, so both ranks run on the CPU in one gloo group."""
+    file hides the GPUs from its processes, so both ranks run on the CPU in one gloo group. Its DDP
+    model unwraps to the model, and its state dict reaches rank 0 with the model's names, without
+    importing DeepSpeed (accelerate's unwrap_model imports it wherever it is installed: ~0.8 s, and
+    on a CPU a warning that no GPU was detected)."""
     from tests.conftest import accelerate_launch
 
     script = tmp_path / "where.py"
@@ -71,7 +80,17 @@ def test_multi_cpu_runs_two_cpu_processes_even_where_cuda_is_visible(tmp_path):
     proc = accelerate_launch("multi_cpu", [str(script), str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
-    assert lines == [f"rank {r} of 2 on cpu cuda visible False CUDA_VISIBLE_DEVICES -1,-1" for r in (0, 1)], proc.stdout
+    where = "on cpu cuda visible False CUDA_VISIBLE_DEVICES -1,-1, DDP True unwrapped True"
+    sds = ["['bias', 'weight']", "None"]
+    assert lines == [f"rank {r} of 2 {where} state dict {sds[r]} deepspeed imported False" for r in (0, 1)], proc.stdout
+
+
+def test_one_process_unwraps_to_the_model_itself(tmp_path):
+    from train.launch import make_accelerator, unwrap
+
+    acc = make_accelerator(mixed_precision="no", grad_accum=1, seed=0, log_with=None, project_dir=str(tmp_path))
+    model = torch.nn.Linear(2, 2)
+    assert unwrap(acc, acc.prepare(model)) is model and acc.unwrap_model(model) is model
 
 
 def test_fsdp_plugin_from_the_file_wraps_each_decoder_layer_of_the_recipe_model(monkeypatch):
