@@ -97,18 +97,22 @@ def launch_kind(accelerator: Any) -> str:
     return "single" if accelerator.num_processes == 1 else "ddp"
 
 
+def _plain(accelerator: Any, wrapped: Any) -> Any:
+    """The model inside `wrapped` where accelerate did no more than DDP to it (one process, or DDP;
+    not compiled by an accelerate config's dynamo_backend), else None. Mixed precision patches the
+    model's forward in place, so it stays the model."""
+    if launch_kind(accelerator) not in ("single", "ddp"):
+        return None
+    model = wrapped.module if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) else wrapped
+    return None if hasattr(model, "_orig_mod") else model
+
+
 def unwrap(accelerator: Any, wrapped: Any) -> Any:
-    """The model accelerator.prepare() returned as `wrapped`, unwrapped (accelerator.unwrap_model).
-    Without DeepSpeed or FSDP that is DDP's module, or the model itself in one process (mixed
-    precision patches its forward in place, and no recipe compiles it), so the DeepSpeed import
-    accelerate's unwrap_model makes wherever DeepSpeed is installed, to test for its engine, is
-    skipped: ~0.8 s, and on a CPU machine a warning that a GPU could not be detected."""
-    kind = launch_kind(accelerator)
-    if kind == "single":
-        return wrapped
-    if kind == "ddp":
-        return wrapped.module if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) else wrapped
-    return accelerator.unwrap_model(wrapped)
+    """accelerator.unwrap_model(wrapped), without the DeepSpeed import accelerate's makes wherever
+    DeepSpeed is installed, to test for its engine (~0.8 s, and on a CPU machine a warning that a
+    GPU could not be detected), where no DeepSpeed engine can be (_plain)."""
+    plain = _plain(accelerator, wrapped)
+    return plain if plain is not None else accelerator.unwrap_model(wrapped)
 
 
 def check_launch(accelerator: Any, recipe: str, fits: tuple[str, ...], why: str = "") -> str:
@@ -165,6 +169,6 @@ def whole(accelerator: Any) -> Iterator[None]:
 def gathered_state_dict(accelerator: Any, wrapped: Any) -> dict[str, torch.Tensor] | None:
     """The prepared model's whole state dict on rank 0 (None elsewhere). Every process must call it:
     under ZeRO-3 and FSDP it gathers the shards."""
-    kind = launch_kind(accelerator)
-    sd = unwrap(accelerator, wrapped).state_dict() if kind in ("single", "ddp") else accelerator.get_state_dict(wrapped)
+    plain = _plain(accelerator, wrapped)  # accelerator.get_state_dict imports DeepSpeed too (unwrap)
+    sd = plain.state_dict() if plain is not None else accelerator.get_state_dict(wrapped)
     return {k: v.detach() for k, v in sd.items()} if accelerator.is_main_process else None

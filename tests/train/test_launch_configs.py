@@ -86,11 +86,18 @@ def test_multi_cpu_runs_two_cpu_processes_even_where_cuda_is_visible(tmp_path):
 
 
 def test_one_process_unwraps_to_the_model_itself(tmp_path):
-    from train.launch import make_accelerator, unwrap
+    """In one process prepare() wraps nothing: unwrap gives the model. A compiled model (an
+    accelerate config's dynamo_backend) is left to accelerate, as before."""
+    from train.launch import gathered_state_dict, make_accelerator, unwrap
 
     acc = make_accelerator(mixed_precision="no", grad_accum=1, seed=0, log_with=None, project_dir=str(tmp_path))
     model = torch.nn.Linear(2, 2)
     assert unwrap(acc, acc.prepare(model)) is model and acc.unwrap_model(model) is model
+    assert sorted(gathered_state_dict(acc, model)) == ["bias", "weight"]
+    compiled = torch.compile(model)  # compiled on its first call, which never comes
+    assert sorted(compiled.state_dict()) == ["_orig_mod.bias", "_orig_mod.weight"]
+    assert unwrap(acc, compiled) is acc.unwrap_model(compiled)
+    assert sorted(gathered_state_dict(acc, compiled)) == sorted(acc.get_state_dict(compiled))
 
 
 def test_fsdp_plugin_from_the_file_wraps_each_decoder_layer_of_the_recipe_model(monkeypatch):
