@@ -5,7 +5,7 @@
     data = conversations(cfg, run)                # the conversation recipes' train / validation prompts
     target = load_target(cfg, run)                # the HF target, frozen, in model.dtype
     examples, prompts = training_examples(cfg, run, target, data)
-    horizon = make_horizon(cfg, run)             # trainer.max_steps, or what fits trainer.max_minutes
+    horizon = make_horizon(cfg, run)             # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, params, horizon)
     tracker = make_tracker(cfg, run, "medusa")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)   # + config.yaml, what runs from here on
@@ -22,6 +22,7 @@ loop out; configs stop here: the train/ modules receive plain arguments.
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,7 +57,15 @@ from train.data import (
 )
 from train.export import push_to_hub
 from train.launch import MIXED_PRECISION, make_accelerator, whole
-from train.loop import Horizon, Progress, hyperparameters, make_optimizer, minutes_problem, restore_hyperparameters
+from train.loop import (
+    Horizon,
+    Progress,
+    hyperparameters,
+    make_optimizer,
+    minutes_problem,
+    restore_hyperparameters,
+    until_problem,
+)
 from train.responses import DONE as RESPONSES_DONE
 from train.responses import cache_key, generate_responses
 from train.run_folder import RunLock, config_changes, describe_changes, truncate_log, write_config
@@ -76,6 +85,8 @@ def check_trainer(cfg: DictConfig) -> list[str]:
         if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
             problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
     if problem := minutes_problem(cfg.trainer.get("max_minutes")):
+        problems.append(problem)
+    if problem := until_problem(cfg.trainer.get("train_until")):
         problems.append(problem)
     if cfg.validate.max_new_tokens < 1:
         problems.append("validate.max_new_tokens must be >= 1")
@@ -188,6 +199,7 @@ RESUMABLE = (
     "output_dir",
     "trainer.max_steps",
     "trainer.max_minutes",
+    "trainer.train_until",
     "trainer.log_every",
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
@@ -419,11 +431,13 @@ def training_examples(
 
 def make_horizon(cfg: DictConfig, run: Run) -> Horizon:
     """The steps the run trains: trainer.max_steps, cut once at the end of the warm-up (at least 10
-    steps in) to what fits trainer.max_minutes, every process taking rank 0's decision."""
+    steps in) to what fits trainer.max_minutes and trainer.train_until, every process taking rank
+    0's decision."""
     agree = lambda n: broadcast_object_list([n])[0]  # noqa: E731
     decide_at = max(cfg.optim.warmup_steps, 10)
     say = lambda line: run.main and tqdm.write(line)  # noqa: E731  (on its own line, above the progress bar)
-    return Horizon(cfg.trainer.max_steps, cfg.trainer.get("max_minutes"), decide_at, agree=agree, say=say)
+    T = cfg.trainer
+    return Horizon(T.max_steps, T.get("max_minutes"), decide_at, until=T.get("train_until"), agree=agree, say=say)
 
 
 def make_optimizer_from(cfg: DictConfig, params: Any, horizon: Horizon) -> tuple[Any, Any]:
@@ -509,6 +523,8 @@ def make_progress(
     T, acc = cfg.trainer, run.accelerator
     if start_step < horizon.steps:
         limit = f", at most {horizon.max_minutes:g} min (trainer.max_minutes)" if horizon.max_minutes else ""
+        if T.get("train_until") is not None:
+            limit += f", ending by {time.strftime('%H:%M:%S', time.localtime(T.train_until))} (trainer.train_until)"
         run.say(
             f"training steps {start_step}..{horizon.steps} ({acc.num_processes} processes, "
             f"global batch {T.micro_batch * T.grad_accum * acc.num_processes}{limit})"

@@ -1,6 +1,7 @@
 """The pieces a recipe's training loop calls (the loop itself is written out in each recipe).
 
     horizon = Horizon(100, max_minutes=5.0, decide_at=10)  # 100 steps, or what fits 5 minutes
+    horizon = Horizon(100, until=time.time() + 600)         # or what ends within 10 minutes from now
     optimizer, scheduler = make_optimizer(params, lr=3e-4, weight_decay=0.0, warmup_steps=10, max_steps=horizon)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     horizon.restore(checkpoint_state.get("horizon"))       # a resumed run keeps its cut
@@ -42,14 +43,25 @@ def minutes_problem(max_minutes: Any) -> str | None:
     return None
 
 
+def until_problem(until: Any) -> str | None:
+    """What is wrong with a trainer.train_until (a Unix time in seconds, or None: no deadline)."""
+    if until is None:
+        return None
+    if isinstance(until, bool) or not isinstance(until, int | float) or until <= 0:
+        return f"trainer.train_until={until}: give a Unix time in seconds (e.g. $(( $(date +%s) + 600 ))), or null"
+    return None
+
+
 class Horizon:
-    """How many steps a run trains: max_steps, or fewer where max_minutes is given and the run's
-    first steps say they would not fit. The cut is made once, when decide_at - 1 steps are done (the
-    warm-up's: no step already taken had a schedule over another horizon), at the rate of the
-    steps since the first (which pays for warm-up work), the time counting from the loop's start;
-    it never cuts below decide_at. A checkpoint records it (state()), so a resumed run keeps the same
-    steps and schedule. agree(n) -> n: every process takes rank 0's decision (a broadcast); say:
-    where the decision is told."""
+    """How many steps a run trains: max_steps, or fewer where a time limit is given and the run's
+    first steps say they would not fit it: max_minutes of training (counted from the loop's start)
+    and `until`, a Unix time training must end by (a whole job's deadline: the quickstart's). The
+    cut is made once, when decide_at - 1 steps are done (the warm-up's: no step already taken had a
+    schedule over another horizon), at the rate of the steps since the first (which pays for
+    warm-up work), to what fits the nearer limit; it never cuts below decide_at. A checkpoint
+    records it (state()), so a resumed run keeps the same steps and schedule. agree(n) -> n: every
+    process takes rank 0's decision (a broadcast); say: where the decision is told; wall: the Unix
+    clock `until` is read against, once."""
 
     def __init__(
         self,
@@ -57,14 +69,17 @@ class Horizon:
         max_minutes: float | None = None,
         decide_at: int = 10,
         *,
+        until: float | None = None,
         agree: Callable[[int], int] = lambda n: n,
         say: Callable[[str], None] = print,
         clock: Callable[[], float] = time.perf_counter,
+        wall: Callable[[], float] = time.time,
     ):
-        if problem := minutes_problem(max_minutes):
+        if problem := minutes_problem(max_minutes) or until_problem(until):
             raise ValueError(problem)
         self.configured = self.steps = max_steps
         self.max_minutes, self.decide_at = max_minutes, max(decide_at, 3)
+        self.deadline = None if until is None else clock() + (until - wall())  # `until` on self.clock
         self.agree, self.say, self.clock = agree, say, clock
 
     def state(self) -> dict[str, Any]:
@@ -83,7 +98,8 @@ class Horizon:
         """The step indices start, start + 1, ... up to the horizon. The cut is decided before step
         decide_at - 1 runs, so that the loop body of every step, the last one included, sees the
         final horizon (its checkpoint, its log line)."""
-        timed = self.max_minutes is not None and start + 2 < self.decide_at  # a decision ahead, steps to time
+        limited = self.max_minutes is not None or self.deadline is not None
+        timed = limited and start + 2 < self.decide_at  # a decision ahead, steps to time
         step, began, first = start, self.clock() if timed else 0.0, 0.0
         while step < self.steps:
             if timed and step == start + 1:
@@ -96,16 +112,23 @@ class Horizon:
 
     def _decide(self, done: int, elapsed: float, per_step: float) -> None:
         """After `done` steps that took `elapsed` seconds, the later ones `per_step` each."""
-        fit = done + int(max(60 * self.max_minutes - elapsed, 0) / per_step)
+        limits = []  # (seconds left for the steps still to run, the limit in words)
+        if self.max_minutes is not None:
+            limits.append((60 * self.max_minutes - elapsed, f"trainer.max_minutes={self.max_minutes:g}"))
+        if self.deadline is not None:
+            left = self.deadline - self.clock()
+            limits.append((left, f"trainer.train_until ({max(left, 0) / 60:.1f} min left)"))
+        left, limit = min(limits)
+        fit = done + int(max(left, 0) / per_step)
         steps = self.agree(min(self.steps, max(fit, done + 1)))
         need = elapsed + (self.steps - done) * per_step
         if steps < self.steps:
             self.say(
-                f"trainer.max_minutes={self.max_minutes:g}: {self.steps} steps would take ~{need / 60:.1f} min "
+                f"{limit}: {self.steps} steps would take ~{need / 60:.1f} min "
                 f"at {per_step:.2f} s a step here; training {steps} steps (the schedule ends there)"
             )
         else:
-            self.say(f"trainer.max_minutes={self.max_minutes:g}: {self.steps} steps fit (~{need / 60:.1f} min)")
+            self.say(f"{limit}: {self.steps} steps fit (~{need / 60:.1f} min)")
         self.steps = steps
 
 

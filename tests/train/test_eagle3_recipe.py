@@ -176,6 +176,19 @@ def test_max_minutes_cuts_the_run_and_a_resumed_run_keeps_the_cut(tiny, tmp_path
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step-0000005", "step-0000010"]
 
 
+def test_a_past_train_until_cuts_the_run_and_a_rerun_may_move_it(tiny, tmp_path, capfd):
+    """trainer.train_until, the quickstart's deadline (a Unix time): one already past when the
+    warm-up ends cuts the run to its 10 steps, said; run again with another deadline (each
+    quickstart.sh run gives its own), the run is resumed, not refused as a changed setting."""
+    limited = ("validate.enabled=false", "trainer.max_steps=14", "trainer.checkpoint_every=5")
+    out = tmp_path / "run"
+    assert eagle3.run(config(tiny, out, *limited, "trainer.train_until=1"))["step"] == 10
+    said = capfd.readouterr()
+    assert "trainer.train_until (0.0 min left): 14 steps would take" in said.out + said.err
+    assert "(trainer.train_until)" in said.out + said.err  # the training line's "ending by HH:MM:SS"
+    assert eagle3.run(config(tiny, out, *limited, "trainer.train_until=2"))["step"] == 10
+
+
 def test_live_target_states_give_the_cached_runs_losses(tiny, tmp_path):
     cached, live = tmp_path / "cached", tmp_path / "live"
     eagle3.run(config(tiny, cached, "validate.enabled=false", "trainer.max_steps=3"))
@@ -207,6 +220,7 @@ def test_two_processes_match_one_on_the_same_global_batch_and_zero3_is_refused(t
         ("eagle3.init=zeros", "eagle3.init='zeros'"),
         ("validate.top_k=0", "validate: need gamma >= 1"),
         ("trainer.max_minutes=0", "trainer.max_minutes=0: give a positive number of minutes"),
+        ("trainer.train_until=soon", "trainer.train_until=soon: give a Unix time in seconds"),
     ],
 )
 def test_bad_values_stop_before_anything_loads(tiny, tmp_path, monkeypatch, override, message):

@@ -1,5 +1,6 @@
-"""trainer.max_minutes: the horizon is cut once, at the end of the warm-up, to what fits at the rate
-of the first steps; the schedule and the progress bar follow the cut, a checkpoint keeps it."""
+"""trainer.max_minutes and trainer.train_until: the horizon is cut once, at the end of the warm-up,
+to what fits the nearer limit at the rate of the first steps; the schedule and the progress bar
+follow the cut, a checkpoint keeps it."""
 
 import pytest
 import torch
@@ -56,6 +57,42 @@ def test_a_budget_already_spent_stops_at_the_decision_step_and_processes_agree()
     )
     assert run(horizon, clock) == list(range(7))  # rank 0's decision (7) wins over this process's own (5)
     assert asked == [5]
+
+
+def test_a_deadline_counts_the_time_before_the_loop_and_the_nearer_limit_wins():
+    """train_until is a whole job's deadline (a Unix time): the time spent before the loop (data)
+    counts, where max_minutes counts from the loop's start. With both, the nearer one cuts."""
+    wall = lambda: 1_000_000.0  # noqa: E731  (the Unix time when the horizon is made)
+    # The same budget as max_minutes=5 above when the loop starts at once: 136 steps.
+    clock, said = Clock(30.0, 2.0), []
+    horizon = Horizon(1000, decide_at=10, until=wall() + 300, say=said.append, clock=clock, wall=wall)
+    assert run(horizon, clock) == list(range(136))
+    assert said == [
+        "trainer.train_until (4.2 min left): 1000 steps would take ~33.8 min at 2.00 s a step here; "
+        "training 136 steps (the schedule ends there)"
+    ]
+    # 100 s of data before the loop: 154 s left at the decision, 77 more steps; max_minutes=5 alone
+    # would give 136, so the deadline cuts.
+    clock, said = Clock(30.0, 2.0), []
+    horizon = Horizon(1000, max_minutes=5, decide_at=10, until=wall() + 300, say=said.append, clock=clock, wall=wall)
+    clock.now += 100
+    assert run(horizon, clock) == list(range(86)) and said[0].startswith("trainer.train_until (2.6 min left)")
+    # A far deadline: max_minutes cuts, and says so as before.
+    clock, said = Clock(30.0, 2.0), []
+    horizon = Horizon(1000, max_minutes=5, decide_at=10, until=wall() + 3600, say=said.append, clock=clock, wall=wall)
+    assert run(horizon, clock) == list(range(136)) and said[0].startswith("trainer.max_minutes=5: 1000 steps")
+    # A deadline already past: the warm-up's steps and one more, as for a spent max_minutes.
+    clock, said = Clock(30.0, 2.0), []
+    horizon = Horizon(1000, decide_at=10, until=wall() - 60, say=said.append, clock=clock, wall=wall)
+    assert run(horizon, clock) == list(range(10)) and said[0].startswith("trainer.train_until (0.0 min left)")
+    # Steps that fit: said, nothing cut.
+    clock, said = Clock(1.0, 1.0), []
+    horizon = Horizon(50, decide_at=10, until=wall() + 609, say=said.append, clock=clock, wall=wall)
+    assert run(horizon, clock) == list(range(50))
+    assert said == ["trainer.train_until (10.0 min left): 50 steps fit (~0.8 min)"]
+    for bad in (True, "5", -3, 0):  # check_trainer refuses these before a run starts, in the same words
+        with pytest.raises(ValueError, match=f"train_until={bad}: give a Unix time in seconds"):
+            Horizon(10, until=bad)
 
 
 def test_a_checkpoint_keeps_the_cut_unless_max_steps_changed():
