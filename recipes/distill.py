@@ -91,7 +91,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     drafter = build_drafter(cfg, run, target)
     examples, prompts = training_examples(cfg, run, target, data)  # on-policy: none yet (the loop makes them)
     vocab_ids = draft_vocabulary(cfg, run, drafter, target, examples, prompts)
-    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, [p for p in drafter.parameters() if p.requires_grad], horizon)
     student, optimizer, scheduler = accelerator.prepare(SelectedLogits(drafter), optimizer, scheduler)
     loss = Distillation(SelectedLogits(target), student, vocab_ids, cfg.loss, run)

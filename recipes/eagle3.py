@@ -101,7 +101,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     head_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(run.device)]
     embed = target.get_input_embeddings().weight.detach()
     training = Eagle3Training(model, embed, head_rows, steps=e.ttt_steps, decay=e.step_decay, ranks=cfg.validate.top_k)
-    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, [p for p in model.parameters() if p.requires_grad], horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(training, optimizer, scheduler)
     loss = TTTLoss(wrapped, run, target, config, e.prompt_loss)

@@ -137,7 +137,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     model, groups = build_model(cfg, run, target)
     if m.cache_hidden:  # Medusa-1: the frozen target runs once per example, not once per epoch
         examples = hidden_states(cfg, run, target, examples)
-    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, groups, horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     loss = HeadsLoss(wrapped, run, m.cache_hidden)

@@ -202,7 +202,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
         f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {m.trainable}), {m.backward} backward"
     )
-    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits trainer.max_minutes
+    horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, trainable, horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     model = unwrap(accelerator, wrapped)

@@ -34,20 +34,21 @@ LossFn = Callable[[Any], tuple[Tensor, int, dict[str, Tensor]]]
 BackwardFn = Callable[[Any, float], tuple[Tensor, dict[str, Tensor]]]
 
 
+def _neither_none_nor_positive(value: Any) -> bool:
+    """A time limit's setting that is wrong: not None and not a positive int or float (a bool is not one)."""
+    return value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0)
+
+
 def minutes_problem(max_minutes: Any) -> str | None:
     """What is wrong with a trainer.max_minutes (a positive number of minutes, or None: no limit)."""
-    if max_minutes is None:
-        return None
-    if isinstance(max_minutes, bool) or not isinstance(max_minutes, int | float) or max_minutes <= 0:
+    if _neither_none_nor_positive(max_minutes):
         return f"trainer.max_minutes={max_minutes}: give a positive number of minutes, or null for none"
     return None
 
 
 def until_problem(until: Any) -> str | None:
     """What is wrong with a trainer.train_until (a Unix time in seconds, or None: no deadline)."""
-    if until is None:
-        return None
-    if isinstance(until, bool) or not isinstance(until, int | float) or until <= 0:
+    if _neither_none_nor_positive(until):
         return f"trainer.train_until={until}: give a Unix time in seconds (e.g. $(( $(date +%s) + 600 ))), or null"
     return None
 
