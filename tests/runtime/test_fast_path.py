@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specdec_runtime import graphs
-from specdec_runtime.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
-from specdec_runtime.generate import generate
+from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter
+from specdec_runtime.generate import generate, warm_up
 from specdec_runtime.measure import divergences, measure
 from specdec_runtime.medusa import MedusaDrafter
 from specdec_runtime.model import LayerSkip
@@ -45,6 +45,7 @@ DRAFTERS = {
     "truncate": lambda m, hf: ModelDrafter(m, exit_layer=2, shares_target_cache=True),
     "layer skip": lambda m, hf: ModelDrafter(m, skip=LayerSkip(attn={1}, mlp={2}), shares_target_cache=True),
     "stand-alone model": lambda m, hf: ModelDrafter(standalone(m)),
+    "stand-alone + lookup": lambda m, hf: LookupFirst(ModelDrafter(standalone(m))),
     "ngram": lambda m, hf: NgramDrafter(),
     "medusa tree": lambda m, hf: MedusaDrafter(random_heads(64, 256).to(m.device), m, Tree.from_paths(PATHS)),
     "mtp": mtp_drafter,
@@ -111,14 +112,14 @@ def compile_counts() -> tuple[int, int]:
 
 
 def warm_then_rerun(target, hf, drafters, capacity: int):
-    """Warm up on one prompt, then rerun with prompts of other lengths and every draft length:
+    """Warm up on one prompt, then rerun with prompts of other lengths and every draft length (and
+    one that repeats itself, where LookupFirst's lookups leave its model behind by several tokens):
     returns the compile counts after warm-up and after the reruns, and the cache's addresses."""
-    prompts = [PROMPT, PROMPT[:7], PROMPT + [3, 1, 4, 1, 5]]
+    prompts = [PROMPT, PROMPT[:7], PROMPT + [3, 1, 4, 1, 5], PROMPT + PROMPT[:4]]
     kw = dict(max_new_tokens=40, capacity=capacity)
     made = {name: DRAFTERS[name](target, hf) for name in drafters}
-    for d in made.values():  # warm-up: every step shape a drafter can produce at gamma 3
-        for gamma in (1, 2, 3):
-            generate(target, PROMPT, d, max_new_tokens=40, gamma=gamma, capacity=capacity)
+    for d in made.values():  # the runtime's warm-up: every step shape a drafter can produce at gamma 3
+        warm_up(target, d, PROMPT, Sampler, max_new_tokens=40, gamma=3, capacity=capacity)
     warm, address = compile_counts(), target.cache.kv.data_ptr()
     for d in made.values():
         for p in prompts:
@@ -132,10 +133,12 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     repeated generate calls: no new compiled graph, no new captured step, the same KV cache."""
     _, target, hf = pair()
     drafters = ["autoregressive", "truncate", "layer skip", "medusa tree", "mtp", "stand-alone model"]
+    drafters += ["stand-alone + lookup"]  # its model catches up on the tokens lookup drafted
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
-    assert {key[0][1] for key in target.steps} <= {1, 2, 3, 4} | trees  # T: decode, chains of 1-3, the trees
+    steps = {key[0][1] for key in target.steps}  # T: decode, chains of 1-3 (lookups' of 4), the trees
+    assert steps <= {1, 2, 3, 4, 5} | trees
 
 
 class SometimesLong(Drafter):

@@ -296,6 +296,40 @@ def test_lookup_first_drafts_its_own_length_where_lookup_matches():
         LookupFirst(NgramDrafter(3), tokens=0)
 
 
+def naive_lookup(seq: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup by scanning the whole sequence: the latest earlier occurrence of the last n
+    tokens (n from max_ngram down) with gamma tokens after it, else the earliest; what followed it."""
+    L = len(seq)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        begins = [s + n for s in range(L - n) if seq[s : s + n] == seq[L - n :]]
+        if begins:
+            full = [b for b in begins if b + gamma <= L]
+            begin = full[-1] if full else begins[0]
+            return seq[begin : begin + gamma]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (3, 2), (4, 4)])
+def test_ngram_lookup_indexes_the_sequence_as_it_grows_and_finds_what_a_scan_finds(max_ngram, min_ngram):
+    """NgramDrafter's index, fed a sequence a few tokens at a time (as rounds grow it), drafts what
+    scanning the whole sequence drafts, at every length and gamma; start() and a shorter sequence
+    than the one indexed begin afresh."""
+    gen = torch.Generator().manual_seed(0)
+    drafter, found = NgramDrafter(max_ngram, min_ngram), 0
+    for trial in range(6):
+        seq = torch.randint(0, 4 + 2 * trial, (160,), generator=gen)  # small vocabularies: many matches
+        L = int(torch.randint(1, 5, (1,), generator=gen))
+        if trial % 2:
+            drafter.start(seq[:L], 200)
+        while L <= len(seq):
+            gamma = int(torch.randint(1, 7, (1,), generator=gen))
+            want = naive_lookup(seq[:L].tolist(), gamma, max_ngram, min_ngram)
+            assert drafter.draft(seq[:L], gamma, Sampler()).tokens.tolist() == want
+            found += bool(want)
+            L += int(torch.randint(1, 6, (1,), generator=gen))
+    assert found > 10  # rounds whose lookup matched: 311, 187 and 15 of 327
+
+
 def test_stats_count_lookup_rounds_apart_and_add_up():
     """A lookup round goes to the lookup counts, not to the drafter's positions; totals and the
     dict round trip keep them; tau and the acceptance rate count every round."""

@@ -26,11 +26,18 @@ def test_warp_matches_transformers_logits_processors(temperature, top_k, top_p):
 
 
 def test_sampler_draws_follow_the_distribution():
+    """One row, and rows of unnormalized weights (a residual max(0, p - q) is sampled as it is) with
+    zero weights first, inside and last: draws follow each row's distribution, never a zero."""
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     sampler = Sampler(1.0, seed=0)
     draws = [int(sampler.sample(probs)) for _ in range(8000)]
     assert_follows(draws, probs)
     assert_not_follows(draws, torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2]))
+    weights = torch.tensor([[0.0, 0.3, 0.0, 0.05, 0.15, 0.0], [0.02, 0.0, 0.0, 0.0, 0.01, 0.0]])  # [2, V]
+    rows = torch.stack([sampler.sample(weights) for _ in range(8000)])  # [8000, 2]
+    assert rows.shape == (8000, 2)
+    for r in range(2):
+        assert_follows(rows[:, r].tolist(), weights[r])
 
 
 def test_sampler_rejects_bad_settings():
