@@ -208,10 +208,10 @@ def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
     if w.w.shape[0] != K or w.packed is None or w.packed.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"matmul: need packed float32 or bf16 weights for [{M}, {K}] rows, got W {tuple(w.w.shape)}")
     if residual is not None:
-        residual = residual.expand(M, N).contiguous()
+        residual = residual.expand(M, N).contiguous()  # a copy where it is not: kept alive through the call
     y = _out(M, N)
-    packed, bias, residual = w.packed.data_ptr(), _ptr(w.bias), _ptr(residual)
-    kernel().skinny_matmul(x.data_ptr(), M, K, packed, _bf16(w), N, bias, residual, y.data_ptr(), _threads())
+    res, bias = _ptr(residual), _ptr(w.bias)
+    kernel().skinny_matmul(x.data_ptr(), M, K, w.packed.data_ptr(), _bf16(w), N, bias, res, y.data_ptr(), _threads())
     return y
 
 

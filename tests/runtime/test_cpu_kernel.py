@@ -54,12 +54,14 @@ def product64(x, wt, bias=None, residual=None):
 def test_against_float64(M, K, N):
     """Every row-count / tile shape (one pass of up to 6 or 12 rows, several passes of equal rows),
     K with and without a tail past the 16-wide steps, N not a multiple of the tiles' widths nor of
-    the tasks' 16 rows (a last quad of 1, 2 and 3 real rows); with bias and residual."""
+    the tasks' 16 rows (a last quad of 1, 2 and 3 real rows); with bias and residual (also one row
+    broadcast to every row, which the kernel reads from a copy it must keep alive)."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     x, wt = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    broadcast = torch.randn(1, N, generator=g).expand(M, N)
     with torch.inference_mode():
-        for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        for b, r in [(None, None), (bias, None), (None, residual), (bias, residual), (bias, broadcast)]:
             y = cpu_kernel.matmul(x, packed(wt, b), r)
             assert y.shape == (M, N) and y.dtype == torch.float32
             torch.testing.assert_close(y.double(), product64(x, wt, b, r), rtol=1e-5, atol=1e-5 * K**0.5)
