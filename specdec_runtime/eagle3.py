@@ -400,7 +400,8 @@ class Eagle3Drafter(Drafter):
             for r, node in enumerate(frontier):
                 mask[r, ancestors[node]] = True
                 mask[r, slot + r] = True
-            rows_prenorm = self._rows(tok[frontier], features, pos, slots, mask, slot + F_)
+            rows = self.draft_ids[tok[frontier]]  # the frontier's tokens as target ids (tok holds draft ids)
+            rows_prenorm = self._rows(rows, features, pos, slots, mask, slot + F_)
             child = self._head(rows_prenorm).float().log_softmax(-1).topk(K)  # [F, K]
             cand = (scores[frontier][:, None] + child.values).flatten()  # [F * K]
             keep = cand.topk(min(K, cand.numel())).indices

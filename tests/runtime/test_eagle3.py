@@ -6,6 +6,7 @@ and bad values refused."""
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,11 +118,14 @@ def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: 
     return seen, ids, draft
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
 @torch.no_grad()
-def test_runtime_drafter_logits_equal_the_training_modules():
+def test_runtime_drafter_logits_equal_the_training_modules(norm_before_residual):
     """A chain drafted by the runtime drafter (its own KV cache, fed the target's taps as the generate
-    loop feeds them) comes from exactly the logits of the naive computation on the same sequence."""
+    loop feeds them) comes from exactly the logits of the naive computation on the same sequence; with
+    the feature as the layer's residual, and its norm (speculators' norm_before_residual)."""
     hf, target, model = tiny()
+    model.config = replace(model.config, norm_before_residual=norm_before_residual)
     prompt = torch.arange(7, 19)
     P = len(prompt)
     seen, ids, draft = drafted_logits(Eagle3Drafter(model, target, cpu_bf16=False), target, prompt)
@@ -153,6 +157,31 @@ def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16()
     assert len(runs[0]) == 3 and all(torch.equal(a, b) for a, b in zip(*runs))
     assert not torch.equal(runs[0][0], exact[0])
     torch.testing.assert_close(runs[0][0], exact[0], rtol=0.05, atol=0.05)
+
+
+@torch.no_grad()
+def test_a_trees_second_level_is_what_the_training_module_ranks_after_each_first_level_node():
+    """Each first-level node's children in an EAGLE-2 tree are the drafter's top choices after that
+    node's token (naive_logits on the sequence continued by it): the level's rows read their tokens
+    as the target's ids, with a draft vocabulary whose ids are not the target's."""
+    hf, target, model = tiny(warm=True, initializer_range=0.05)
+    model.fc.weight.zero_()  # no feature: each row's choices follow its token (and the rows before it)
+    assert not torch.equal(model.draft_ids, torch.arange(model.config.draft_vocab_size))
+    prompt = torch.arange(7, 19)
+    P, K = len(prompt), 3
+    _, ids, tree = drafted_logits(Eagle3Drafter(model, target, tree_budget=16, top_k=K), target, prompt, gamma=3)
+    node = {p: int(t) for p, t in zip(tree.tree.paths, tree.tokens)}
+    checked = 0
+    for (i,), token in [(p, t) for p, t in node.items() if len(p) == 1]:
+        seq = torch.cat([ids, torch.tensor([token])])[None]
+        taps = target_states(AUX)(hf, seq, torch.ones_like(seq))["taps"]
+        ranked = model.draft_ids[
+            naive_logits(model, hf.get_input_embeddings().weight, taps, seq, 2)[(1, P - 1)].topk(K).indices
+        ]
+        for r, child in [(p[1], t) for p, t in node.items() if len(p) == 2 and p[0] == i]:
+            assert child == int(ranked[r]), (i, r)
+            checked += 1
+    assert checked >= 3
 
 
 @torch.no_grad()
