@@ -134,14 +134,19 @@ def step_bytes(m: Decoder, prefix: int) -> int:
     return total + kv
 
 
+def counts(spec: str) -> list[int]:
+    """'1,3,5' -> [1, 3, 5]; '' -> []."""
+    return [int(n) for n in spec.split(",") if n.strip()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument(
         "--dtypes", default="auto", help="auto: float32, plus bfloat16 where the kernel or the CPU does it fast"
     )
-    p.add_argument("--chains", default="1,2,3,4,5,6,8")
-    p.add_argument("--nodes", default="4,8,12,16,32")
+    p.add_argument("--chains", default="1,2,3,4,5,6,8", help="chain lengths verified ('' for none)")
+    p.add_argument("--nodes", default="4,8,12,16,32", help="tree sizes verified ('' for none)")
     p.add_argument("--rows", default="1,8,16,32,64,128,256", help="the products table's row counts ('' for none)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
@@ -184,13 +189,13 @@ def main() -> None:
                     + f", so a step's weights take {read / (gemv[threads] * 1e9) * 1000:.1f} ms"
                 )
                 if path == "kernel" and args.rows:
-                    products_table(m, [int(r) for r in args.rows.split(",")], max(3, args.reps // 4))
+                    products_table(m, counts(args.rows), max(3, args.reps // 4))
                 step = lambda m=m, x=x: m(x, PREFIX)  # noqa: E731  (every cost below: paired with it)
-                for T in map(int, args.chains.split(",")):
+                for T in counts(args.chains):
                     xs = torch.randint(0, V, (1, T))
                     rows.setdefault(f"chain of {T}", []).append(paired(lambda m=m, x=xs: m(x, PREFIX), step, args.reps))
                 profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
-                for n in map(int, args.nodes.split(",")):
+                for n in counts(args.nodes):
                     t = Tree.from_accuracies(profile, n).tensors
                     xs = torch.randint(0, V, (1, n + 1))
                     verify = lambda m=m, x=xs, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"]))  # noqa: E731

@@ -6,7 +6,7 @@
 Drafting settings: `chain:G` (chains of G tokens), `chain:G@C` (up to G, stopping after a token
 the drafter gives a probability below C) or `tree:BxK:D` (a tree of B nodes at most D
 deep, expanding the K most likely nodes of each level; Eagle3Drafter). Every validation prompt is
-decoded once autoregressively and once per setting (with and without lookup, unless --no-lookup),
+decoded once autoregressively and once per setting (alone and with lookup first; --lookup off / only),
 greedy, in an order that rotates from prompt to prompt, so the machine's drift hits every setting
 alike and each speedup is a ratio within one run. Prints a markdown table: tau, tokens/s, speedup
 over the autoregressive runs, drafting and verify-forward milliseconds per target forward, and
@@ -58,7 +58,12 @@ def main() -> None:
     p.add_argument("export", help="an EAGLE-3 export folder (speculators format)")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--drafting", default="chain:2,tree:3x3:2,tree:4x4:2,tree:4x3:3,tree:8x4:4")
-    p.add_argument("--no-lookup", action="store_true", help="only the drafter alone")
+    p.add_argument(
+        "--lookup",
+        choices=["both", "off", "only"],
+        default="both",
+        help="each setting alone and with prompt lookup first (both), alone (off), or with lookup (only)",
+    )
     p.add_argument("--per-category", type=int, default=2, help="validation prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
@@ -72,8 +77,9 @@ def main() -> None:
     settings = [Setting("autoregressive", None, 1)]
     for spec, (budget, top_k, depth, conf) in drafting:
         drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth, confidence=conf)
-        settings.append(Setting(spec, drafter, depth))
-        if not args.no_lookup:
+        if args.lookup != "only":
+            settings.append(Setting(spec, drafter, depth))
+        if args.lookup != "off":
             settings.append(Setting(f"{spec}+lookup", LookupFirst(drafter), depth))
     prompts = first_per_category(read_prompts(builtin_prompts("prompts-val")), args.per_category)
     ids = [encode_prompt(target.tokenizer, q.text, chat=True) for q in prompts]
@@ -101,7 +107,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name, t in total.items():
         per = 1e3 / t.target_forwards
-        print(f"| {name} | {t.tau:.2f} | {t.tokens_per_s:.1f} | {t.tokens_per_s / ar:.2f}x | "
+        print(f"| {name} | {t.tau:.2f} | {t.tokens_per_s:.1f} | {t.tokens_per_s / ar:.3f}x | "
               f"{t.draft_s * per:.2f} | {t.target_s * per:.2f} |")  # fmt: skip
     print(f"\nevery setting's output identical to the autoregressive one on {same} of {len(ids)} prompts")
 
