@@ -239,7 +239,9 @@ def self_attention(
     q = qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
     k, v = kv[:, :, :bound].split(Hkv, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    out = out.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+    # [B, Hkv, group*T, D] -> [B*T, H*D]; CUDA's kernels may hand it back in another memory layout
+    # (the memory-efficient one's is [B, group*T, Hkv, D]): reshape copies only then.
+    out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
     return linear(out, o, residual=residual)
 
 

@@ -54,6 +54,24 @@ def test_prefill_logits_match_transformers(family):
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
 
 
+def test_attention_output_in_another_memory_layout(monkeypatch):
+    """CUDA's memory-efficient attention returns [B, heads, T, D] laid out as [B, T, heads, D]
+    (seen on an H100 in fp32: a view of it failed). The same values in that layout give the same
+    logits, on a CPU, whose kernels return it contiguous."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)  # [B, Hkv, group * T, D]
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    hf = tiny_hf_model("llama", seed=1)
+    model = runtime_from_hf(hf)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.setup_cache(batch=2, size=32)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_layout)
+    torch.testing.assert_close(model(ids, 0).logits, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "llama3-rope"])
 def test_incremental_decoding_matches_full_forward(family):
     """Prefill part of a sequence, then feed the rest in chunks of 1-3 tokens: same logits."""
