@@ -173,17 +173,17 @@ def sampling_of(settings: BenchSettings, mode: str) -> dict[str, Any]:
     return dict(temperature=temperature, top_k=settings.top_k, top_p=settings.top_p)
 
 
-def sampler_for(settings: BenchSettings, mode: str, device: torch.device) -> Callable[[int], Sampler]:
+def sampler_for(settings: BenchSettings, mode: str) -> Callable[[int], Sampler]:
     """Prompt i's sampler in a mode (seeded per prompt: the drafter's run and the AR run draw alike)."""
     sampling = sampling_of(settings, mode)
-    return lambda i: Sampler(**sampling, seed=settings.seed + i, device=device)
+    return lambda i: Sampler(**sampling, seed=settings.seed + i)
 
 
 def autoregressive(
     target: LoadedModel, encoded: Sequence[list[int]], mode: str, settings: BenchSettings, bar: Any
 ) -> list[dict]:
     """Every prompt decoded autoregressively in a mode (after a warm-up): {"tokens", "stats"} each."""
-    sampler = sampler_for(settings, mode, target.model.device)
+    sampler = sampler_for(settings, mode)
     kw = dict(max_new_tokens=settings.max_new_tokens, stop_ids=target.stop_ids, capacity=capacity_of(encoded, settings))
     if bar is not None:
         bar.set_postfix_str(f"autoregressive ({mode})")
@@ -243,7 +243,7 @@ def bench_drafter(
     spec_kw = dict(kw, capacity=capacity_of(encoded, settings), gamma=gamma)
     spec_kw |= dict(adaptive_gamma=settings.adaptive_gamma, max_gamma=settings.max_gamma)
     device = target.model.device
-    sampler = sampler_for(settings, mode, device)
+    sampler = sampler_for(settings, mode)
 
     def reference(ids: list[int], i: int, max_new_tokens: int) -> tuple[list[int], float]:
         t0 = perf_counter(device)

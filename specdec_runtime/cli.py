@@ -226,9 +226,7 @@ def run_generate(args: argparse.Namespace) -> None:
             target.model,
             drafter,
             encoded,
-            sampler=lambda: Sampler(
-                args.temperature, args.top_k, args.top_p, seed=args.seed, device=target.model.device
-            ),
+            sampler=lambda: Sampler(args.temperature, args.top_k, args.top_p, seed=args.seed),
             baseline=args.baseline,
             warmup=not args.no_warmup,
             progress=bar,

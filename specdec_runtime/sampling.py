@@ -39,7 +39,6 @@ class Sampler:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        device: str | torch.device = "cpu",
     ):
         if temperature < 0:
             raise SpecdecError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -48,8 +47,18 @@ class Sampler:
         if top_k < 0:
             raise SpecdecError(f"top_k must be >= 0 (0 = off), got {top_k}")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        self.seed = seed if seed is not None else torch.seed()
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This sampler's random stream on `device`, seeded on first use there: the caller's
+        Sampler() follows the tensors it samples onto a GPU (a CPU generator cannot draw there)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
 
     @property
     def greedy(self) -> bool:
@@ -68,14 +77,14 @@ class Sampler:
         V exponentials (argmax of p / Exp(1), as before) took ~1 ms, a tenth of a decode step."""
         cdf = probs.double().cumsum(-1)  # [..., V]
         total = cdf[..., -1:]
-        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=self.generator)
+        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=self.generator(probs.device))
         # u * total may round up to total, past the last token of weight > 0: keep it below
         x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, x, right=True).squeeze(-1)  # the first token whose cdf exceeds x
 
     def uniform(self, n: int, device: torch.device) -> Tensor:
         """n draws from U[0, 1) for the acceptance test."""
-        return torch.rand(n, device=device, generator=self.generator)
+        return torch.rand(n, device=device, generator=self.generator(device))
 
     def next_token(self, logits: Tensor) -> Tensor:
         """Greedy argmax or a sample from the warped logits [..., V]."""

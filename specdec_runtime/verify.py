@@ -151,7 +151,7 @@ def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampl
     tried_mass = t["earlier"].to(probs.dtype) @ p_tok  # [N+1] mass of earlier siblings
     u = sampler.uniform(tokens.shape[0], tokens.device)
     ok = u * (1 - tried_mass).clamp_(min=0) < p_tok  # u < p(c) / (1 - tried) without dividing
-    first_ok = ok & ((t["earlier"].to(torch.uint8) @ ok.to(torch.uint8)) == 0)  # no earlier sibling accepted
+    first_ok = ok & ~(t["earlier"] & ok).any(-1)  # no earlier sibling accepted (CUDA has no integer matmul)
     path, n = _walk(t, first_ok)
     last = path[n]
     row = probs[last].clone()

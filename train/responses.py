@@ -64,7 +64,7 @@ def _batch_generator(
     """A batch of prompts -> their responses: the runtime's generate_batch for a specdec_runtime
     Decoder (sampling from its own Sampler), transformers' generate for a transformers model."""
     if isinstance(model, Decoder):
-        sampler = Sampler(temperature, top_p=top_p, seed=seed, device=model.device)
+        sampler = Sampler(temperature, top_p=top_p, seed=seed)
         return partial(
             generate_batch, model, sampler=sampler, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id
         )
