@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specdec_runtime import graphs
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.generate import generate
@@ -75,6 +76,14 @@ def weight_bytes(model: Decoder) -> int:
     """Bytes a decode step reads: every parameter but the (untied) embedding table."""
     skip = {id(model.embed.weight)} if model.embed is not None else set()
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs dynamo has compiled, steps captured) so far in this process; transformers' static
+    cache compiles too, so a count inside the timed runs names who to look at, not only ours."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], graphs.captures
 
 
 def sync(device: torch.device) -> None:
@@ -168,6 +177,7 @@ def main() -> None:
         fn(prompts[0])
     totals = {m: [0, 0.0] for m in methods}
     outputs = {m: [] for m in methods}
+    warm = compile_counts()
     for ids in prompts:
         for m, fn in methods.items():
             toks, secs = timed(fn, ids, device)
@@ -175,6 +185,7 @@ def main() -> None:
             totals[m][1] += secs
             outputs[m].append(toks)
     tok_s = {m: n / s for m, (n, s) in totals.items()}
+    timed_compiles = [b - a for a, b in zip(warm, compile_counts())]  # anything here inflates the timed runs
     names = list(methods)
     tau_runs = [generate(ours, p, drafter, max_new_tokens=N, gamma=args.gamma, capacity=cap).stats for p in prompts]
     tau = sum(s.new_tokens for s in tau_runs) / sum(s.target_forwards for s in tau_runs)
@@ -230,6 +241,8 @@ def main() -> None:
         f"step costs (ms, each alone on the device): decode {cost['decode']:.3f}, draft {cost['draft']:.3f}, "
         f"verify {verify_ms:.3f} (handoff {cost['handoff']:.3f} + resume at layer {args.k} {cost['resume']:.3f}); "
         f"cost bound = tau x decode / (gamma x draft + verify) = {bound:.2f}x",
+        f"inside the timed runs (after the warm-up): {timed_compiles[0]} graphs compiled, "
+        f"{timed_compiles[1]} steps captured (both must be 0)",
     ]
     ratios = {
         "ours AR / bandwidth limit": tok_s[names[0]] / limit if limit else None,
@@ -270,6 +283,7 @@ def main() -> None:
                 "tau": tau,
                 "limit_tok_s": limit,
                 "step_ms": cost,
+                "timed_compiles_captures": timed_compiles,
                 "identical": identical,
                 "divergences": report,
                 "fp32_identical": fp32_identical,
