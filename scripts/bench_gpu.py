@@ -79,14 +79,6 @@ def weight_bytes(model: Decoder) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
-def compile_counts() -> tuple[int, int]:
-    """(graphs dynamo has compiled, steps captured) so far in this process; transformers' static
-    cache compiles too, so a count inside the timed runs names who to look at, not only ours."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"], graphs.captures
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -182,7 +174,7 @@ def main() -> None:
     warm_up(ours, drafter, prompts[0], Sampler, max_new_tokens=N, gamma=args.gamma, capacity=cap)
     totals = {m: [0, 0.0] for m in methods}
     outputs = {m: [] for m in methods}
-    warm = compile_counts()
+    warm = graphs.compile_counts()  # transformers' static-cache generate compiles too: it counts
     for ids in prompts:
         for m, fn in methods.items():
             toks, secs = timed(fn, ids, device)
@@ -190,7 +182,7 @@ def main() -> None:
             totals[m][1] += secs
             outputs[m].append(toks)
     tok_s = {m: n / s for m, (n, s) in totals.items()}
-    timed_compiles = [b - a for a, b in zip(warm, compile_counts())]  # anything here inflates the timed runs
+    timed_compiles = [b - a for a, b in zip(warm, graphs.compile_counts())]  # anything here inflates the timed runs
     names = list(methods)
     tau_runs = [generate(ours, p, drafter, max_new_tokens=N, gamma=args.gamma, capacity=cap).stats for p in prompts]
     tau = sum(s.new_tokens for s in tau_runs) / sum(s.target_forwards for s in tau_runs)

@@ -79,3 +79,11 @@ class CapturedStep:
         else:
             _copy_into(self.outputs, self.fn(**self.inputs))
         return self.outputs
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs dynamo has compiled, steps captured) so far in this process: after a warm-up, a run
+    adds neither (the fast-path tests assert it; scripts/bench_gpu.py prints it)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], captures

@@ -104,13 +104,6 @@ def test_generate_equals_the_eager_path(drafter):
         assert rb.tokens == ra.tokens and rb.stats.target_forwards == ra.stats.target_forwards
 
 
-def compile_counts() -> tuple[int, int]:
-    """(graphs dynamo has compiled, steps captured) so far in this process."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"], graphs.captures
-
-
 def warm_then_rerun(target, hf, drafters, capacity: int):
     """Warm up on one prompt, then rerun with prompts of other lengths and every draft length (and
     one that repeats itself, where LookupFirst's lookups leave its model behind by several tokens):
@@ -120,12 +113,12 @@ def warm_then_rerun(target, hf, drafters, capacity: int):
     made = {name: DRAFTERS[name](target, hf) for name in drafters}
     for d in made.values():  # the runtime's warm-up: every step shape a drafter can produce at gamma 3
         warm_up(target, d, PROMPT, Sampler, max_new_tokens=40, gamma=3, capacity=capacity)
-    warm, address = compile_counts(), target.cache.kv.data_ptr()
+    warm, address = graphs.compile_counts(), target.cache.kv.data_ptr()
     for d in made.values():
         for p in prompts:
             for s in (Sampler(), Sampler(1.0, seed=3)):
                 generate(target, p, d, s, gamma=3, **kw)
-    return warm, compile_counts(), (address, target.cache.kv.data_ptr())
+    return warm, graphs.compile_counts(), (address, target.cache.kv.data_ptr())
 
 
 def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
@@ -161,13 +154,13 @@ def test_measure_warms_up_every_draft_length_before_timing():
     timed_from = []
 
     def progress(prompts):  # measure() iterates this once its warm-up is done
-        timed_from.append(compile_counts())
+        timed_from.append(graphs.compile_counts())
         yield from prompts
 
     prompts = [PROMPT, PROMPT + [3, 1, 4, 1, 5, 9, 2, 6, 5]]
     report = measure(target, SometimesLong(), prompts, sampler=Sampler, baseline=True, max_new_tokens=20, gamma=2,
                      progress=progress)  # fmt: skip
-    assert compile_counts() == timed_from[0]
+    assert graphs.compile_counts() == timed_from[0]
     assert 6 in {key[0][1] for key in target.steps}  # drafts of 5 were verified
     assert sum(r.stats.drafted_at[4] for r in report.spec) > 0
     for ids, run in zip(prompts, report.spec):
