@@ -1,7 +1,8 @@
 /* y [M, N] = x [M, K] @ W^T (+ bias [N]) (+ res [M, N]) for a few rows of x (decode, verify and
    draft steps on a CPU), fp32, on torch's OpenMP threads, from W^T [N, K] packed in quads of rows
-   (cpu_kernel.pack): quad q holds rows 4q to 4q + 3 as alternating 8-float chunks of K, K padded
-   to a multiple of 8 with zeros (and N to a multiple of 4 with zero rows). See
+   (cpu_kernel.pack): quad q holds rows 4q to 4q + 3 as alternating chunks of K (8 elements for
+   fp32; for bf16 LANES, 16 where the compiler targets AVX-512: skinny_lanes()), K padded to a
+   multiple of the chunk with zeros (and N to a multiple of 4 with zero rows). See
    specdec_runtime/cpu_kernel.py.
 
    Each thread streams its own contiguous block of quads from memory once, one sequential stream;
@@ -9,31 +10,51 @@
    registers, and more rows take several passes over a block while it is in cache. Four weight rows
    per load of x give one row of x four independent sums: with the pairs of rows this kernel read
    before, a one-row product waited on the latency of its two chains of multiply-adds and streamed
-   at ~80% of a plain read when the machine's bandwidth was high (58-60 GB/s on a 2-core Zen 4); with
+   at ~80% of a plain read when the machine's bandwidth was high (58-60 GB/s on a 2-core EPYC); with
    quads it streams at ~91%, and a decode step runs ~16% faster there (as fast where bandwidth is
    low). One row is bound by memory, and the hardware prefetcher keeps up with its one stream (a
    software prefetch 1 KiB ahead measured slower). Two or more rows are also bound by the
    multiply-adds, and while a core computes, the hardware prefetcher alone falls behind: their
-   stream is prefetched 1 KiB ahead into L1 and 16 KiB ahead into L2, every line. Products of up to
-   128 rows beat MKL's GEMM (scripts/bench_cost.py).
+   stream is prefetched 1 KiB ahead into L1 and 16 KiB ahead into L2, every line. Products of up
+   to 128 rows beat MKL's GEMM (scripts/bench_cost.py).
 
-   Every output is summed in one fixed order (one 8-lane sum over the chunks of K, folded, then the
-   tail of K, then bias, then res), whatever M, the tiling and the thread split: a row's result
-   does not depend on which other rows were computed with it (and is bitwise what the pairs gave). */
+   Every output is summed in one fixed order (one sum per lane over the chunks of K, the lanes
+   folded, then the tail of K, then bias, then res), whatever M, the tiling and the thread split: a
+   row's result does not depend on which other rows were computed with it. */
 #pragma STDC FP_CONTRACT OFF            /* fused only where fma8 says so (vec.h) */
 #pragma GCC optimize("fp-contract=off") /* GCC ignores the former */
 #include <math.h>
 
 #include "vec.h"
 
-#define NEAR 1024  /* bytes ahead in the packed stream, into L1, where a tile computes several rows */
-#define FAR 16384  /* and into L2 */
+#ifndef NEAR
+#define NEAR 1024 /* bytes ahead in the packed stream, into L1, where a tile computes several rows */
+#endif
+#ifndef FAR
+#define FAR 16384 /* and into L2 */
+#endif
 
-/* Loads of a packed weight of either element type: fp32, or bf16 (a drafter's weights rounded to
-   bfloat16 for half the bytes; cpu_kernel.pack), widened exactly to fp32. */
+/* A packed weight of either element type: fp32 in chunks of 8 floats (AVX2's width), or bf16 (a
+   drafter's weights rounded to bfloat16 for half the bytes; cpu_kernel.pack) in chunks of LANES
+   (16 where the compiler targets AVX-512), widened exactly to fp32. Per type: its vector, lanes,
+   loads of a weight chunk and of x, multiply-add and the lanes' sum. 16 lanes measured faster for
+   bf16 weights at every row count (0.66-0.87x the time of 8, 1-12 rows, on the 2-core EPYC, Zen 5)
+   but slower for fp32 at 4-6 rows (1.1-1.25x; faster only from 8 rows on): the widening's
+   instructions halve, the multiply-adds did not run twice as fast. */
 typedef float f32;
-static inline v8 load8_f32(const f32 *p) { return load8(p); }
+typedef v8 vec_f32;
+#define LANES_f32 8
+static inline v8 loadp_f32(const f32 *p) { return load8(p); }
+static inline v8 loadx_f32(const float *p) { return load8(p); }
+static inline v8 fma_f32(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
+static inline float hsum_f32(v8 s) { return hsum(s); }
 static inline float f32_float(f32 v) { return v; }
+typedef vw vec_bf16;
+#define LANES_bf16 LANES
+static inline vw loadp_bf16(const bf16 *p) { return loadw_bf16(p); }
+static inline vw loadx_bf16(const float *p) { return loadw(p); }
+static inline vw fma_bf16(vw a, vw b, vw c) { return fmaw(a, b, c); }
+static inline float hsum_bf16(vw s) { return hsumw(s); }
 
 #if defined(__x86_64__)
 #define IN_REGISTER(v) __asm__("" : "+v"(v)) /* one load of x feeds both products (GCC reloads it otherwise) */
@@ -43,36 +64,36 @@ static inline float f32_float(f32 v) { return v; }
 
 /* MR rows of x against the R of one quad's 4 rows that start at row h (R = 4: the whole quad, in
    one pass; R = 2: its halves in turn, where 4 * MR accumulators would not fit in registers; w:
-   the quad's 4 * K8 elements): R * MR accumulators (the compiler unrolls the constant loops and
-   keeps them in registers). `rows`: how many of the quad's rows are real (N not a multiple of 4:
-   the last quad's others are padding). */
-#define LINES(T) (int)(32 * sizeof(T) / 64) /* 64-byte lines a step of a quad reads: 2 fp32, 1 bf16 */
+   the quad's 4 * K padded elements): R * MR accumulators (the compiler unrolls the constant loops
+   and keeps them in registers). `rows`: how many of the quad's rows are real (N not a multiple of
+   4: the last quad's others are padding). */
+#define LINES(T) (int)(4 * LANES_##T * sizeof(T) / 64) /* 64-byte lines a step of a quad reads */
 #define TILE(T, MR, R)                                                                                  \
     static void tile_##T##_##MR(const float *x, const void *wp, long K, float *y, long N, int rows,     \
                                 const float *bias, const float *res) {                                  \
         for (int h = 0; h < 4; h += R) {                                                                \
-            const T *w = (const T *)wp + 8 * h;                                                         \
-            v8 a[MR][R];                                                                                \
+            const T *w = (const T *)wp + LANES_##T * h;                                                  \
+            vec_##T a[MR][R];                                                                            \
             for (int m = 0; m < MR; m++)                                                                \
-                for (int r = 0; r < R; r++) a[m][r] = (v8){0};                                          \
+                for (int r = 0; r < R; r++) a[m][r] = (vec_##T){0};                                      \
             long k = 0;                                                                                 \
-            for (; k + 8 <= K; k += 8) {                                                                \
+            for (; k + LANES_##T <= K; k += LANES_##T) {                                                    \
                 for (int l = 0; MR > 1 && l < LINES(T); l++) { /* every line; one row: none */         \
                     __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + NEAR, 0, 0);                \
                     __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + FAR, 0, 2);                 \
                 }                                                                                       \
-                v8 p[R];                                                                                \
-                for (int r = 0; r < R; r++) p[r] = load8_##T(w + 4 * k + 8 * r);                        \
+                vec_##T p[R];                                                                            \
+                for (int r = 0; r < R; r++) p[r] = loadp_##T(w + 4 * k + LANES_##T * r);                     \
                 for (int m = 0; m < MR; m++) {                                                          \
-                    v8 xm = load8(x + m * K + k);                                                       \
+                    vec_##T xm = loadx_##T(x + m * K + k);                                                   \
                     IN_REGISTER(xm);                                                                    \
-                    for (int r = 0; r < R; r++) a[m][r] = fma8(p[r], xm, a[m][r]);                      \
+                    for (int r = 0; r < R; r++) a[m][r] = fma_##T(p[r], xm, a[m][r]);                      \
                 }                                                                                       \
             }                                                                                           \
             for (int m = 0; m < MR; m++)                                                                \
                 for (int r = 0; r < R && h + r < rows; r++) {                                           \
-                    const T *tail = w + 4 * k + 8 * r; /* row r's last chunk: K - k values, then zeros */  \
-                    float s = hsum(a[m][r]);                                                            \
+                    const T *tail = w + 4 * k + LANES_##T * r; /* row r's last chunk: K - k values, then zeros */ \
+                    float s = hsum_##T(a[m][r]);                                                       \
                     for (long j = k; j < K; j++) s = fmaf(T##_float(tail[j - k]), x[m * K + j], s);     \
                     if (bias) s += bias[h + r];                                                         \
                     if (res) s += res[m * N + h + r];                                                   \
@@ -107,7 +128,8 @@ static const tile_fn tiles[2][ROWS + 1] = {TABLE(f32), TABLE(bf16)};
 void skinny_part(const float *x, long M, long K, const void *w, int is_bf16, long N, const float *bias,
                  const float *res, float *y) {
     long quads = (N + 3) / 4, passes = (M + ROWS - 1) / ROWS, per = (M + passes - 1) / passes;
-    size_t stride = 4 * ((K + 7) & ~7L) * (is_bf16 ? sizeof(unsigned short) : sizeof(float)); /* bytes a quad */
+    long lanes = is_bf16 ? LANES_bf16 : LANES_f32;
+    size_t stride = 4 * ((K + lanes - 1) / lanes * lanes) * (is_bf16 ? sizeof(bf16) : sizeof(float)); /* bytes a quad */
 #pragma omp for schedule(static)
     for (long q0 = 0; q0 < quads; q0 += BLOCK) {
         long q1 = q0 + BLOCK < quads ? q0 + BLOCK : quads;
@@ -131,6 +153,9 @@ void skinny_matmul(const float *x, long M, long K, const void *w, int is_bf16, l
 /* The sum of x [n] (n a multiple of 32), read once by `threads` threads, each a contiguous part: the
    plainest streaming read, that scripts/bench_cost.py holds a decode step's bytes to (torch's sum
    of a tensor read up to a third slower than this on a 2-core Zen 4). */
+/* The lanes of the chunks a packed weight of this type is read in (cpu_kernel.pack). */
+int skinny_lanes(int is_bf16) { return is_bf16 ? LANES_bf16 : LANES_f32; }
+
 float stream_sum(const float *x, long n, int threads) {
     float total = 0.0f;
 #pragma omp parallel num_threads(threads) reduction(+ : total)

@@ -1,7 +1,7 @@
 /* 8-lane fp32 vectors (AVX2's width) with GCC's vector extensions, shared by the kernels. */
 #pragma once
 
-#if defined(__FMA__) && defined(__x86_64__)
+#if (defined(__FMA__) || defined(__AVX512F__)) && defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -43,8 +43,52 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
+/* The products' vectors (skinny.c): 16 lanes where the compiler targets AVX-512, whose multiply-adds
+   do twice an AVX2 one's work on CPUs with full-width units (Zen 5, Intel's server cores), else 8. */
+#if !defined(LANES) && defined(__AVX512F__) && defined(__x86_64__)
+#define LANES 16 /* (-DLANES=8 builds the 8-lane products on AVX-512 too, to compare the two) */
+#elif !defined(LANES)
+#define LANES 8
+#endif
+#if LANES == 16
+typedef float vw __attribute__((vector_size(64)));
+typedef unsigned vwu __attribute__((vector_size(64)));
+typedef unsigned short vwh __attribute__((vector_size(32)));
+static inline vw fmaw(vw a, vw b, vw c) { return (vw)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+typedef v8 vw;
+typedef v8u vwu;
+typedef v8h vwh;
+static inline vw fmaw(vw a, vw b, vw c) { return fma8(a, b, c); }
+#endif
+
+static inline vw loadw(const float *p) {
+    vw v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* LANES bfloat16s as floats (exact). */
+static inline vw loadw_bf16(const bf16 *p) {
+    vwh h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (vw)(__builtin_convertvector(h, vwu) << 16);
+}
+
 /* The lanes' sum, in one fixed order. */
 static inline float hsum(v8 s) { return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])); }
+
+/* A product vector's lanes' sum, in one fixed order (16 lanes: folded to 8 first). */
+static inline float hsumw(vw s) {
+#if LANES == 16
+    v8 lo, hi;
+    __builtin_memcpy(&lo, &s, sizeof lo);
+    __builtin_memcpy(&hi, (const char *)&s + sizeof lo, sizeof hi);
+    return hsum(lo + hi);
+#else
+    return hsum(s);
+#endif
+}
 
 /* Lanes of a where m is set (all bits), else of b. */
 static inline v8 blend(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); }

@@ -27,16 +27,19 @@ def packed(wt, bias=None):
     return Weights.of(wt.t().contiguous(), bias, cpu_copy=True)
 
 
-def test_pack_layout():
-    """W^T's rows in quads, alternating 8-float chunks, K padded to 8 and N to a multiple of 4 with zeros."""
-    wt = torch.arange(5 * 10, dtype=torch.float32).view(5, 10)  # N 5, K 10
-    p = cpu_kernel.pack(wt.t())
-    zeros = [0.0] * 6
-    row = lambda n: wt[n].tolist() if n < 5 else [0.0] * 10  # noqa: E731
+@pytest.mark.parametrize("width", [8, 16])
+def test_pack_layout(width):
+    """W^T's rows in quads, alternating chunks of `width` floats (the kernel's lanes), K padded to
+    a multiple of width and N to a multiple of 4 with zeros."""
+    K = width + 2
+    wt = torch.arange(5 * K, dtype=torch.float32).view(5, K)  # N 5, K: one whole chunk and a tail
+    p = cpu_kernel.pack(wt.t(), width=width)
+    zeros = [0.0] * (width - 2)
+    row = lambda n: wt[n].tolist() if n < 5 else [0.0] * K  # noqa: E731
     for quad in range(2):
         rows = [row(4 * quad + r) for r in range(4)]
-        assert p[quad].tolist() == sum((r[:8] for r in rows), []) + sum((r[8:] + zeros for r in rows), [])
-    assert p.shape == (2, 64)
+        assert p[quad].tolist() == sum((r[:width] for r in rows), []) + sum((r[width:] + zeros for r in rows), [])
+    assert p.shape == (2, 8 * width)
 
 
 def product64(x, wt, bias=None, residual=None):
@@ -71,17 +74,22 @@ def test_against_float64(M, K, N):
 @pytest.mark.parametrize("M", [1, 4, 7])
 @pytest.mark.parametrize("K,N", [(72, 61), (576, 960), (9, 5)])
 def test_bf16_weights_are_the_rounded_weights_widened_exactly(M, K, N):
-    """A bf16-packed weight (a drafter's) gives bitwise the product of the same weight rounded to
-    bf16 and packed in fp32, at half the bytes; K and N with and without tails."""
+    """A bf16-packed weight (a drafter's) gives the product of the same weight rounded to bf16, as
+    exactly as an fp32 product (against float64; its chunks may be wider than fp32's, so its sums
+    run in another order), at half the bytes; K and N with and without tails."""
     g = torch.Generator().manual_seed(K + N + M)
     x, w = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
     bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     half = Weights.of(w, bias, cpu_copy=True, bf16=True)
-    assert half.packed.dtype == torch.bfloat16 and half.packed.shape == cpu_kernel.pack(w).shape
+    assert half.packed.dtype == torch.bfloat16
+    assert half.packed.shape == cpu_kernel.pack(w, width=cpu_kernel.lanes(bf16=True)).shape
+    rounded = w.bfloat16().float()
     with torch.inference_mode():
-        y = cpu_kernel.matmul(x, half, residual)
-        assert torch.equal(y, cpu_kernel.matmul(x, Weights.of(w.bfloat16().float(), bias, True), residual))
-        assert not torch.equal(y, cpu_kernel.matmul(x, Weights.of(w, bias, True), residual))
+        y = cpu_kernel.matmul(x, half, residual).double()
+    tol = dict(rtol=1e-5, atol=1e-5 * K**0.5)
+    torch.testing.assert_close(y, product64(x, rounded.t(), bias, residual), **tol)
+    with pytest.raises(AssertionError):  # the rounding is visible: not the fp32 weight's product
+        torch.testing.assert_close(y, product64(x, w.t(), bias, residual), **tol)
 
 
 @needs_kernel
@@ -348,11 +356,12 @@ def test_loading_new_weights_refreshes_what_the_kernel_reads():
 @needs_kernel
 def test_a_bf16_model_runs_its_bf16_weights_with_fp32_activations():
     """dtype=bf16 on a CPU: the checkpoint's bf16 weights, held as fp32 values and packed in bf16
-    (half the bytes a step reads), with fp32 activations. Its logits are bitwise those of the fp32
-    model of the same bf16 checkpoint packed in fp32 (the kernel widens bf16 exactly and sums in the
-    same order), which is transformers' fp32 arithmetic on it; so an fp32 model whose weights are
-    all bf16 values packs them in bf16 too; a verify step's rows are its decode steps'; new weights
-    loaded into it are rounded as its own are; inside disabled() it is torch's bf16 model."""
+    (half the bytes a step reads), with fp32 activations. Its logits are those of the fp32 model of
+    the same bf16 checkpoint packed in fp32 to fp32 rounding (the kernel widens bf16 exactly; its
+    bf16 chunks may be wider than fp32's, so its sums run in another order), which is transformers'
+    fp32 arithmetic on it; so an fp32 model whose weights are all bf16 values packs them in bf16
+    too; a verify step's rows are bitwise its decode steps'; new weights loaded into it are rounded
+    as its own are; inside disabled() it is torch's bf16 model."""
     from specdec_runtime.config import DecoderConfig
     from specdec_runtime.model import Decoder
     from tests.conftest import tiny_hf_model
@@ -380,7 +389,7 @@ def test_a_bf16_model_runs_its_bf16_weights_with_fp32_activations():
     ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(0))
     verify, decode = decode_and_verify(model, ids, 9)
     assert torch.equal(verify, decode)
-    assert torch.equal(verify, decode_and_verify(fp32, ids, 9)[0])
+    torch.testing.assert_close(verify, decode_and_verify(fp32, ids, 9)[0], atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(verify, wide(ids).logits[0, 9:], atol=1e-4, rtol=1e-5)
 
