@@ -49,6 +49,7 @@ static inline v8 loadx_f32(const float *p) { return load8(p); }
 static inline v8 fma_f32(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
 static inline float hsum_f32(v8 s) { return hsum(s); }
 static inline float f32_float(f32 v) { return v; }
+#define PAD_bf16 0
 typedef vw vec_bf16;
 #define LANES_bf16 LANES
 static inline vw loadp_bf16(const bf16 *p) { return loadw_bf16(p); }
@@ -66,11 +67,15 @@ static inline float hsum_bf16(vw s) { return hsumw(s); }
    one pass; R = 2: its halves in turn, where 4 * MR accumulators would not fit in registers; w:
    the quad's 4 * K padded elements): R * MR accumulators (the compiler unrolls the constant loops
    and keeps them in registers). `rows`: how many of the quad's rows are real (N not a multiple of
-   4: the last quad's others are padding). */
+   4: the last quad's others are padding); `live`: how many of the MR rows of x are (where PAD_T is
+   set a tile may run more rows than it is given: the rest repeat the last row of x, and their sums
+   are not stored). */
 #define LINES(T) (int)(4 * LANES_##T * sizeof(T) / 64) /* 64-byte lines a step of a quad reads */
 #define TILE(T, MR, R)                                                                                  \
     static void tile_##T##_##MR(const float *x, const void *wp, long K, float *y, long N, int rows,     \
-                                const float *bias, const float *res) {                                  \
+                                const float *bias, const float *res, int live) {                        \
+        const float *xr[MR];                                                                            \
+        for (int m = 0; m < MR; m++) xr[m] = x + (PAD_##T && m >= live ? live - 1 : m) * K;             \
         for (int h = 0; h < 4; h += R) {                                                                \
             const T *w = (const T *)wp + LANES_##T * h;                                                  \
             vec_##T a[MR][R];                                                                            \
@@ -85,12 +90,12 @@ static inline float hsum_bf16(vw s) { return hsumw(s); }
                 vec_##T p[R];                                                                            \
                 for (int r = 0; r < R; r++) p[r] = loadp_##T(w + 4 * k + LANES_##T * r);                     \
                 for (int m = 0; m < MR; m++) {                                                          \
-                    vec_##T xm = loadx_##T(x + m * K + k);                                                   \
+                    vec_##T xm = loadx_##T(xr[m] + k);                                                          \
                     IN_REGISTER(xm);                                                                    \
                     for (int r = 0; r < R; r++) a[m][r] = fma_##T(p[r], xm, a[m][r]);                      \
                 }                                                                                       \
             }                                                                                           \
-            for (int m = 0; m < MR; m++)                                                                \
+            for (int m = 0; m < (PAD_##T ? live : MR); m++)                                             \
                 for (int r = 0; r < R && h + r < rows; r++) {                                           \
                     const T *tail = w + 4 * k + LANES_##T * r; /* row r's last chunk: K - k values, then zeros */ \
                     float s = hsum_##T(a[m][r]);                                                       \
@@ -102,9 +107,14 @@ static inline float hsum_bf16(vw s) { return hsumw(s); }
         }                                                                                               \
     }
 
-typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, const float *, const float *);
+typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, const float *, const float *, int);
 #if defined(__AVX512VL__) /* 32 vector registers: up to 24 accumulators, the quad's loads and x */
 #define ROWS 12
+/* fp32 passes of 2-3 rows run the 4-row tile and of 5 the 6-row one: in fast phases (a stream of
+   ~60 GB/s) the 2-core EPYC ran the target's products of 3 and 5 rows 5-10% faster that way (2
+   rows ~3%; 4 and 6 rows were already faster than 3 and 5), and the same in slow ones; bf16 tiles
+   ran 3-6% slower padded, so they keep their own (a throwaway C harness, README). */
+#define PAD_f32 1
 #define TILES(T)                                                                                        \
     TILE(T, 1, 4) TILE(T, 2, 4) TILE(T, 3, 4) TILE(T, 4, 4) TILE(T, 5, 4) TILE(T, 6, 4) TILE(T, 7, 2)   \
         TILE(T, 8, 2) TILE(T, 9, 2) TILE(T, 10, 2) TILE(T, 11, 2) TILE(T, 12, 2)
@@ -113,12 +123,19 @@ typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, c
      tile_##T##_8, tile_##T##_9, tile_##T##_10, tile_##T##_11, tile_##T##_12}
 #else /* AVX2's 16: 12 accumulators */
 #define ROWS 6
+#define PAD_f32 0 /* (not measured on AVX2) */
 #define TILES(T) TILE(T, 1, 4) TILE(T, 2, 4) TILE(T, 3, 4) TILE(T, 4, 2) TILE(T, 5, 2) TILE(T, 6, 2)
 #define TABLE(T) {0, tile_##T##_1, tile_##T##_2, tile_##T##_3, tile_##T##_4, tile_##T##_5, tile_##T##_6}
 #endif
 TILES(f32)
 TILES(bf16)
 static const tile_fn tiles[2][ROWS + 1] = {TABLE(f32), TABLE(bf16)};
+
+/* The tile a pass of mr rows runs (PAD_f32: a larger one for a few fp32 counts). */
+static long tile_rows(int is_bf16, long mr) {
+    if (PAD_f32 && !is_bf16 && (mr == 2 || mr == 3 || mr == 5)) return mr == 5 ? 6 : 4;
+    return mr;
+}
 
 #define BLOCK 4 /* quads of w's rows per task */
 
@@ -134,11 +151,12 @@ void skinny_part(const float *x, long M, long K, const void *w, int is_bf16, lon
     for (long q0 = 0; q0 < quads; q0 += BLOCK) {
         long q1 = q0 + BLOCK < quads ? q0 + BLOCK : quads;
         for (long m = 0; m < M; m += per) { /* passes of equal rows: 16 rows as 8 + 8, not 12 + 4 */
-            long mr = M - m < per ? M - m : per;
+            long mr = M - m < per ? M - m : per, tile = tile_rows(is_bf16, mr);
             for (long q = q0; q < q1; q++) {
                 long n = 4 * q;
-                tiles[is_bf16 != 0][mr](x + m * K, (const char *)w + q * stride, K, y + m * N + n, N,
-                                        N - n < 4 ? (int)(N - n) : 4, bias ? bias + n : 0, res ? res + m * N + n : 0);
+                tiles[is_bf16 != 0][tile](x + m * K, (const char *)w + q * stride, K, y + m * N + n, N,
+                                          N - n < 4 ? (int)(N - n) : 4, bias ? bias + n : 0, res ? res + m * N + n : 0,
+                                          (int)mr);
             }
         }
     }
