@@ -65,33 +65,58 @@ static void rope(float *v, const float *cos, const float *sin, long D) {
     }
 }
 
+/* Lanes summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): the order of every attention score,
+   computed alone (score) or eight keys at a time (scores8). */
+static inline float tree8(v8 s) { return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); }
+
+/* The lanes of a and b summed in pairs: (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7). */
+static inline v8 pairs(v8 a, v8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* q . k over D: one 8-lane sum over the chunks of D (each product rounded, then added), its lanes
+   in tree8's order, then the tail of D. */
+static float score(const float *q, const float *k, long D) {
+    v8 s = {0};
+    long d = 0;
+    for (; d + 8 <= D; d += 8) s += load8(q + d) * load8(k + d);
+    float t = tree8(s);
+    for (; d < D; d++) t += q[d] * k[d];
+    return t;
+}
+
+/* score() of the 8 keys k [8, D] into p [8]: eight independent sums, their lanes reduced together
+   in three rounds of pairs (tree8's order for each key), where one key at a time spent more on its
+   lanes' sum than on its products (a verify step's rows each read every cached key). */
+static void scores8(const float *q, const float *k, long D, float *p) {
+    v8 s[8] = {{0}};
+    long d = 0;
+    for (; d + 8 <= D; d += 8) {
+        v8 qd = load8(q + d);
+        for (int i = 0; i < 8; i++) s[i] += qd * load8(k + i * D + d);
+    }
+    v8 lo = pairs(pairs(s[0], s[1]), pairs(s[2], s[3])); /* keys 0-3: lanes (0+1)+(2+3), then (4+5)+(6+7) */
+    v8 hi = pairs(pairs(s[4], s[5]), pairs(s[6], s[7])); /* keys 4-7 */
+    store8(p, __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15));
+    for (int i = 0; i < 8; i++)
+        for (long e = d; e < D; e++) p[i] += q[e] * k[i * D + e];
+}
+
 /* out [D] = softmax(q . k_j * scale over the slots j < bound that mask allows) @ v. p: scratch of
-   bound rounded up to 8 floats. The weights' sum runs over 8 lanes of slots with 0 at every slot
-   not attended to, so the result does not depend on bound past the last slot attended to (a row
-   of a verify step sees more, masked, slots than the same row decoded). */
+   bound rounded up to 8 floats. Each score is score()'s, whichever keys share its block of 8; the
+   weights' sum runs over 8 lanes of slots with 0 at every slot not attended to, so the result does
+   not depend on bound past the last slot attended to (a row of a verify step sees more, masked,
+   slots than the same row decoded). */
 static void attend(const float *q, const float *k, const float *v, long D, const uint8_t *mask, long bound,
                    float scale, float *p, float *out) {
     long padded = (bound + 7) & ~7L;
     float top = -INFINITY;
     long j = 0;
-    for (; j + 4 <= bound; j += 4) { /* four keys at once: four independent sums, each in dot()'s order */
-        const float *k0 = k + j * D;
-        v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-        long d = 0;
-        for (; d + 8 <= D; d += 8) {
-            v8 qd = load8(q + d);
-            s0 += qd * load8(k0 + d);
-            s1 += qd * load8(k0 + D + d);
-            s2 += qd * load8(k0 + 2 * D + d);
-            s3 += qd * load8(k0 + 3 * D + d);
-        }
-        float t[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};
-        for (int i = 0; i < 4; i++) {
-            for (long e = d; e < D; e++) t[i] += q[e] * k0[i * D + e];
-            p[j + i] = t[i] * scale;
-        }
-    }
-    for (; j < bound; j++) p[j] = dot(q, k + j * D, D) * scale;
+    for (; j + 8 <= bound; j += 8) scores8(q, k + j * D, D, p + j);
+    for (; j < bound; j++) p[j] = score(q, k + j * D, D);
+    for (j = 0; j < bound; j++) p[j] *= scale;
     for (j = 0; j < bound; j++)
         if (!mask || mask[j]) top = p[j] > top ? p[j] : top;
     for (j = bound; j < padded; j++) p[j] = 0.0f;
@@ -109,14 +134,16 @@ static void attend(const float *q, const float *k, const float *v, long D, const
     }
     float sum = hsum(sums);
     long d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) { /* 64 dims at a time in 8 registers, over the slots in order */
-        v8 acc[8] = {{0}};
-        for (j = 0; j < bound; j++) {
-            if (p[j] == 0.0f) continue; /* not attended to (or e^-88): adds nothing */
+    for (; d0 + 64 <= D; d0 += 64) { /* 64 dims at a time in 2 x 8 registers: even and odd slots, each in order */
+        v8 even[8] = {{0}}, odd[8] = {{0}};
+        for (j = 0; j < bound; j += 2) { /* a slot not attended to (or at e^-88) adds nothing: skipped */
             const float *vj = v + j * D + d0;
-            for (int c = 0; c < 8; c++) acc[c] += p[j] * load8(vj + 8 * c);
+            if (p[j] != 0.0f)
+                for (int c = 0; c < 8; c++) even[c] += p[j] * load8(vj + 8 * c);
+            if (j + 1 < bound && p[j + 1] != 0.0f)
+                for (int c = 0; c < 8; c++) odd[c] += p[j + 1] * load8(vj + D + 8 * c);
         }
-        for (int c = 0; c < 8; c++) store8(out + d0 + 8 * c, acc[c] / sum);
+        for (int c = 0; c < 8; c++) store8(out + d0 + 8 * c, (even[c] + odd[c]) / sum);
     }
     for (long d = d0; d < D; d++) { /* head dims past a multiple of 64 */
         float t = 0.0f;
