@@ -1,4 +1,5 @@
-/* 8-lane fp32 vectors (AVX2's width) with GCC's vector extensions, shared by the kernels. */
+/* 8-lane fp32 vectors (AVX2's width) with GCC's vector extensions, shared by the kernels, and the
+   LANES-wide ones of skinny.c's bf16 products. */
 #pragma once
 
 #if (defined(__FMA__) || defined(__AVX512F__)) && defined(__x86_64__)
@@ -43,8 +44,9 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
-/* The products' vectors (skinny.c): 16 lanes where the compiler targets AVX-512, whose multiply-adds
-   do twice an AVX2 one's work on CPUs with full-width units (Zen 5, Intel's server cores), else 8. */
+/* The vectors of skinny.c's bf16 products: 16 lanes where the compiler targets AVX-512 (half the
+   widening instructions a weight: measured faster at every row count; its fp32 products measured
+   slower at 5-6 rows in 16 lanes and keep 8), else 8. */
 #if !defined(LANES) && defined(__AVX512F__) && defined(__x86_64__)
 #define LANES 16 /* (-DLANES=8 builds the 8-lane products on AVX-512 too, to compare the two) */
 #elif !defined(LANES)
