@@ -71,40 +71,40 @@ static inline float hsum_bf16(vw s) { return hsumw(s); }
    set a tile may run more rows than it is given: the rest repeat the last row of x, and their sums
    are not stored). */
 #define LINES(T) (int)(4 * LANES_##T * sizeof(T) / 64) /* 64-byte lines a step of a quad reads */
-#define TILE(T, MR, R)                                                                                  \
-    static void tile_##T##_##MR(const float *x, const void *wp, long K, float *y, long N, int rows,     \
-                                const float *bias, const float *res, int live) {                        \
-        const float *xr[MR];                                                                            \
-        for (int m = 0; m < MR; m++) xr[m] = x + (PAD_##T && m >= live ? live - 1 : m) * K;             \
-        for (int h = 0; h < 4; h += R) {                                                                \
-            const T *w = (const T *)wp + LANES_##T * h;                                                  \
-            vec_##T a[MR][R];                                                                            \
-            for (int m = 0; m < MR; m++)                                                                \
-                for (int r = 0; r < R; r++) a[m][r] = (vec_##T){0};                                      \
-            long k = 0;                                                                                 \
-            for (; k + LANES_##T <= K; k += LANES_##T) {                                                    \
-                for (int l = 0; MR > 1 && l < LINES(T); l++) { /* every line; one row: none */         \
-                    __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + NEAR, 0, 0);                \
-                    __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + FAR, 0, 2);                 \
-                }                                                                                       \
-                vec_##T p[R];                                                                            \
-                for (int r = 0; r < R; r++) p[r] = loadp_##T(w + 4 * k + LANES_##T * r);                     \
-                for (int m = 0; m < MR; m++) {                                                          \
-                    vec_##T xm = loadx_##T(xr[m] + k);                                                          \
-                    IN_REGISTER(xm);                                                                    \
-                    for (int r = 0; r < R; r++) a[m][r] = fma_##T(p[r], xm, a[m][r]);                      \
-                }                                                                                       \
-            }                                                                                           \
-            for (int m = 0; m < (PAD_##T ? live : MR); m++)                                             \
-                for (int r = 0; r < R && h + r < rows; r++) {                                           \
+#define TILE(T, MR, R)                                                                                            \
+    static void tile_##T##_##MR(const float *x, const void *wp, long K, float *y, long N, int rows,               \
+                                const float *bias, const float *res, int live) {                                  \
+        const float *xr[MR];                                                                                      \
+        for (int m = 0; m < MR; m++) xr[m] = x + (PAD_##T && m >= live ? live - 1 : m) * K;                       \
+        for (int h = 0; h < 4; h += R) {                                                                          \
+            const T *w = (const T *)wp + LANES_##T * h;                                                           \
+            vec_##T a[MR][R];                                                                                     \
+            for (int m = 0; m < MR; m++)                                                                          \
+                for (int r = 0; r < R; r++) a[m][r] = (vec_##T){0};                                               \
+            long k = 0;                                                                                           \
+            for (; k + LANES_##T <= K; k += LANES_##T) {                                                          \
+                for (int l = 0; MR > 1 && l < LINES(T); l++) { /* every line; one row: none */                    \
+                    __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + NEAR, 0, 0);                          \
+                    __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + FAR, 0, 2);                           \
+                }                                                                                                 \
+                vec_##T p[R];                                                                                     \
+                for (int r = 0; r < R; r++) p[r] = loadp_##T(w + 4 * k + LANES_##T * r);                          \
+                for (int m = 0; m < MR; m++) {                                                                    \
+                    vec_##T xm = loadx_##T(xr[m] + k);                                                            \
+                    IN_REGISTER(xm);                                                                              \
+                    for (int r = 0; r < R; r++) a[m][r] = fma_##T(p[r], xm, a[m][r]);                             \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int m = 0; m < (PAD_##T ? live : MR); m++)                                                       \
+                for (int r = 0; r < R && h + r < rows; r++) {                                                     \
                     const T *tail = w + 4 * k + LANES_##T * r; /* row r's last chunk: K - k values, then zeros */ \
-                    float s = hsum_##T(a[m][r]);                                                       \
-                    for (long j = k; j < K; j++) s = fmaf(T##_float(tail[j - k]), x[m * K + j], s);     \
-                    if (bias) s += bias[h + r];                                                         \
-                    if (res) s += res[m * N + h + r];                                                   \
-                    y[m * N + h + r] = s;                                                               \
-                }                                                                                       \
-        }                                                                                               \
+                    float s = hsum_##T(a[m][r]);                                                                  \
+                    for (long j = k; j < K; j++) s = fmaf(T##_float(tail[j - k]), x[m * K + j], s);               \
+                    if (bias) s += bias[h + r];                                                                   \
+                    if (res) s += res[m * N + h + r];                                                             \
+                    y[m * N + h + r] = s;                                                                         \
+                }                                                                                                 \
+        }                                                                                                         \
     }
 
 typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, const float *, const float *, int);
@@ -115,11 +115,11 @@ typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, c
    rows ~3%; 4 and 6 rows were already faster than 3 and 5), and the same in slow ones; bf16 tiles
    ran 3-6% slower padded, so they keep their own (a throwaway C harness, README). */
 #define PAD_f32 1
-#define TILES(T)                                                                                        \
-    TILE(T, 1, 4) TILE(T, 2, 4) TILE(T, 3, 4) TILE(T, 4, 4) TILE(T, 5, 4) TILE(T, 6, 4) TILE(T, 7, 2)   \
+#define TILES(T)                                                                                                  \
+    TILE(T, 1, 4) TILE(T, 2, 4) TILE(T, 3, 4) TILE(T, 4, 4) TILE(T, 5, 4) TILE(T, 6, 4) TILE(T, 7, 2)             \
         TILE(T, 8, 2) TILE(T, 9, 2) TILE(T, 10, 2) TILE(T, 11, 2) TILE(T, 12, 2)
-#define TABLE(T)                                                                                        \
-    {0, tile_##T##_1, tile_##T##_2, tile_##T##_3, tile_##T##_4, tile_##T##_5, tile_##T##_6, tile_##T##_7, \
+#define TABLE(T)                                                                                                  \
+    {0, tile_##T##_1, tile_##T##_2, tile_##T##_3, tile_##T##_4, tile_##T##_5, tile_##T##_6, tile_##T##_7,         \
      tile_##T##_8, tile_##T##_9, tile_##T##_10, tile_##T##_11, tile_##T##_12}
 #else /* AVX2's 16: 12 accumulators */
 #define ROWS 6
