@@ -40,14 +40,18 @@ static float *scratch(size_t n) {
     return buf;
 }
 
-static float dot(const float *a, const float *b, long n) {
+/* a . b over n: one 8-lane sum over the chunks of n (each product rounded, then added), its lanes
+   summed in `lanes`' order, then the tail of n. */
+static inline float dot_in(const float *a, const float *b, long n, float (*lanes)(v8)) {
     v8 s = {0};
     long k = 0;
     for (; k + 8 <= n; k += 8) s += load8(a + k) * load8(b + k);
-    float t = hsum(s);
+    float t = lanes(s);
     for (; k < n; k++) t += a[k] * b[k];
     return t;
 }
+
+static float dot(const float *a, const float *b, long n) { return dot_in(a, b, n, hsum); }
 
 /* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' RMSNorm. */
 static void norm_row(const float *x, long n, const float *w, float eps, float *out) {
@@ -75,16 +79,8 @@ static inline v8 pairs(v8 a, v8 b) {
            __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-/* q . k over D: one 8-lane sum over the chunks of D (each product rounded, then added), its lanes
-   in tree8's order, then the tail of D. */
-static float score(const float *q, const float *k, long D) {
-    v8 s = {0};
-    long d = 0;
-    for (; d + 8 <= D; d += 8) s += load8(q + d) * load8(k + d);
-    float t = tree8(s);
-    for (; d < D; d++) t += q[d] * k[d];
-    return t;
-}
+/* q . k over D, its lanes in tree8's order. */
+static float score(const float *q, const float *k, long D) { return dot_in(q, k, D, tree8); }
 
 /* score() of the 8 keys k [8, D] into p [8]: eight independent sums, their lanes reduced together
    in three rounds of pairs (tree8's order for each key), where one key at a time spent more on its

@@ -18,13 +18,6 @@ static inline v8 load8(const float *p) {
     return v;
 }
 
-/* 8 bfloat16s as floats (exact: the bits shifted into place). */
-static inline v8 load8_bf16(const bf16 *p) {
-    v8h h;
-    __builtin_memcpy(&h, p, sizeof h);
-    return (v8)(__builtin_convertvector(h, v8u) << 16);
-}
-
 static inline float bf16_float(bf16 h) {
     unsigned u = (unsigned)h << 16;
     float f;
@@ -70,7 +63,7 @@ static inline vw loadw(const float *p) {
     return v;
 }
 
-/* LANES bfloat16s as floats (exact). */
+/* LANES bfloat16s as floats (exact: the bits shifted into place). */
 static inline vw loadw_bf16(const bf16 *p) {
     vwh h;
     __builtin_memcpy(&h, p, sizeof h);
