@@ -133,7 +133,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         cmd = f"specdec generate --target {cfg.model.name} --drafter {export} --gamma {cfg.validate.gamma} --baseline"
         finish(cfg, run, result, export, cmd, tracker, "distill")
     tracker.finish()
-    accelerator.wait_for_everyone()
     return result
 
 

@@ -139,7 +139,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         finish(cfg, run, result, export, f"specdec generate --target {cfg.model.name} --drafter {spec} --baseline",
                tracker, "eagle3")  # fmt: skip
     tracker.finish()
-    accelerator.wait_for_everyone()
     return result
 
 

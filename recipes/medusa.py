@@ -179,7 +179,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         cmd = f"specdec generate --target {result.get('export_target', cfg.model.name)} --drafter {export} --baseline"
         finish(cfg, run, result, export, cmd, tracker, "medusa")
     tracker.finish()
-    accelerator.wait_for_everyone()
     return result
 
 

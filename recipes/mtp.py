@@ -245,7 +245,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         export = write_export(cfg, run, model, info, result)
         cmd = f"specdec generate --target {export} --drafter mtp --no-chat-template"
         finish(cfg, run, result, export, cmd, tracker, "mtp")
-    accelerator.wait_for_everyone()
     tracker.finish()
     return result
 

@@ -64,5 +64,9 @@ class Tracker:
         self.accelerator.get_tracker("wandb", unwrap=True).log_artifact(artifact)
 
     def finish(self) -> None:
-        if self.kind != "none":
-            self.accelerator.end_training()
+        """Every rank, at the end of a run: wait for the others (rank 0 exports), then end the run (the
+        W&B run finished, the process group destroyed). In that order: end_training destroys the
+        group, and the barrier the recipes ran after it raised under 2 processes ("Default process
+        group has not been initialized")."""
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()

@@ -52,6 +52,7 @@ def main(out: str, mode: str) -> None:
     if acc.is_main_process:
         torch.save({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}, out)
     acc.wait_for_everyone()
+    acc.end_training()  # as Tracker.finish ends a recipe's run
 
 
 if __name__ == "__main__":
