@@ -69,8 +69,9 @@ def step_and_bandwidth(step, reps: int) -> tuple[float, float]:
     bandwidth is the faster of two reads of a 512 MiB fp32 tensor (past any cache), torch's sum and
     the CPU kernel's plain stream (cpu_kernel.stream_sum, where it is built; torch's sum read up to
     a third slower on a 2-core Zen 4), right beside each step, so the bound a step is held to moves
-    with the machine's speed as the step does."""
-    x = torch.ones(128 * 2**20)
+    with the machine's speed as the step does. On huge pages where the model's packed weights are
+    (cpu_kernel.on_huge_pages: a plain stream reads faster from them too, so the bound is the faster one)."""
+    (x,) = cpu_kernel.on_huge_pages([torch.ones(128 * 2**20)])
     reads = [x.sum] + ([lambda: cpu_kernel.stream_sum(x)] if cpu_kernel.kernel() is not None else [])
     for _ in range(3):
         step(), [read() for read in reads]

@@ -24,12 +24,18 @@ compiler, torch not on OpenMP, or loading it would start a second OpenMP runtime
 torch's products, and one line says why. SPECDEC_CPU_KERNEL=0 turns it off. SPECDEC_CPU_MARCH
 builds it for another instruction set than this CPU's (e.g. x86-64-v3: AVX2 and FMA, no AVX-512),
 to measure how a CPU without AVX-512 would run.
+
+A model's packed weights live side by side in one mapping on 2 MiB pages (on_huge_pages(): Linux's
+transparent huge pages, asked for with madvise), not 4 KiB ones: a decode step of the bundled target
+reads 547 MB, ~134,000 small pages a step, and the same stream on 2 MiB pages ran 5-10% faster
+here. SPECDEC_HUGE_PAGES=0 keeps them in torch's memory.
 """
 
 import contextlib
 import ctypes
 import functools
 import hashlib
+import mmap
 import os
 import shutil
 import subprocess
@@ -47,6 +53,8 @@ SOURCES = (CSRC / "skinny.c", CSRC / "layers.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 OFF = "SPECDEC_CPU_KERNEL"
 MARCH = "SPECDEC_CPU_MARCH"  # the compiler's -march (default native)
+HUGE = "SPECDEC_HUGE_PAGES"  # 0: on_huge_pages() keeps tensors where they are
+HUGE_PAGE = 2 << 20
 _enabled = True  # see disabled()
 _sublayers = True  # see products_only()
 
@@ -208,6 +216,43 @@ def pack(w: Tensor, bf16: bool = False, width: int | None = None) -> Tensor:
     Kp, N4 = padded.shape[0], padded.shape[1] // 4
     packed = padded.view(Kp // width, width, N4, 4).permute(2, 0, 3, 1).reshape(N4, 4 * Kp)
     return packed.to(torch.bfloat16) if bf16 else packed
+
+
+def on_huge_pages(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of these CPU tensors side by side (each at a 4 KiB boundary) in one anonymous mapping
+    that Linux backs with 2 MiB pages (transparent huge pages, madvise before the first write), for
+    the weights a step streams (Decoder.keep_cpu_copies): far fewer page translations a step, and
+    the hardware prefetcher's streams, which stop at a page's end, run on. Each copy keeps the
+    mapping alive. The tensors themselves where that cannot help or is not available: less than a
+    page in all, not on the CPU, not Linux, or SPECDEC_HUGE_PAGES=0. (Where THP is off, the mapping
+    is one of plain pages: no slower than torch's.)"""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // 4096) * 4096
+    if (
+        total < HUGE_PAGE
+        or os.environ.get(HUGE, "1") == "0"
+        or any(t.device.type != "cpu" for t in tensors)
+        or not hasattr(mmap, "MADV_HUGEPAGE")
+    ):
+        return tensors
+    # A length of whole huge pages: Linux starts such a mapping at a huge page's boundary. One page
+    # more, so the copies can start at a boundary where it does not (that page is never touched).
+    length = -(-total // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    try:
+        mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        return tensors
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive, as do its views
+    start = -raw.data_ptr() % HUGE_PAGE
+    copies = []
+    for t, at in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        copy = raw[start + at : start + at + n].view(t.dtype).view(t.shape)
+        copies.append(copy.copy_(t))
+    return copies
 
 
 def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:

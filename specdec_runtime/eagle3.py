@@ -240,7 +240,7 @@ class FusedLayer(NamedTuple):
                 w = w.to(torch.bfloat16).to(dtype)
             return Weights.of(w, own.get(bias_name) if bias_name else None, cpu_copies, bf16)
 
-        return cls(
+        layer = cls(
             fc=weights("fc.weight"),
             input_norm=own["attn_norm"],
             hidden_norm=twice(sd["layers.0.hidden_norm.weight"]),
@@ -252,6 +252,9 @@ class FusedLayer(NamedTuple):
             norm=twice(sd["norm.weight"]),
             head=weights("lm_head.weight"),
         )
+        packed = {k: w for k, w in layer._asdict().items() if isinstance(w, Weights) and w.packed is not None}
+        copies = cpu_kernel.on_huge_pages([w.packed for w in packed.values()])  # side by side, huge pages
+        return layer._replace(**{k: w._replace(packed=c) for (k, w), c in zip(packed.items(), copies)})
 
 
 class Eagle3Drafter(Drafter):

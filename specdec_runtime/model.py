@@ -400,10 +400,14 @@ class Decoder(nn.Module):
     def keep_cpu_copies(self) -> None:
         """Keep every weight also in the layout a CPU's products of a few rows stream once (twice
         the weights' memory; 1.5 times with bf16_weights): the CPU kernel's, or W^T for MKL where
-        it is not built (linear())."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.keep_cpu_copy(self.bf16_weights)
+        it is not built (linear()); the packed ones side by side on huge pages
+        (cpu_kernel.on_huge_pages)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.keep_cpu_copy(self.bf16_weights)
+        packed = [m for m in linears if m.weight_packed is not None]
+        for m, copy in zip(packed, cpu_kernel.on_huge_pages([m.weight_packed for m in packed])):
+            m.weight_packed = copy
         self._stack = None
 
     def kernel_stack(self) -> "cpu_kernel.Stack | None":

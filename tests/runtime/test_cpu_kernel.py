@@ -157,6 +157,63 @@ def test_stream_sum_is_the_sum():
         cpu_kernel.stream_sum(x[:33])
 
 
+def mapping_of(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds address ptr."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(a, 16) for a in head.split("-"))
+            if inside:
+                break
+            inside = start <= ptr < end
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_on_huge_pages_copies_side_by_side_where_linux_gives_huge_pages(monkeypatch):
+    """Copies equal to the tensors (their dtypes, shapes, odd sizes), side by side at 4 KiB boundaries
+    in one mapping that starts at a 2 MiB boundary and that Linux may back with huge pages (smaps:
+    THPeligible, unless THP is off on this machine); the tensors themselves where that cannot help
+    (under a page in all) or SPECDEC_HUGE_PAGES=0."""
+    ts = [torch.randn(1000, 577), torch.randn(3, 5).bfloat16(), torch.randn(700, 301)]
+    copies = cpu_kernel.on_huge_pages(ts)
+    for c, t in zip(copies, ts):
+        assert c is not t and c.dtype == t.dtype and torch.equal(c, t) and c.is_contiguous()
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+    assert [c.data_ptr() % 4096 for c in copies] == [0, 0, 0] and copies[0].data_ptr() % cpu_kernel.HUGE_PAGE == 0
+    assert copies[1].data_ptr() - copies[0].data_ptr() == -(-1000 * 577 * 4 // 4096) * 4096
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert mapping_of(copies[0].data_ptr()).get("THPeligible") == "1"
+    assert cpu_kernel.on_huge_pages(ts[1:2]) == ts[1:2]  # 30 bytes: as they are
+    monkeypatch.setenv(cpu_kernel.HUGE, "0")
+    assert cpu_kernel.on_huge_pages(ts) == ts
+
+
+@needs_kernel
+def test_a_models_packed_weights_run_from_huge_pages_bitwise_as_from_torchs_memory(monkeypatch):
+    """Decoder.keep_cpu_copies puts every packed weight in one mapping on huge pages: its logits are
+    bitwise those of the same model with the packs in torch's memory (SPECDEC_HUGE_PAGES=0)."""
+    from tests.conftest import tiny_decoder
+
+    big = dict(hidden_size=256, head_dim=64, intermediate_size=1024)  # ~7 MiB of packs: more than a huge page
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for huge in ("1", "0"):
+        monkeypatch.setenv(cpu_kernel.HUGE, huge)
+        model = tiny_decoder(**big)
+        packs = [m.weight_packed for m in model.modules() if hasattr(m, "weight_packed")]
+        storages = {p.untyped_storage().data_ptr() for p in packs}
+        assert len(storages) == (1 if huge == "1" else 2 * 4 + 1)  # one, or one per Linear (4 a layer, lm_head)
+        model.setup_cache(1, 16)
+        logits.append(torch.cat([model(ids[:, :6], 0).logits, model(ids[:, 6:7], 6).logits], 1))
+    assert torch.equal(*logits)
+
+
 def test_refused_with_a_reason(monkeypatch, tmp_path, capsys):
     """No compiler: torch's products, and one line on stderr saying why and how to hide it."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
