@@ -12,7 +12,7 @@ kind (an EAGLE-3 layer + draft-vocabulary head, 4 Medusa heads, the target's fir
 decode steps (each the median ratio to a decode step run right before it, call by call).
 Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay. With the CPU kernel,
 a table of products of 1 to 256 rows (--rows) against MKL's GEMM: where a step's rows stop
-costing what one row costs, and where MKL takes over (cpu_kernel.MAX_ROWS). Random drafter
+costing what one row costs, and where MKL takes over (cpu_kernel.max_rows()). Random drafter
 weights of the shapes the recipes train (the cost does not depend on the values).
 """
 
@@ -91,7 +91,7 @@ def step_and_bandwidth(step, reps: int) -> tuple[float, float]:
 
 def products_table(m: Decoder, rows: list[int], reps: int) -> None:
     """Products of M rows by every weight matrix of the target (a step's products without the rest):
-    the CPU kernel against MKL's x @ W (what a step of more than MAX_ROWS rows runs), in ms and
+    the CPU kernel against MKL's x @ W (what a step of more than max_rows() rows runs), in ms and
     GFLOP/s, each row count's two timed back to back."""
     weights = [mod.params for mod in m.modules() if isinstance(mod, Linear)]
     flops = 2 * sum(w.w.numel() for w in weights)
@@ -161,7 +161,7 @@ def main() -> None:
     for dtype in dtypes:
         dt = resolve_dtype(dtype, cpu)
         # Each path in turn: torch's ops (MKL's products on x86), and the compiled kernels where they
-        # are built (cpu_kernel.py: a decode or verify step of up to MAX_ROWS rows runs its layers in
+        # are built (cpu_kernel.py: a decode or verify step of up to max_rows() rows runs its layers in
         # layers.c, the lm_head in skinny.c; a bf16 model as its bf16 weights, fp32 activations).
         paths = {"torch": cpu_kernel.disabled}
         if cpu_kernel.kernel() is not None and dt in (torch.float32, torch.bfloat16):

@@ -4,7 +4,7 @@ A decode step multiplies one row by every weight matrix, so it is bound by readi
 MKL computes a one-row fp32 product on one core (16.6 GB/s on the developers' 2-core EPYC, with 1
 thread or 2, where two cores stream 28-34 GB/s), and its products of 2-16 rows re-read the weight
 for every few rows. `csrc/skinny.c` streams each weight once, split over torch's own OpenMP threads,
-for 1 to MAX_ROWS rows, from a copy packed in quads of rows (pack(): one load of x feeds four
+for 1 to max_rows() rows, from a copy packed in quads of rows (pack(): one load of x feeds four
 independent sums; fp32, or bf16 for a drafter's weights), up to 12 rows a pass from registers, the stream
 prefetched far ahead while the rows' multiply-adds run, so up to ~9 rows cost about what one row
 costs and a prompt's prefill of up to 128 rows runs faster than MKL's GEMM. It sums every output
@@ -47,7 +47,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-MAX_ROWS = 128  # more rows (a long prefill): MKL's GEMM (faster from ~256 rows on; scripts/bench_cost.py --rows)
+# More rows than this (a long prefill): torch's ops, MKL's GEMM and SDPA. Built with 8-lane fp32 tiles
+# only (AVX2), MKL's GEMM was faster from ~256 rows on; with 512-bit tiles (AVX-512) the kernel's
+# whole prefill ran in 0.58 / 0.69 / 0.82 / 0.95 / 1.12x the time of torch's at 129 / 256 / 512 /
+# 1024 / 2048 tokens (its attention reads every slot of the cache, masked or not: SDPA skips them).
+# scripts/bench_cost.py --rows. max_rows() is this build's.
+MAX_ROWS, WIDE_MAX_ROWS = 128, 512
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "skinny.c", CSRC / "layers.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -125,6 +130,7 @@ def kernel() -> ctypes.CDLL | None:
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
         "skinny_lanes": [Int],
+        "skinny_wide": [],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
         "decoder_layers": [P, N, N, N, N, P, Int, P, F, N, N, N, N, P, N, P, P, N, N, P, P, N, N, P, P, N, Int],
@@ -168,11 +174,18 @@ def usable(x: Tensor) -> bool:
     """Whether linear() hands x's product to the kernel: few rows it serves (_serves), no autograd,
     not under torch.compile (which traces torch's ops)."""
     return (
-        x.shape[0] <= MAX_ROWS
+        not torch.compiler.is_compiling()  # first: what follows asks the library (ctypes), which it cannot trace
         and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
+        and x.shape[0] <= max_rows()
         and _serves(x.device, x.dtype)
     )
+
+
+def max_rows() -> int:
+    """The most rows a step runs in the kernel: WIDE_MAX_ROWS where its fp32 passes of 7-12 rows run
+    in 512-bit registers (skinny.c, AVX-512), else MAX_ROWS."""
+    lib = kernel()
+    return WIDE_MAX_ROWS if lib is not None and lib.skinny_wide() else MAX_ROWS
 
 
 def products(device: torch.device, dtype: torch.dtype) -> str:

@@ -162,7 +162,7 @@ class Weights(NamedTuple):
 
 def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
     """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. Where the model keeps a CPU
-    copy: up to cpu_kernel.MAX_ROWS fp32 rows without autograd go to the runtime's CPU kernel
+    copy: up to cpu_kernel.max_rows() fp32 rows without autograd go to the runtime's CPU kernel
     (w.packed), which streams the weight once over all threads (MKL's 1-row product runs on one
     core); where the kernel is not built, several rows go to MKL's W^T @ x^T (w.t; its x @ W
     re-reads W for every few rows: verifying 5 tokens cost 2.5 decode steps instead of 1.3-1.6;

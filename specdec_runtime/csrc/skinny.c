@@ -172,12 +172,14 @@ typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, c
     }
 TILE_WIDE(7) TILE_WIDE(8) TILE_WIDE(9) TILE_WIDE(10) TILE_WIDE(11) TILE_WIDE(12)
 TILE(f32, 1, 4) TILE(f32, 2, 4) TILE(f32, 3, 4) TILE(f32, 4, 4) TILE(f32, 5, 4) TILE(f32, 6, 4)
+#define defined_WIDE 1
 #define TABLE_f32                                                                                                 \
     {0, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6, tile_wide_7, tile_wide_8,         \
      tile_wide_9, tile_wide_10, tile_wide_11, tile_wide_12}
 #else
 TILES(f32)
 #define TABLE_f32 TABLE(f32)
+#define defined_WIDE 0
 #endif
 TILES(bf16)
 static const tile_fn tiles[2][ROWS + 1] = {TABLE_f32, TABLE(bf16)};
@@ -224,6 +226,9 @@ void skinny_matmul(const float *x, long M, long K, const void *w, int is_bf16, l
    of a tensor read up to a third slower than this on a 2-core Zen 4). */
 /* The lanes of the chunks a packed weight of this type is read in (cpu_kernel.pack). */
 int skinny_lanes(int is_bf16) { return is_bf16 ? LANES_bf16 : LANES_f32; }
+
+/* 1 where fp32 passes of 7-12 rows run in 512-bit registers (TILE_WIDE): cpu_kernel.max_rows(). */
+int skinny_wide(void) { return defined_WIDE; }
 
 float stream_sum(const float *x, long n, int threads) {
     float total = 0.0f;

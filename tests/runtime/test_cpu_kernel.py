@@ -128,7 +128,7 @@ def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
     cpu_kernel.matmul = counting
     try:
         with torch.inference_mode():
-            for M in (1, 5, 16, cpu_kernel.MAX_ROWS, cpu_kernel.MAX_ROWS + 1):
+            for M in (1, 5, 16, cpu_kernel.max_rows(), cpu_kernel.max_rows() + 1):
                 x = torch.randn(M, 64, generator=g)
                 torch.testing.assert_close(linear(x, params), x @ w + params.bias)
             with cpu_kernel.disabled():
@@ -139,7 +139,7 @@ def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
         assert x.grad is not None
     finally:
         cpu_kernel.matmul = real
-    assert calls == [1, 5, 16, cpu_kernel.MAX_ROWS]
+    assert calls == [1, 5, 16, cpu_kernel.max_rows()]
 
 
 @needs_kernel
@@ -155,6 +155,16 @@ def test_stream_sum_is_the_sum():
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_kernel.stream_sum(x[:33])
+
+
+@needs_kernel
+def test_its_row_limit_is_the_builds():
+    """fp32 tiles in 512-bit registers are built exactly where the compiler targets AVX-512 (VL);
+    with them the kernel takes steps (prefills) of up to WIDE_MAX_ROWS rows, without them MAX_ROWS."""
+    flags = Path("/proc/cpuinfo").read_text().partition("flags")[2].partition("\n")[0].split()
+    wide = "avx512vl" in flags and os.environ.get(cpu_kernel.MARCH, "native") == "native"
+    assert cpu_kernel.kernel().skinny_wide() == int(wide)
+    assert cpu_kernel.max_rows() == (cpu_kernel.WIDE_MAX_ROWS if wide else cpu_kernel.MAX_ROWS)
 
 
 def mapping_of(ptr: int) -> dict[str, str]:
@@ -343,16 +353,16 @@ def test_sublayers_under_masks_are_as_accurate_as_torchs():
 @needs_kernel
 def test_sublayers_run_in_it_only_where_they_should(monkeypatch):
     """One sequence's few fp32 rows run the whole layer stack in the kernel in one call, a batch's
-    few rows their MLPs; more than MAX_ROWS rows, a batch's attention, and anything under autograd
+    few rows their MLPs; more than max_rows() rows, a batch's attention, and anything under autograd
     run in torch."""
     model = wide_decoder(64)
     calls = []
     for name in ("attention", "mlp", "decoder_layers"):
         real = getattr(cpu_kernel, name)
         monkeypatch.setattr(cpu_kernel, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
-    rows = cpu_kernel.MAX_ROWS // 2 + 1
+    rows = cpu_kernel.max_rows() // 2 + 1
     model.setup_cache(2, rows + 8)
-    model(torch.randint(0, 256, (2, rows)), 0)  # a prefill of 2 x rows: more than MAX_ROWS
+    model(torch.randint(0, 256, (2, rows)), 0)  # a prefill of 2 x rows: more than max_rows()
     assert calls == []
     model(torch.randint(0, 256, (2, 1)), rows)  # a batch of 2: the MLP's rows only
     assert calls == ["mlp"] * 2
