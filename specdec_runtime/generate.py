@@ -85,7 +85,7 @@ def warm_up(
     is paid before anything is timed. On the fast path every draft length the drafter can return
     (1 up to drafter.longest(gamma), max_gamma where gamma adapts) runs once: a verify shape first
     seen inside a timed prompt would put its compilation and capture in that prompt's time (a
-    lookup of 4 tokens at gamma 2 verifies 5)."""
+    lookup of 8 tokens at gamma 2 verifies 9)."""
     kw = dict(generate_kwargs, adaptive_gamma=False)
     if drafter is None or not target.compiled:
         generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)
