@@ -7,7 +7,7 @@ for every few rows. `csrc/skinny.c` streams each weight once, split over torch's
 for 1 to max_rows() rows, from a copy packed in quads of rows (pack(): one load of x feeds four
 independent sums; fp32, or bf16 for a drafter's weights), up to 12 rows a pass from registers, the stream
 prefetched far ahead while the rows' multiply-adds run, so up to ~9 rows cost about what one row
-costs and a prompt's prefill of up to 128 rows runs faster than MKL's GEMM. It sums every output
+costs and a prompt's prefill of up to max_rows() rows runs faster than MKL's GEMM. It sums every output
 in one fixed order whatever the row count: row for row, a verify step's products (and a prefill's)
 are bitwise those of a decode step. scripts/bench_cost.py measures it against torch's products.
 
@@ -27,8 +27,8 @@ to measure how a CPU without AVX-512 would run.
 
 A model's packed weights live side by side in one mapping on 2 MiB pages (on_huge_pages(): Linux's
 transparent huge pages, asked for with madvise), not 4 KiB ones: a decode step of the bundled target
-reads 547 MB, ~134,000 small pages a step, and the same stream on 2 MiB pages ran 5-10% faster
-here. SPECDEC_HUGE_PAGES=0 keeps them in torch's memory.
+reads 547 MB, ~134,000 small pages a step; on 2 MiB pages a plain stream read 5-10% faster here and
+a decode step ran 2-5% faster. SPECDEC_HUGE_PAGES=0 keeps them in torch's memory.
 """
 
 import contextlib

@@ -172,14 +172,14 @@ typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, c
     }
 TILE_WIDE(7) TILE_WIDE(8) TILE_WIDE(9) TILE_WIDE(10) TILE_WIDE(11) TILE_WIDE(12)
 TILE(f32, 1, 4) TILE(f32, 2, 4) TILE(f32, 3, 4) TILE(f32, 4, 4) TILE(f32, 5, 4) TILE(f32, 6, 4)
-#define defined_WIDE 1
+#define WIDE_F32 1
 #define TABLE_f32                                                                                                 \
     {0, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6, tile_wide_7, tile_wide_8,         \
      tile_wide_9, tile_wide_10, tile_wide_11, tile_wide_12}
 #else
 TILES(f32)
 #define TABLE_f32 TABLE(f32)
-#define defined_WIDE 0
+#define WIDE_F32 0
 #endif
 TILES(bf16)
 static const tile_fn tiles[2][ROWS + 1] = {TABLE_f32, TABLE(bf16)};
@@ -228,7 +228,7 @@ void skinny_matmul(const float *x, long M, long K, const void *w, int is_bf16, l
 int skinny_lanes(int is_bf16) { return is_bf16 ? LANES_bf16 : LANES_f32; }
 
 /* 1 where fp32 passes of 7-12 rows run in 512-bit registers (TILE_WIDE): cpu_kernel.max_rows(). */
-int skinny_wide(void) { return defined_WIDE; }
+int skinny_wide(void) { return WIDE_F32; }
 
 float stream_sum(const float *x, long n, int threads) {
     float total = 0.0f;
