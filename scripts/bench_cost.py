@@ -11,7 +11,7 @@ of T tokens and of a tree of 1 + N tokens, in decode steps; and one draft step o
 kind (an EAGLE-3 layer + draft-vocabulary head, 4 Medusa heads, the target's first 2 layers), in
 decode steps (each the median ratio to a decode step run right before it, call by call).
 Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay. With the CPU kernel,
-a table of products of 1 to 256 rows (--rows) against MKL's GEMM: where a step's rows stop
+a table of products of 1 to 512 rows (--rows) against MKL's GEMM: where a step's rows stop
 costing what one row costs, and where MKL takes over (cpu_kernel.max_rows()). Random drafter
 weights of the shapes the recipes train (the cost does not depend on the values).
 """
@@ -148,7 +148,7 @@ def main() -> None:
     )
     p.add_argument("--chains", default="1,2,3,4,5,6,8", help="chain lengths verified ('' for none)")
     p.add_argument("--nodes", default="4,8,12,16,32", help="tree sizes verified ('' for none)")
-    p.add_argument("--rows", default="1,8,16,32,64,128,256", help="the products table's row counts ('' for none)")
+    p.add_argument("--rows", default="1,8,16,32,64,128,256,512", help="the products table's row counts ('' for none)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
     cpu = torch.device("cpu")
