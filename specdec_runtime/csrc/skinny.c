@@ -16,7 +16,7 @@
    software prefetch 1 KiB ahead measured slower). Two or more rows are also bound by the
    multiply-adds, and while a core computes, the hardware prefetcher alone falls behind: their
    stream is prefetched 1 KiB ahead into L1 and 16 KiB ahead into L2, every line. Products of up
-   to 128 rows beat MKL's GEMM (scripts/bench_cost.py).
+   to 128 rows beat MKL's GEMM, and with TILE_WIDE up to 2048 (scripts/bench_cost.py).
 
    Every output is summed in one fixed order (one sum per lane over the chunks of K, the lanes
    folded, then the tail of K, then bias, then res), whatever M, the tiling and the thread split: a
@@ -39,8 +39,9 @@
    (16 where the compiler targets AVX-512), widened exactly to fp32. Per type: its vector, lanes,
    loads of a weight chunk and of x, multiply-add and the lanes' sum. 16 lanes measured faster for
    bf16 weights at every row count (0.66-0.87x the time of 8, 1-12 rows, on the 2-core EPYC, Zen 5)
-   but slower for fp32 at 4-6 rows (1.1-1.25x; faster only from 8 rows on): the widening's
-   instructions halve, the multiply-adds did not run twice as fast. */
+   but slower for fp32 at 4-6 rows (1.1-1.25x; faster only from 8 rows on), though this CPU's
+   512-bit multiply-adds do twice the work of 256-bit ones (measured, README): why is not settled.
+   fp32 passes of 7-12 rows use 512-bit registers another way, bitwise the same (TILE_WIDE). */
 typedef float f32;
 typedef v8 vec_f32;
 #define LANES_f32 8
@@ -221,15 +222,15 @@ void skinny_matmul(const float *x, long M, long K, const void *w, int is_bf16, l
     skinny_part(x, M, K, w, is_bf16, N, bias, res, y);
 }
 
-/* The sum of x [n] (n a multiple of 32), read once by `threads` threads, each a contiguous part: the
-   plainest streaming read, that scripts/bench_cost.py holds a decode step's bytes to (torch's sum
-   of a tensor read up to a third slower than this on a 2-core Zen 4). */
 /* The lanes of the chunks a packed weight of this type is read in (cpu_kernel.pack). */
 int skinny_lanes(int is_bf16) { return is_bf16 ? LANES_bf16 : LANES_f32; }
 
 /* 1 where fp32 passes of 7-12 rows run in 512-bit registers (TILE_WIDE): cpu_kernel.max_rows(). */
 int skinny_wide(void) { return WIDE_F32; }
 
+/* The sum of x [n] (n a multiple of 32), read once by `threads` threads, each a contiguous part: the
+   plainest streaming read, that scripts/bench_cost.py holds a decode step's bytes to (torch's sum
+   of a tensor read up to a third slower than this on a 2-core Zen 4). */
 float stream_sum(const float *x, long n, int threads) {
     float total = 0.0f;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
