@@ -82,69 +82,203 @@ static inline v8 pairs(v8 a, v8 b) {
 /* q . k over D, its lanes in tree8's order. */
 static float score(const float *q, const float *k, long D) { return dot_in(q, k, D, tree8); }
 
-/* score() of the 8 keys k [8, D] into p [8]: eight independent sums, their lanes reduced together
-   in three rounds of pairs (tree8's order for each key), where one key at a time spent more on its
-   lanes' sum than on its products (a verify step's rows each read every cached key). */
-static void scores8(const float *q, const float *k, long D, float *p) {
-    v8 s[8] = {{0}};
+/* Queries of one key/value head attended together (attend): each key and value loaded once for all
+   of them (GQA's heads of a group, and a verify step's rows, share one head's cache). QMAX queries
+   keep up to 24 accumulators in registers (32 with AVX-512; AVX2's 16 hold one query's). Every
+   query's sums are those it has alone: its chunk-mates change nothing. */
+#if defined(__AVX512VL__)
+#define QMAX 3
+#else
+#define QMAX 1
+#endif
+
+/* score() of the 8 keys k [8, D] into p[i] [8] for each of the Q queries q[i]: eight independent
+   sums a query, their lanes reduced together in three rounds of pairs (tree8's order for each key),
+   where one key at a time spent more on its lanes' sum than on its products. */
+static inline __attribute__((always_inline)) void scores8(int Q, const float *const *q, const float *k, long D,
+                                                          float *const *p) {
+    v8 s[QMAX][8];
     long d = 0;
+#if defined(__AVX512DQ__)
+    /* keys 2c and 2c + 1 side by side in a 512-bit register, the query's 8 floats in both halves:
+       every lane sums what the 8-lane loop's does, in the same order, in half the instructions */
+    __m512 w[QMAX][4];
+    for (int i = 0; i < Q; i++)
+        for (int c = 0; c < 4; c++) w[i][c] = _mm512_setzero_ps();
     for (; d + 8 <= D; d += 8) {
-        v8 qd = load8(q + d);
-        for (int i = 0; i < 8; i++) s[i] += qd * load8(k + i * D + d);
+        __m512 qd[QMAX];
+        for (int i = 0; i < Q; i++) qd[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i] + d));
+        for (int c = 0; c < 4; c++) {
+            __m512 kc = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k + 2 * c * D + d)),
+                                           _mm256_loadu_ps(k + (2 * c + 1) * D + d), 1);
+            for (int i = 0; i < Q; i++) w[i][c] = _mm512_add_ps(w[i][c], _mm512_mul_ps(qd[i], kc));
+        }
     }
-    v8 lo = pairs(pairs(s[0], s[1]), pairs(s[2], s[3])); /* keys 0-3: lanes (0+1)+(2+3), then (4+5)+(6+7) */
-    v8 hi = pairs(pairs(s[4], s[5]), pairs(s[6], s[7])); /* keys 4-7 */
-    store8(p, __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
-                  __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15));
-    for (int i = 0; i < 8; i++)
-        for (long e = d; e < D; e++) p[i] += q[e] * k[i * D + e];
+    for (int i = 0; i < Q; i++)
+        for (int c = 0; c < 4; c++) {
+            s[i][2 * c] = (v8)_mm512_castps512_ps256(w[i][c]);
+            s[i][2 * c + 1] = (v8)_mm512_extractf32x8_ps(w[i][c], 1);
+        }
+#else
+    for (int i = 0; i < Q; i++)
+        for (int c = 0; c < 8; c++) s[i][c] = (v8){0};
+    for (; d + 8 <= D; d += 8) {
+        v8 qd[QMAX];
+        for (int i = 0; i < Q; i++) qd[i] = load8(q[i] + d);
+        for (int c = 0; c < 8; c++) {
+            v8 kc = load8(k + c * D + d);
+            for (int i = 0; i < Q; i++) s[i][c] += qd[i] * kc;
+        }
+    }
+#endif
+    for (int i = 0; i < Q; i++) {
+        v8 lo = pairs(pairs(s[i][0], s[i][1]), pairs(s[i][2], s[i][3])); /* keys 0-3: (0+1)+(2+3), then (4+5)+(6+7) */
+        v8 hi = pairs(pairs(s[i][4], s[i][5]), pairs(s[i][6], s[i][7])); /* keys 4-7 */
+        store8(p[i], __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+                         __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15));
+        for (int c = 0; c < 8; c++)
+            for (long e = d; e < D; e++) p[i][c] += q[i][e] * k[c * D + e];
+    }
 }
 
-/* out [D] = softmax(q . k_j * scale over the slots j < bound that mask allows) @ v. p: scratch of
-   bound rounded up to 8 floats. Each score is score()'s, whichever keys share its block of 8; the
-   weights' sum runs over 8 lanes of slots with 0 at every slot not attended to, so the result does
-   not depend on bound past the last slot attended to (a row of a verify step sees more, masked,
-   slots than the same row decoded). */
-static void attend(const float *q, const float *k, const float *v, long D, const uint8_t *mask, long bound,
-                   float scale, float *p, float *out) {
-    long padded = (bound + 7) & ~7L;
+/* All bits set in the lanes whose mask byte (bool: 0 or 1) is set. */
+static inline v8i kept(const uint8_t *mask) {
+    v8h b = {0};
+    for (int i = 0; i < 8; i++) b[i] = mask[i];
+    return -__builtin_convertvector(b, v8i);
+}
+
+/* p [bound] (a query's scores) -> its weights softmax needs before the division: e^(p_j * scale -
+   top) at the slots < bound that mask allows, 0 at the others and up to bound rounded up to 8.
+   Returns their sum, over 8 lanes of slots (so the sum does not depend on bound past the last slot
+   attended to: a row of a verify step sees more, masked, slots than the same row decoded). */
+static float weigh(float *p, const uint8_t *mask, long bound, float scale) {
+    long padded = (bound + 7) & ~7L, j;
+    const v8 none = (v8){0} - INFINITY;
+    v8 tops = none;
+    for (j = 0; j + 8 <= bound; j += 8) { /* the scaled scores, and the largest one attended to */
+        v8 x = load8(p + j) * scale;
+        store8(p + j, x);
+        v8 y = mask ? blend(kept(mask + j), x, none) : x;
+        tops = blend(y > tops, y, tops);
+    }
     float top = -INFINITY;
-    long j = 0;
-    for (; j + 8 <= bound; j += 8) scores8(q, k + j * D, D, p + j);
-    for (; j < bound; j++) p[j] = score(q, k + j * D, D);
-    for (j = 0; j < bound; j++) p[j] *= scale;
-    for (j = 0; j < bound; j++)
+    for (int i = 0; i < 8; i++) top = tops[i] > top ? tops[i] : top;
+    for (; j < bound; j++) {
+        p[j] *= scale;
         if (!mask || mask[j]) top = p[j] > top ? p[j] : top;
+    }
     for (j = bound; j < padded; j++) p[j] = 0.0f;
     v8 sums = {0};
     for (j = 0; j < padded; j += 8) {
         v8 e = exp8(load8(p + j) - top);
-        v8i keep = {0};
         if (j + 8 <= bound && mask)
-            for (int i = 0; i < 8; i++) keep[i] = -(int)mask[j + i]; /* bool bytes: 0 or 1 */
-        else
+            e = blend(kept(mask + j), e, (v8){0});
+        else if (j + 8 > bound) {
+            v8i keep = {0};
             for (int i = 0; i < 8; i++) keep[i] = j + i < bound && (!mask || mask[j + i]) ? -1 : 0;
-        e = blend(keep, e, (v8){0});
+            e = blend(keep, e, (v8){0});
+        }
         store8(p + j, e);
         sums += e;
     }
-    float sum = hsum(sums);
-    long d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) { /* 64 dims at a time in 2 x 8 registers: even and odd slots, each in order */
-        v8 even[8] = {{0}}, odd[8] = {{0}};
-        for (j = 0; j < bound; j += 2) { /* a slot not attended to (or at e^-88) adds nothing: skipped */
-            const float *vj = v + j * D + d0;
-            if (p[j] != 0.0f)
-                for (int c = 0; c < 8; c++) even[c] += p[j] * load8(vj + 8 * c);
-            if (j + 1 < bound && p[j + 1] != 0.0f)
-                for (int c = 0; c < 8; c++) odd[c] += p[j + 1] * load8(vj + D + 8 * c);
-        }
-        for (int c = 0; c < 8; c++) store8(out + d0 + 8 * c, (even[c] + odd[c]) / sum);
+    return hsum(sums);
+}
+
+/* Blocks of a head's dims in 4 registers a parity and query: 32 dims in 8-lane ones, 64 in 16-lane
+   ones where the CPU has 512-bit registers (lane by lane the same sums: 8 lanes a register or 16). */
+typedef float v16 __attribute__((vector_size(64)));
+#define VALUE_BLOCK(V, W)                                                                                         \
+    /* acc[i] += p[i][j] x vj [4 W] for each of the Q queries, unless no query attends to slot j */               \
+    static inline __attribute__((always_inline)) void value_row_##W(int Q, float *const *p, long j,               \
+                                                                    const float *vj, V(*acc)[4]) {                \
+        int any = 0;                                                                                              \
+        for (int i = 0; i < Q; i++) any |= p[i][j] != 0.0f;                                                       \
+        if (!any) return;                                                                                         \
+        V vc[4];                                                                                                  \
+        __builtin_memcpy(vc, vj, sizeof vc);                                                                      \
+        for (int i = 0; i < Q; i++) {                                                                             \
+            V w = (V){0} + p[i][j];                                                                               \
+            for (int c = 0; c < 4; c++) acc[i][c] += w * vc[c];                                                   \
+        }                                                                                                         \
+    }                                                                                                             \
+    /* out[i] [d0, d0 + 4 W) for the Q queries: even and odd slots, each summed in slot order */                  \
+    static inline __attribute__((always_inline)) void value_block_##W(int Q, float *const *p, const float *sum,   \
+                                                                      const float *v, long D, long d0,            \
+                                                                      long bound, float *const *out) {            \
+        V even[QMAX][4], odd[QMAX][4];                                                                            \
+        for (int i = 0; i < Q; i++)                                                                               \
+            for (int c = 0; c < 4; c++) even[i][c] = odd[i][c] = (V){0};                                          \
+        for (long j = 0; j < bound; j += 2) {                                                                     \
+            value_row_##W(Q, p, j, v + j * D + d0, even);                                                         \
+            if (j + 1 < bound) value_row_##W(Q, p, j + 1, v + (j + 1) * D + d0, odd);                             \
+        }                                                                                                         \
+        for (int i = 0; i < Q; i++)                                                                               \
+            for (int c = 0; c < 4; c++) {                                                                         \
+                V o = (even[i][c] + odd[i][c]) / sum[i];                                                          \
+                __builtin_memcpy(out[i] + d0 + W * c, &o, sizeof o);                                              \
+            }                                                                                                     \
     }
-    for (long d = d0; d < D; d++) { /* head dims past a multiple of 64 */
-        float t = 0.0f;
-        for (j = 0; j < bound; j++) t += p[j] * v[j * D + d];
-        out[d] = t / sum;
+VALUE_BLOCK(v8, 8)
+#if defined(__AVX512F__)
+VALUE_BLOCK(v16, 16)
+#define WIDE_DIMS 64
+#else
+#define WIDE_DIMS 0 /* none */
+#endif
+
+/* out[i] [D] = weights p[i] @ v / sum[i] for the Q queries. A slot no query attends to is skipped
+   (one that only some attend to adds 0 x v to the others: their sums stay bitwise what skipping
+   gives). */
+static inline __attribute__((always_inline)) void weigh_values(int Q, float *const *p, const float *sum,
+                                                               const float *v, long D, long bound,
+                                                               float *const *out) {
+    long d0 = 0;
+#if WIDE_DIMS
+    for (; d0 + 64 <= D; d0 += 64) value_block_16(Q, p, sum, v, D, d0, bound, out);
+#endif
+    for (; d0 + 32 <= D; d0 += 32) value_block_8(Q, p, sum, v, D, d0, bound, out);
+    for (int i = 0; i < Q; i++)
+        for (long d = d0; d < D; d++) { /* head dims past a multiple of 32 */
+            float t = 0.0f;
+            for (long j = 0; j < bound; j++) t += p[i][j] * v[j * D + d];
+            out[i][d] = t / sum[i];
+        }
+}
+
+/* out[i] [D] = softmax(q[i] . k_j * scale over the slots j < bound that mask[i] allows) @ v for Q
+   (<= QMAX) queries of one key/value head (k, v [S, D]). p: scratch of Q x (bound rounded up to 8)
+   floats. Each score is score()'s, whichever keys share its block of 8 and whichever queries its
+   chunk. */
+static inline __attribute__((always_inline)) void attend_q(int Q, const float *const *q, const float *k,
+                                                           const float *v, long D, const uint8_t *const *mask,
+                                                           long bound, float scale, float *p, float *const *out) {
+    long padded = (bound + 7) & ~7L, j = 0;
+    float *pq[QMAX], *pj[QMAX], sum[QMAX];
+    for (int i = 0; i < Q; i++) pq[i] = p + i * padded;
+    for (; j + 8 <= bound; j += 8) {
+#ifdef PFK
+        for (int l = 0; l < 8 * D / 16; l++) __builtin_prefetch(k + (j + PFK) * D + 16 * l, 0, 3);
+#endif
+        for (int i = 0; i < Q; i++) pj[i] = pq[i] + j;
+        scores8(Q, q, k + j * D, D, pj);
+    }
+    for (; j < bound; j++)
+        for (int i = 0; i < Q; i++) pq[i][j] = score(q[i], k + j * D, D);
+    for (int i = 0; i < Q; i++) sum[i] = weigh(pq[i], mask[i], bound, scale);
+    weigh_values(Q, pq, sum, v, D, bound, out);
+}
+
+static void attend(int Q, const float *const *q, const float *k, const float *v, long D, const uint8_t *const *mask,
+                   long bound, float scale, float *p, float *const *out) {
+    switch (Q) { /* constant Q: the loops over queries unrolled, the accumulators in registers */
+#if QMAX >= 3
+    case 3: attend_q(3, q, k, v, D, mask, bound, scale, p, out); break;
+#endif
+#if QMAX >= 2
+    case 2: attend_q(2, q, k, v, D, mask, bound, scale, p, out); break;
+#endif
+    default: attend_q(1, q, k, v, D, mask, bound, scale, p, out);
     }
 }
 
@@ -162,7 +296,12 @@ int attention_block(const float *x, long M, long Kin, const float *norm, float e
     long nqkv = (H + 2 * Hkv) * D, heads = H + 2 * Hkv, group = H / Hkv;
     size_t hn = norm ? (size_t)(M * Kin) : 0;
     long padded = (bound + 7) & ~7L;
-    float *buf = scratch(hn + M * nqkv + M * H * D + (size_t)threads * padded);
+    /* queries of a key/value head: (row, head of its group), row-major, in chunks of Q; smaller
+       chunks where there would be fewer than 4 a thread (a decode step's 3 x 3 queries: one each) */
+    long per_head = group * M, Q = QMAX;
+    while (Q > 1 && Hkv * ((per_head + Q - 1) / Q) < 4 * threads) Q--;
+    long chunks = (per_head + Q - 1) / Q;
+    float *buf = scratch(hn + M * nqkv + M * H * D + (size_t)threads * QMAX * padded);
     if (!buf) return -1;
     float *h = norm ? buf : (float *)x, *qkv = buf + hn, *att = qkv + M * nqkv, *p = att + M * H * D;
     float scale = 1.0f / sqrtf((float)D);
@@ -180,12 +319,20 @@ int attention_block(const float *x, long M, long Kin, const float *norm, float e
             if (head < H + Hkv) rope(v, cos + m * rope_stride, sin + m * rope_stride, D);
             if (head >= H) memcpy(kv + ((head - H) * S + slots[m]) * D, v, D * sizeof(float));
         }
-        float *mine = p + (long)omp_get_thread_num() * padded;
+        float *mine = p + (long)omp_get_thread_num() * QMAX * padded;
 #pragma omp for schedule(static)
-        for (long i = 0; i < M * H; i++) {
-            long m = i / H, head = i % H, g = head / group;
-            attend(qkv + m * nqkv + head * D, kv + g * S * D, kv + (Hkv + g) * S * D, D,
-                   mask ? mask + m * mask_stride : 0, bound, scale, mine, att + m * H * D + head * D);
+        for (long i = 0; i < Hkv * chunks; i++) {
+            long g = i / chunks, first = i % chunks * Q, n = per_head - first < Q ? per_head - first : Q;
+            const float *q[QMAX];
+            const uint8_t *rows[QMAX];
+            float *o[QMAX];
+            for (long t = 0; t < n; t++) {
+                long m = (first + t) / group, head = g * group + (first + t) % group;
+                q[t] = qkv + m * nqkv + head * D;
+                rows[t] = mask ? mask + m * mask_stride : 0;
+                o[t] = att + m * H * D + head * D;
+            }
+            attend((int)n, q, kv + g * S * D, kv + (Hkv + g) * S * D, D, rows, bound, scale, mine, o);
         }
         skinny_part(att, M, H * D, wo, is_bf16, Hd, bo, residual, out);
     }
