@@ -12,11 +12,15 @@
    before, a one-row product waited on the latency of its two chains of multiply-adds and streamed
    at ~80% of a plain read when the machine's bandwidth was high (58-60 GB/s on a 2-core EPYC); with
    quads it streams at ~91%, and a decode step runs ~16% faster there (as fast where bandwidth is
-   low). One row is bound by memory, and the hardware prefetcher keeps up with its one stream (a
-   software prefetch 1 KiB ahead measured slower). Two or more rows are also bound by the
-   multiply-adds, and while a core computes, the hardware prefetcher alone falls behind: their
-   stream is prefetched 1 KiB ahead into L1 and 16 KiB ahead into L2, every line. Products of up
-   to 128 rows beat MKL's GEMM, and with TILE_WIDE up to 2048 (scripts/bench_cost.py).
+   low). One row is bound by memory; its stream is prefetched 2 KiB ahead, every line, with the
+   non-temporal hint: a decode step in 0.90-0.91x the time of the hardware prefetcher alone on the
+   2-core EPYC (Zen 5), where 1 KiB ahead measured 0.93x and 4 KiB 0.98x (an earlier session found
+   the multi-row tiles' prefetching, 1 KiB non-temporal and 16 KiB into L2, slower than none for
+   one row). Two or more rows are also bound by the multiply-adds, and while a core computes, the
+   hardware prefetcher alone falls behind: their stream is prefetched 6 KiB ahead non-temporal and
+   16 KiB ahead into L2, every line (verify steps of 5-9 rows in 0.94-0.97x the time of 1 KiB
+   ahead; 4 KiB ahead without the L2 prefetch 1.1-1.16x). Products of up to 128 rows beat MKL's
+   GEMM, and with TILE_WIDE up to 2048 (scripts/bench_cost.py).
 
    Every output is summed in one fixed order (one sum per lane over the chunks of K, the lanes
    folded, then the tail of K, then bias, then res), whatever M, the tiling and the thread split: a
@@ -27,8 +31,11 @@
 
 #include "vec.h"
 
+#ifndef ONE
+#define ONE 2048 /* bytes ahead in the packed stream, non-temporal, where a tile computes one row */
+#endif
 #ifndef NEAR
-#define NEAR 1024 /* bytes ahead in the packed stream, into L1, where a tile computes several rows */
+#define NEAR 6144 /* and where it computes several, non-temporal */
 #endif
 #ifndef FAR
 #define FAR 16384 /* and into L2 */
@@ -84,7 +91,11 @@ static inline float hsum_bf16(vw s) { return hsumw(s); }
                 for (int r = 0; r < R; r++) a[m][r] = (vec_##T){0};                                               \
             long k = 0;                                                                                           \
             for (; k + LANES_##T <= K; k += LANES_##T) {                                                          \
-                for (int l = 0; MR > 1 && l < LINES(T); l++) { /* every line; one row: none */                    \
+                for (int l = 0; l < LINES(T); l++) { /* every line */                                             \
+                    if (MR == 1) {                                                                                \
+                        __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + ONE, 0, 0);                       \
+                        continue;                                                                                 \
+                    }                                                                                             \
                     __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + NEAR, 0, 0);                          \
                     __builtin_prefetch((const char *)(w + 4 * k) + 64 * l + FAR, 0, 2);                           \
                 }                                                                                                 \
