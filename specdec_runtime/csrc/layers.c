@@ -257,9 +257,6 @@ static inline __attribute__((always_inline)) void attend_q(int Q, const float *c
     float *pq[QMAX], *pj[QMAX], sum[QMAX];
     for (int i = 0; i < Q; i++) pq[i] = p + i * padded;
     for (; j + 8 <= bound; j += 8) {
-#ifdef PFK
-        for (int l = 0; l < 8 * D / 16; l++) __builtin_prefetch(k + (j + PFK) * D + 16 * l, 0, 3);
-#endif
         for (int i = 0; i < Q; i++) pj[i] = pq[i] + j;
         scores8(Q, q, k + j * D, D, pj);
     }
