@@ -12,11 +12,12 @@
    before, a one-row product waited on the latency of its two chains of multiply-adds and streamed
    at ~80% of a plain read when the machine's bandwidth was high (58-60 GB/s on a 2-core EPYC); with
    quads it streams at ~91%, and a decode step runs ~16% faster there (as fast where bandwidth is
-   low). One row is bound by memory; its stream is prefetched 2 KiB ahead, every line, with the
-   non-temporal hint: a decode step in 0.90-0.91x the time of the hardware prefetcher alone on the
-   2-core EPYC (Zen 5), where 1 KiB ahead measured 0.93x and 4 KiB 0.98x (an earlier session found
-   the multi-row tiles' prefetching, 1 KiB non-temporal and 16 KiB into L2, slower than none for
-   one row). Two or more rows are also bound by the multiply-adds, and while a core computes, the
+   low). One row is bound by memory; its stream is prefetched 3 KiB ahead, every line, with the
+   non-temporal hint: a decode step in ~0.91x the time of the hardware prefetcher alone on the
+   2-core EPYC (Zen 5) when its memory reads ~50 GB/s, ~0.92-0.94x at ~78 GB/s (1, 2, 4 and 6 KiB
+   ahead measured up to 3% slower in one phase or the other; an earlier session found the
+   multi-row tiles' prefetching, 1 KiB non-temporal and 16 KiB into L2, slower than none for one
+   row). Two or more rows are also bound by the multiply-adds, and while a core computes, the
    hardware prefetcher alone falls behind: their stream is prefetched 6 KiB ahead non-temporal and
    16 KiB ahead into L2, every line (verify steps of 5-9 rows in 0.94-0.97x the time of 1 KiB
    ahead; 4 KiB ahead without the L2 prefetch 1.1-1.16x). Products of up to 128 rows beat MKL's
@@ -32,7 +33,7 @@
 #include "vec.h"
 
 #ifndef ONE
-#define ONE 2048 /* bytes ahead in the packed stream, non-temporal, where a tile computes one row */
+#define ONE 3072 /* bytes ahead in the packed stream, non-temporal, where a tile computes one row */
 #endif
 #ifndef NEAR
 #define NEAR 6144 /* and where it computes several, non-temporal */
