@@ -185,46 +185,50 @@ static float weigh(float *p, const uint8_t *mask, long bound, float scale) {
     return hsum(sums);
 }
 
-/* Blocks of a head's dims in 4 registers a parity and query: 32 dims in 8-lane ones, 64 in 16-lane
-   ones where the CPU has 512-bit registers (lane by lane the same sums: 8 lanes a register or 16). */
+/* Blocks of a head's dims, C registers of W lanes a parity and query: 64 dims in 4 16-lane ones
+   where the CPU has 512-bit registers, else in 8 8-lane ones (AVX2: one query, 16 accumulators,
+   the most its 16 registers hold; 4 a pass over 32 dims measured 1.17x slower), then 32 in 4 8-lane
+   ones. Lane by lane the same sums whatever the block. */
 typedef float v16 __attribute__((vector_size(64)));
-#define VALUE_BLOCK(V, W)                                                                                         \
-    /* acc[i] += p[i][j] x vj [4 W] for each of the Q queries, unless no query attends to slot j */               \
-    static inline __attribute__((always_inline)) void value_row_##W(int Q, float *const *p, long j,               \
-                                                                    const float *vj, V(*acc)[4]) {                \
+#define VALUE_BLOCK(V, W, C)                                                                                      \
+    /* acc[i] += p[i][j] x vj [C W] for each of the Q queries, unless no query attends to slot j */               \
+    static inline __attribute__((always_inline)) void value_row_##W##_##C(int Q, float *const *p, long j,         \
+                                                                          const float *vj, V(*acc)[C]) {          \
         int any = 0;                                                                                              \
         for (int i = 0; i < Q; i++) any |= p[i][j] != 0.0f;                                                       \
         if (!any) return;                                                                                         \
-        V vc[4];                                                                                                  \
-        __builtin_memcpy(vc, vj, sizeof vc);                                                                      \
-        for (int i = 0; i < Q; i++) {                                                                             \
+        for (int i = 0; i < Q; i++) { /* vj reloaded a query (AVX2: no registers left to hold it) */                \
             V w = (V){0} + p[i][j];                                                                               \
-            for (int c = 0; c < 4; c++) acc[i][c] += w * vc[c];                                                   \
+            for (int c = 0; c < C; c++) {                                                                         \
+                V vc;                                                                                             \
+                __builtin_memcpy(&vc, vj + W * c, sizeof vc);                                                     \
+                acc[i][c] += w * vc;                                                                              \
+            }                                                                                                     \
         }                                                                                                         \
     }                                                                                                             \
-    /* out[i] [d0, d0 + 4 W) for the Q queries: even and odd slots, each summed in slot order */                  \
-    static inline __attribute__((always_inline)) void value_block_##W(int Q, float *const *p, const float *sum,   \
-                                                                      const float *v, long D, long d0,            \
-                                                                      long bound, float *const *out) {            \
-        V even[QMAX][4], odd[QMAX][4];                                                                            \
+    /* out[i] [d0, d0 + C W) for the Q queries: even and odd slots, each summed in slot order */                  \
+    static inline __attribute__((always_inline)) void value_block_##W##_##C(                                      \
+        int Q, float *const *p, const float *sum, const float *v, long D, long d0, long bound, float *const *out) { \
+        V even[QMAX][C], odd[QMAX][C];                                                                            \
         for (int i = 0; i < Q; i++)                                                                               \
-            for (int c = 0; c < 4; c++) even[i][c] = odd[i][c] = (V){0};                                          \
+            for (int c = 0; c < C; c++) even[i][c] = odd[i][c] = (V){0};                                          \
         for (long j = 0; j < bound; j += 2) {                                                                     \
-            value_row_##W(Q, p, j, v + j * D + d0, even);                                                         \
-            if (j + 1 < bound) value_row_##W(Q, p, j + 1, v + (j + 1) * D + d0, odd);                             \
+            value_row_##W##_##C(Q, p, j, v + j * D + d0, even);                                                   \
+            if (j + 1 < bound) value_row_##W##_##C(Q, p, j + 1, v + (j + 1) * D + d0, odd);                       \
         }                                                                                                         \
         for (int i = 0; i < Q; i++)                                                                               \
-            for (int c = 0; c < 4; c++) {                                                                         \
+            for (int c = 0; c < C; c++) {                                                                         \
                 V o = (even[i][c] + odd[i][c]) / sum[i];                                                          \
                 __builtin_memcpy(out[i] + d0 + W * c, &o, sizeof o);                                              \
             }                                                                                                     \
     }
-VALUE_BLOCK(v8, 8)
+VALUE_BLOCK(v8, 8, 4)
 #if defined(__AVX512F__)
-VALUE_BLOCK(v16, 16)
-#define WIDE_DIMS 64
+VALUE_BLOCK(v16, 16, 4)
+#define value_block_64 value_block_16_4
 #else
-#define WIDE_DIMS 0 /* none */
+VALUE_BLOCK(v8, 8, 8)
+#define value_block_64 value_block_8_8
 #endif
 
 /* out[i] [D] = weights p[i] @ v / sum[i] for the Q queries. A slot no query attends to is skipped
@@ -234,10 +238,8 @@ static inline __attribute__((always_inline)) void weigh_values(int Q, float *con
                                                                const float *v, long D, long bound,
                                                                float *const *out) {
     long d0 = 0;
-#if WIDE_DIMS
-    for (; d0 + 64 <= D; d0 += 64) value_block_16(Q, p, sum, v, D, d0, bound, out);
-#endif
-    for (; d0 + 32 <= D; d0 += 32) value_block_8(Q, p, sum, v, D, d0, bound, out);
+    for (; d0 + 64 <= D; d0 += 64) value_block_64(Q, p, sum, v, D, d0, bound, out);
+    for (; d0 + 32 <= D; d0 += 32) value_block_8_4(Q, p, sum, v, D, d0, bound, out);
     for (int i = 0; i < Q; i++)
         for (long d = d0; d < D; d++) { /* head dims past a multiple of 32 */
             float t = 0.0f;
