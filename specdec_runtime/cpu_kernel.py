@@ -54,7 +54,7 @@ from torch import Tensor
 # scripts/bench_cost.py --rows. max_rows() is this build's.
 MAX_ROWS, WIDE_MAX_ROWS = 128, 512
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "skinny.c", CSRC / "layers.c")
+SOURCES = (CSRC / "skinny.c", CSRC / "layers.c", CSRC / "argmax.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 OFF = "SPECDEC_CPU_KERNEL"
 MARCH = "SPECDEC_CPU_MARCH"  # the compiler's -march (default native)
@@ -129,6 +129,7 @@ def kernel() -> ctypes.CDLL | None:
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
+        "argmax_rows": [P, N, N, N, P, Int],
         "skinny_lanes": [Int],
         "skinny_wide": [],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
@@ -137,7 +138,8 @@ def kernel() -> ctypes.CDLL | None:
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, {"skinny_matmul": None, "stream_sum": ctypes.c_float}.get(name, Int)
+        restype = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float}.get(name, Int)
+        fn.argtypes, fn.restype = args, restype
     return lib
 
 
@@ -289,6 +291,24 @@ def stream_sum(x: Tensor) -> float:
     if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() % 32:
         raise ValueError("stream_sum: need a contiguous float32 tensor of a multiple of 32 elements")
     return kernel().stream_sum(x.data_ptr(), x.numel(), _threads())
+
+
+def serves_argmax(x: Tensor) -> bool:
+    """Whether argmax() takes these logits: fp32 on a CPU where the kernel serves (not under
+    torch.compile, which traces torch's ops)."""
+    return not torch.compiler.is_compiling() and x.dim() > 0 and x.shape[-1] > 0 and _serves(x.device, x.dtype)
+
+
+def argmax(x: Tensor) -> Tensor:
+    """x.argmax(-1) of logits x [..., V] (serves_argmax), the index torch gives: the first of equal
+    maxima, the first NaN where a row has one (csrc/argmax.c)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.long)
+    if rows.shape[0]:
+        kernel().argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), out.data_ptr(), _threads())
+    return out.view(x.shape[:-1])
 
 
 def _threads() -> int:

@@ -11,7 +11,14 @@ the two distributions the user asked for (Leviathan et al. 2023, Chen et al. 202
 import torch
 from torch import Tensor
 
+from specdec_runtime import cpu_kernel
 from specdec_runtime.errors import SpecdecError
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """logits.argmax(-1), the greedy choice per row: in the CPU kernel where it takes them (fp32
+    on a CPU: cpu_kernel.argmax, ~4.5x torch's speed), torch's elsewhere. The same index either way."""
+    return cpu_kernel.argmax(logits) if cpu_kernel.serves_argmax(logits) else logits.argmax(-1)
 
 
 def warp(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -88,4 +95,4 @@ class Sampler:
 
     def next_token(self, logits: Tensor) -> Tensor:
         """Greedy argmax or a sample from the warped logits [..., V]."""
-        return logits.argmax(-1) if self.greedy else self.sample(self.probs(logits))
+        return argmax(logits) if self.greedy else self.sample(self.probs(logits))

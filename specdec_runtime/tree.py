@@ -92,6 +92,13 @@ class Tree:
         """Candidates needed per head: 1 + the largest rank used at each depth."""
         return [1 + max(p[-1] for p in self.paths if len(p) == d) for d in range(1, self.depth + 1)]
 
+    @cached_property
+    def structure(self) -> tuple[list[int], list[int]]:
+        """(parent, depth) of the N + 1 nodes as lists, root first (root: parent 0, depth 0): the
+        host's walk of a tree (verify._walk)."""
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        return [0] + [index.get(p[:-1], 0) for p in self.paths], [0] + [len(p) for p in self.paths]
+
     def truncated(self, depth: int) -> "Tree":
         """The nodes up to `depth` (the loop never drafts past max_new_tokens)."""
         return self if depth >= self.depth else Tree(tuple(p for p in self.paths if len(p) <= depth))

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from specdec_runtime.drafters import Draft
-from specdec_runtime.sampling import Sampler
+from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.tree import Tree
 
 
@@ -77,7 +77,7 @@ def verify_greedy(draft: Tensor, target_logits: Tensor) -> Verdict:
     draft [g] token ids; target_logits [g + 1, V]. The output equals the target's own greedy
     decoding, token for token.
     """
-    choice = target_logits.argmax(dim=-1)  # [g + 1]
+    choice = argmax(target_logits)  # [g + 1]
     n = accepted_prefix(choice[:-1] == draft)
     return Verdict(chain_path(draft.shape[0], draft.device), n, choice[n])
 
@@ -108,11 +108,33 @@ def verify_sample(draft: Tensor, draft_probs: Tensor | None, target_probs: Tenso
     return Verdict(chain_path(g, draft.device), n, sampler.sample(row))  # sampling normalizes implicitly
 
 
-def _walk(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
+def _walk(tree: Tree, t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
     """The deepest node whose ancestors are all chosen (first in node order on ties).
 
-    chosen [N+1] bool (the root counts as chosen). Returns (path [D+1], accept_len).
+    chosen [N+1] bool (the root counts as chosen). Returns (path [D+1], accept_len): the node per
+    depth, root first; entries past accept_len point at the root. On a CPU the device is the host,
+    so the tree's own lists are walked (_walk_on_host: a dozen small tensor ops cost ~0.2 ms a
+    round there, with the caches cold from the target's weight stream); elsewhere it stays on the
+    device (_walk_on_device), so that the loop syncs once a round.
     """
+    return _walk_on_host(tree, chosen) if chosen.device.type == "cpu" else _walk_on_device(t, chosen)
+
+
+def _walk_on_host(tree: Tree, chosen: Tensor) -> tuple[Tensor, Tensor]:
+    ok, (parent, depth) = chosen.tolist(), tree.structure
+    reached, last = [True] + [False] * len(tree), 0
+    for i in range(1, len(reached)):  # parents come before their children
+        reached[i] = bool(ok[i]) and reached[parent[i]]
+        if reached[i] and depth[i] > depth[last]:
+            last = i
+    n = depth[last]
+    path = [0] * (tree.depth + 1)
+    for d in range(n, 0, -1):
+        path[d], last = last, parent[last]
+    return torch.tensor(path), torch.tensor(n)
+
+
+def _walk_on_device(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
     chosen = chosen.clone()
     chosen[0] = True
     reached = ~(t["ancestor"] & ~chosen[None, :]).any(dim=1)  # [N+1]
@@ -131,9 +153,9 @@ def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor) -> Verdict:
     tokens [N+1] node tokens (root first); logits [N+1, V] the target's logits after each node.
     """
     t = tree.on(tokens.device)
-    choice = logits.argmax(dim=-1)  # [N+1]
+    choice = argmax(logits)  # [N+1]
     chosen = tokens == choice[t["parent"]]  # siblings are distinct, so at most one matches
-    path, n = _walk(t, chosen)
+    path, n = _walk(tree, t, chosen)
     return Verdict(path, n, choice[path[n]])
 
 
@@ -152,7 +174,7 @@ def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampl
     u = sampler.uniform(tokens.shape[0], tokens.device)
     ok = u * (1 - tried_mass).clamp_(min=0) < p_tok  # u < p(c) / (1 - tried) without dividing
     first_ok = ok & ~(t["earlier"] & ok).any(-1)  # no earlier sibling accepted (CUDA has no integer matmul)
-    path, n = _walk(t, first_ok)
+    path, n = _walk(tree, t, first_ok)
     last = path[n]
     row = probs[last].clone()
     children = (t["parent"] == last) & (torch.arange(tokens.shape[0], device=tokens.device) > 0)
@@ -174,5 +196,5 @@ def verify_tree_typical(
     entropy = -(probs * probs.clamp(min=1e-30).log()).sum(dim=-1)  # [N+1]
     bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
     chosen = probs[t["parent"], tokens] > bar[t["parent"]]
-    path, n = _walk(t, chosen)
+    path, n = _walk(tree, t, chosen)
     return Verdict(path, n, sampler.sample(probs[path[n]]))

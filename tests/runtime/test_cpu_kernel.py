@@ -143,6 +143,34 @@ def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
 
 
 @needs_kernel
+@pytest.mark.parametrize("V", [1, 7, 31, 32, 33, 100, 4099])
+def test_argmax_is_torchs(V):
+    """Greedy decoding's choice per row (sampling.argmax, verify): torch.argmax's index exactly,
+    on ties (the first), rows of -inf, NaN (the first NaN), a maximum in the tail past the 32-lane
+    blocks, strided rows, 1-D and 3-D logits, any thread count; torch's own for other dtypes."""
+    from specdec_runtime.sampling import argmax
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randint(-3, 4, (6, V), generator=g).float()  # many ties
+    x[1] = float("-inf")
+    x[2, V // 2] = x[2, V - 1] = float("nan")
+    x[3, -1] = 100.0
+    x[4] = torch.randn(V, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert cpu_kernel.serves_argmax(x)
+            assert torch.equal(argmax(x), x.argmax(-1))
+            assert torch.equal(argmax(x[::2]), x[::2].argmax(-1))  # rows 2V apart
+            assert argmax(x[4]).dim() == 0 and torch.equal(argmax(x[4]), x[4].argmax(-1))
+            assert torch.equal(argmax(x.view(2, 3, V)), x.view(2, 3, V).argmax(-1))
+    finally:
+        torch.set_num_threads(threads)
+    assert not cpu_kernel.serves_argmax(x.double()) and torch.equal(argmax(x.double()), x.double().argmax(-1))
+
+
+@needs_kernel
 def test_stream_sum_is_the_sum():
     """The plain read that bench_cost holds decode steps to sums every element once, on any thread count."""
     x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0))

@@ -187,23 +187,28 @@ SYNCS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "
 @pytest.mark.parametrize("compiled", [False, True])
 def test_one_host_sync_per_round(monkeypatch, compiled):
     """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
-    token, then one per round), for autoregressive and speculative decoding."""
+    token, then one per round), for autoregressive and speculative decoding. A token tree is
+    walked on the device as on a GPU (on a CPU, where the host is the device, verify walks it in
+    Python lists instead: test_tree checks the two walks agree)."""
+    from specdec_runtime import verify
+
+    monkeypatch.setattr(verify, "_walk", lambda tree, t, chosen: verify._walk_on_device(t, chosen))
     eager, fast, hf = pair()
     target = fast if compiled else eager
     for name in ("autoregressive", "truncate", "layer skip", "medusa tree", "stand-alone model", "mtp"):
         d = DRAFTERS[name](target, hf)
         generate(target, PROMPT, d, max_new_tokens=30, gamma=3)  # warm-up (captures outside the count)
         count = {"n": 0}
-        for sync in SYNCS:
-            original = getattr(torch.Tensor, sync)
+        with monkeypatch.context() as patched:
+            for sync in SYNCS:
+                original = getattr(torch.Tensor, sync)
 
-            def counted(self, *args, _original=original, _count=count, **kwargs):
-                _count["n"] += 1
-                return _original(self, *args, **kwargs)
+                def counted(self, *args, _original=original, _count=count, **kwargs):
+                    _count["n"] += 1
+                    return _original(self, *args, **kwargs)
 
-            monkeypatch.setattr(torch.Tensor, sync, counted)
-        out = generate(target, PROMPT, d, max_new_tokens=30, gamma=3)
-        monkeypatch.undo()
+                patched.setattr(torch.Tensor, sync, counted)
+            out = generate(target, PROMPT, d, max_new_tokens=30, gamma=3)
         assert count["n"] == out.stats.target_forwards, name
 
 

@@ -105,6 +105,23 @@ def test_tree_greedy_verification_equals_naive_per_path_verification(seed):
     assert path[: int(n) + 1].tolist() == branch and int(token) == nxt
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_the_host_walk_is_the_device_walk(seed):
+    """verify._walk on a CPU walks the tree's lists (_walk_on_host), elsewhere its tensors
+    (_walk_on_device, what a GPU runs): the same path and length for every choice of nodes, on
+    trees of several shapes (ties between equally deep branches: the first in node order)."""
+    from specdec_runtime.verify import _walk_on_device, _walk_on_host
+
+    g = torch.Generator().manual_seed(seed)
+    for tree in (Tree.from_paths(PATHS), Tree.chain(4), Tree.from_accuracies(torch.rand(3, 3, generator=g), 9)):
+        t = tree.tensors
+        for _ in range(40):
+            chosen = torch.rand(len(tree) + 1, generator=g) < 0.6
+            host, device = _walk_on_host(tree, chosen), _walk_on_device(t, chosen)
+            assert host[0].tolist() == device[0].tolist() and int(host[1]) == int(device[1])
+            assert host[0].dtype == device[0].dtype and host[1].dtype == device[1].dtype
+
+
 class TreeStubDrafter(Drafter):
     """Medusa-like stub: head d's ranked candidates depend only on the newest token (fixed tables)."""
 
