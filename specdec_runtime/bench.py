@@ -72,6 +72,7 @@ class BenchSettings:
     chat: bool = True
     reference: bool = True
     paired: bool = False  # autoregressive runs timed next to each drafter's (see bench_drafter)
+    runtime: str = ""  # runtime_digest(): results measured by other runtime code do not resume
 
 
 def prompts_digest(prompts: Sequence[Prompt], encoded: Sequence[Sequence[int]]) -> str:
@@ -80,6 +81,17 @@ def prompts_digest(prompts: Sequence[Prompt], encoded: Sequence[Sequence[int]]) 
     for p, ids in zip(prompts, encoded):
         h.update(json.dumps([p.id, p.category, list(ids)]).encode())
     return f"{len(prompts)} prompts, sha1 {h.hexdigest()[:12]}"
+
+
+def runtime_digest() -> str:
+    """A short hash of the runtime's code (specdec_runtime's Python and C sources): a bench resumed
+    after the runtime changed would set new runs beside old ones measured with other code."""
+    root = Path(__file__).parent
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".c", ".h"):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"sha1 {h.hexdigest()[:12]}"
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:

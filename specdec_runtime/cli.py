@@ -326,6 +326,7 @@ def run_bench(args: argparse.Namespace) -> None:
         reference=not args.no_reference,
         paired=args.paired,
         threads=torch.get_num_threads() if m.device.type == "cpu" else None,
+        runtime=bench.runtime_digest(),
     )
     bench.check_settings(args.output_dir, settings, args.fresh)
     # transformers' model of the same arithmetic (a bf16 target on a CPU computes in fp32: Decoder.weight_dtype)

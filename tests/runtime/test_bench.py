@@ -105,6 +105,10 @@ def test_reruns_resume_per_drafter_and_refuse_other_settings(benched, tiny_dir, 
     finally:
         torch.set_num_threads(threads)  # --threads set the process's count
     assert f"threads: {threads} -> {threads + 1}" in capsys.readouterr().err
+    monkeypatch.setattr(bench, "runtime_digest", lambda: "sha1 000000000000")  # the runtime's code changed
+    with pytest.raises(SystemExit):
+        main(argv(tiny_dir, tmp_path, benched, "none"))
+    assert "runtime: 'sha1 " in capsys.readouterr().err
 
 
 def test_paired_measures_each_drafter_against_an_autoregressive_run_beside_it(tiny_dir, tmp_path, monkeypatch):
