@@ -290,7 +290,7 @@ def test_the_avx2_build_passes_the_same_checks(tmp_path):
     24). Built here for x86-64-v3 (SPECDEC_CPU_MARCH), it passes this file's checks against float64
     and of rows, threads and stacks bitwise, in a process of its own (the kernel loads once)."""
     env = os.environ | {"SPECDEC_CPU_MARCH": "x86-64-v3", "SPECDEC_CACHE": str(tmp_path)}
-    checks = "float64 or rounded or other_rows or accurate or bitwise"
+    checks = "float64 or rounded or other_rows or accurate or bitwise or argmax"
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", checks]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
