@@ -111,18 +111,19 @@ class Tree:
         the attention mask), earlier [N+1, N+1] (j is a sibling ranked before i), levels [D+1]
         (0..D, so that no depth has to come back from the device).
         """
-        index = {p: i + 1 for i, p in enumerate(self.paths)}
-        n = len(self.paths) + 1
-        parent = torch.zeros(n, dtype=torch.long)
-        depth = torch.zeros(n, dtype=torch.long)
-        rank = torch.zeros(n, dtype=torch.long)
-        ancestor = torch.eye(n, dtype=torch.bool)
-        ancestor[:, 0] = True
-        for p, i in index.items():
-            parent[i] = index.get(p[:-1], 0)
-            depth[i], rank[i] = len(p), p[-1]
-            for d in range(1, len(p)):
-                ancestor[i, index[p[:d]]] = True
+        parents, depths = self.structure
+        n = len(parents)
+        mask = [[False] * n for _ in range(n)]
+        for i in range(n):  # ancestor-or-self: i, its parent, ... up to the root
+            j = i
+            while True:
+                mask[i][j] = True
+                if j == 0:
+                    break
+                j = parents[j]
+        parent, depth = torch.tensor(parents), torch.tensor(depths)
+        rank = torch.tensor([0] + [p[-1] for p in self.paths])
+        ancestor = torch.tensor(mask)
         earlier = (parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None])
         earlier[0], earlier[:, 0] = False, False  # the root is nobody's sibling
         levels = torch.arange(self.depth + 1)
