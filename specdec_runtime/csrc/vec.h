@@ -96,24 +96,34 @@ static inline float hsumw(vw s) {
 static inline v8 blend(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); }
 
 /* e^x per lane, to about 1 ulp (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, times
-   2^n); 0 below -87.3, the largest float's neighbourhood above 88.7. */
-static inline v8 exp8(v8 x) {
-    const v8 one = (v8){0} + 1.0f;
-    v8i tiny = x < -87.33654f;
-    x = blend(x > 88.72283f, (v8){0} + 88.72283f, x);
-    v8 fx = x * 1.44269504088896341f + 0.5f;
-    v8i n = __builtin_convertvector(fx, v8i); /* toward zero, then down to floor(fx) */
-    v8 fn = __builtin_convertvector(n, v8);
-    v8i over = fn > fx;
-    fn -= blend(over, one, (v8){0});
-    n += over; /* -1 where it was rounded up */
-    x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-    v8 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * x * x + x + one;
-    v8 scale = (v8)((n + 127) << 23);
-    return blend(tiny, (v8){0}, y * scale);
-}
+   2^n); 0 below -87.3, the largest float's neighbourhood above 88.7. EXP(V, I) defines it for
+   vectors V with lanes of int I (same lanes, same results: exp8, and expw on LANES lanes). */
+#define EXP(name, V, I)                                                                                           \
+    static inline V name(V x) {                                                                                   \
+        const V zero = {0}, one = zero + 1.0f;                                                                    \
+        I tiny = x < -87.33654f;                                                                                  \
+        I big = x > 88.72283f;                                                                                    \
+        x = (V)(((I)(zero + 88.72283f) & big) | ((I)x & ~big));                                                   \
+        V fx = x * 1.44269504088896341f + 0.5f;                                                                   \
+        I n = __builtin_convertvector(fx, I); /* toward zero, then down to floor(fx) */                          \
+        V fn = __builtin_convertvector(n, V);                                                                     \
+        I over = fn > fx;                                                                                         \
+        fn -= (V)((I)one & over);                                                                                 \
+        n += over; /* -1 where it was rounded up */                                                               \
+        x = x - fn * 0.693359375f - fn * -2.12194440e-4f;                                                         \
+        V y = 1.9875691500e-4f * x + 1.3981999507e-3f;                                                            \
+        y = y * x + 8.3334519073e-3f;                                                                             \
+        y = y * x + 4.1665795894e-2f;                                                                             \
+        y = y * x + 1.6666665459e-1f;                                                                             \
+        y = y * x + 5.0000001201e-1f;                                                                             \
+        y = y * x * x + x + one;                                                                                  \
+        V scale = (V)((n + 127) << 23);                                                                           \
+        return (V)((I)(y * scale) & ~tiny);                                                                       \
+    }
+EXP(exp8, v8, v8i)
+#if LANES == 16
+typedef int vwi __attribute__((vector_size(64)));
+EXP(expw, vw, vwi)
+#else
+EXP(expw, vw, v8i)
+#endif

@@ -360,6 +360,24 @@ def test_sublayers_are_as_accurate_as_torchs(head_dim, over):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim,group", [(64, 2), (80, 4)])
+def test_long_contexts_and_many_queries_a_head(head_dim, group):
+    """Attention reads the cache in blocks of keys (64 at head_dim 64, 48 at 80) that every query
+    of a segment (up to 24 of one key/value head) takes in turn, the threads splitting the queries
+    in equal runs: 150 cached slots (blocks and a tail past a multiple of 8) and a verify step of 13
+    rows (26-52 queries a head: split into segments and across threads) against float64, and
+    bitwise its decode steps."""
+    model = wide_decoder(head_dim, num_attention_heads=4, num_key_value_heads=4 // group)
+    ids = torch.randint(0, 256, (1, 163), generator=torch.Generator().manual_seed(head_dim))
+    verify, decode = decode_and_verify(model, ids, 150)
+    with cpu_kernel.disabled():
+        torch_verify, _ = decode_and_verify(model, ids, 150)
+    exact, _ = decode_and_verify(in_float64(model), ids, 150)
+    assert_as_close_as_torchs(verify, torch_verify, exact)
+    assert torch.equal(verify, decode)
+
+
+@needs_kernel
 def test_sublayers_under_masks_are_as_accurate_as_torchs():
     """A token tree and a sliding window (masks the kernel reads row by row), against float64."""
     model = wide_decoder(64)
