@@ -352,6 +352,103 @@ static void attend(long n, const float *const *q, const float *k, const float *v
         }
 }
 
+/* Rows of x [M, K] normalized (norm_row) for this thread's share of the product that reads them.
+   Up to OWN_ROWS rows, every thread normalizes all of them into its own copy (buf + its number x M
+   K) and goes straight on to its product: no barrier, where the threads waited on one thread's norm
+   of a decode step's row. More rows are split over the threads into buf, then a barrier. */
+#define OWN_ROWS 4
+static const float *normed(const float *x, long M, long K, const float *w, float eps, float *buf) {
+    if (M <= OWN_ROWS) {
+        float *h = buf + (long)omp_get_thread_num() * M * K;
+        for (long m = 0; m < M; m++) norm_row(x + m * K, K, w, eps, h + m * K);
+        return h;
+    }
+#pragma omp for schedule(static)
+    for (long m = 0; m < M; m++) norm_row(x + m * K, K, w, eps, buf + m * K);
+    return buf;
+}
+
+/* a [n] = silu(g) * u, 16 lanes at a time where the CPU has them (the lanes of exp8), then 8, then
+   one (expf) for the last n % 8: a column's result depends on where it falls, so callers split the
+   columns only at multiples of 16. */
+static void silu_mul(const float *g, const float *u, float *a, long n) {
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vw gi = loadw(g + i), o = gi / (1.0f + expw(-gi)) * loadw(u + i);
+        __builtin_memcpy(a + i, &o, sizeof o);
+    }
+    for (; i + 8 <= n; i += 8) {
+        v8 gi = load8(g + i);
+        store8(a + i, gi / (1.0f + exp8(-gi)) * load8(u + i));
+    }
+    for (; i < n; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* Scratch floats for attention_part and mlp_part. */
+static size_t attention_floats(long M, long Kin, long H, long Hkv, long D, long bound, int threads) {
+    long padded = (bound + 7) & ~7L;
+    return (size_t)threads * M * Kin + M * (H + 2 * Hkv) * D + M * H * D + (size_t)threads * SEGMENT * (padded + 2 * D);
+}
+static size_t mlp_floats(long M, long Hd, long I, int threads) {
+    return (size_t)threads * M * Hd + M * 2 * I + M * I;
+}
+
+/* attention_block's work, run by every thread of an enclosing parallel region; buf: scratch of
+   attention_floats(). Ends on a barrier (skinny_part's): out is written when it returns. */
+static void attention_part(const float *x, long M, long Kin, const float *norm, float eps, const float *residual,
+                           const void *wqkv, int is_bf16, const float *bqkv, long H, long Hkv, long D, const void *wo,
+                           const float *bo, long Hd, const float *cos, const float *sin, long rope_stride, float *kv,
+                           long S, const int64_t *slots, const uint8_t *mask, long mask_stride, long bound, float *out,
+                           float *buf) {
+    long nqkv = (H + 2 * Hkv) * D, heads = H + 2 * Hkv, group = H / Hkv, padded = (bound + 7) & ~7L;
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    float *qkv = buf + (size_t)nt * M * Kin, *att = qkv + M * nqkv, *p = att + M * H * D;
+    const float *h = norm ? normed(x, M, Kin, norm, eps, buf) : x;
+    skinny_part(h, M, Kin, wqkv, is_bf16, nqkv, bqkv, 0, qkv);
+#pragma omp for schedule(static)
+    for (long i = 0; i < M * heads; i++) {
+        long m = i / heads, head = i % heads;
+        float *v = qkv + m * nqkv + head * D;
+        if (head < H + Hkv) rope(v, cos + m * rope_stride, sin + m * rope_stride, D);
+        if (head >= H) memcpy(kv + ((head - H) * S + slots[m]) * D, v, D * sizeof(float));
+    }
+    /* queries in order of key/value head, then (row, head of its group) row-major; each thread
+       attends to an equal run of them, SEGMENT of one head at a time at most */
+    long per_head = group * M, total = Hkv * per_head, lo = total * t / nt, hi = total * (t + 1) / nt;
+    float *mine = p + (long)t * SEGMENT * (padded + 2 * D), scale = 1.0f / sqrtf((float)D);
+    while (lo < hi) {
+        long g = lo / per_head, end = (g + 1) * per_head < hi ? (g + 1) * per_head : hi;
+        long pieces = (end - lo + SEGMENT - 1) / SEGMENT, n = (end - lo + pieces - 1) / pieces;
+        const float *q[SEGMENT];
+        const uint8_t *rows[SEGMENT];
+        float *o[SEGMENT];
+        for (long i = 0; i < n; i++) {
+            long r = lo + i - g * per_head, m = r / group, head = g * group + r % group;
+            q[i] = qkv + m * nqkv + head * D;
+            rows[i] = mask ? mask + m * mask_stride : 0;
+            o[i] = att + m * H * D + head * D;
+        }
+        attend(n, q, kv + g * S * D, kv + (Hkv + g) * S * D, D, rows, bound, scale, mine, mine + SEGMENT * padded, o);
+        lo += n;
+    }
+#pragma omp barrier
+    skinny_part(att, M, H * D, wo, is_bf16, Hd, bo, residual, out); /* (its loop ends on a barrier) */
+}
+
+/* mlp_block's work, as attention_part; buf: scratch of mlp_floats(). Ends on a barrier. */
+static void mlp_part(const float *x, long M, long Hd, const float *norm, float eps, const void *wgu, int is_bf16,
+                     const float *bgu, long I, const void *wd, const float *bd, float *out, float *buf) {
+    float *gu = buf + (size_t)omp_get_num_threads() * M * Hd, *act = gu + M * 2 * I;
+    skinny_part(normed(x, M, Hd, norm, eps, buf), M, Hd, wgu, is_bf16, 2 * I, bgu, 0, gu);
+    long blocks = (I + 63) / 64; /* the activation in blocks of 64 columns: one row's is split too */
+#pragma omp for schedule(static)
+    for (long i = 0; i < M * blocks; i++) {
+        long m = i / blocks, c = i % blocks * 64, n = I - c < 64 ? I - c : 64;
+        silu_mul(gu + m * 2 * I + c, gu + m * 2 * I + I + c, act + m * I + c, n);
+    }
+    skinny_part(act, M, I, wd, is_bf16, Hd, bd, x, out);
+}
+
 /* out [M, Hd] = residual + o(attention(h)), h = norm(x) (x [M, Kin]; h = x when norm is NULL); the
    weights packed (skinny.c), in bf16 where is_bf16 is set.
    Writes the rows' keys and values into kv [2 Hkv, S, D] (keys, then values) at slots [M]; row m
@@ -363,52 +460,11 @@ int attention_block(const float *x, long M, long Kin, const float *norm, float e
                     const float *bo, long Hd, const float *cos, const float *sin, long rope_stride, float *kv,
                     long S, const int64_t *slots, const uint8_t *mask, long mask_stride, long bound, float *out,
                     int threads) {
-    long nqkv = (H + 2 * Hkv) * D, heads = H + 2 * Hkv, group = H / Hkv;
-    size_t hn = norm ? (size_t)(M * Kin) : 0;
-    long padded = (bound + 7) & ~7L;
-    /* queries in order of key/value head, then (row, head of its group) row-major; each thread
-       attends to an equal run of them, SEGMENT of one head at a time at most */
-    long per_head = group * M, total = Hkv * per_head;
-    float *buf = scratch(hn + M * nqkv + M * H * D + (size_t)threads * SEGMENT * (padded + 2 * D));
+    float *buf = scratch(attention_floats(M, Kin, H, Hkv, D, bound, threads));
     if (!buf) return -1;
-    float *h = norm ? buf : (float *)x, *qkv = buf + hn, *att = qkv + M * nqkv, *p = att + M * H * D;
-    float scale = 1.0f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
-    {
-        if (norm) {
-#pragma omp for schedule(static)
-            for (long m = 0; m < M; m++) norm_row(x + m * Kin, Kin, norm, eps, h + m * Kin);
-        }
-        skinny_part(h, M, Kin, wqkv, is_bf16, nqkv, bqkv, 0, qkv);
-#pragma omp for schedule(static)
-        for (long i = 0; i < M * heads; i++) {
-            long m = i / heads, head = i % heads;
-            float *v = qkv + m * nqkv + head * D;
-            if (head < H + Hkv) rope(v, cos + m * rope_stride, sin + m * rope_stride, D);
-            if (head >= H) memcpy(kv + ((head - H) * S + slots[m]) * D, v, D * sizeof(float));
-        }
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *mine = p + (long)t * SEGMENT * (padded + 2 * D);
-        long lo = total * t / nt, hi = total * (t + 1) / nt;
-        while (lo < hi) {
-            long g = lo / per_head, end = (g + 1) * per_head < hi ? (g + 1) * per_head : hi;
-            long pieces = (end - lo + SEGMENT - 1) / SEGMENT, n = (end - lo + pieces - 1) / pieces;
-            const float *q[SEGMENT];
-            const uint8_t *rows[SEGMENT];
-            float *o[SEGMENT];
-            for (long i = 0; i < n; i++) {
-                long r = lo + i - g * per_head, m = r / group, head = g * group + r % group;
-                q[i] = qkv + m * nqkv + head * D;
-                rows[i] = mask ? mask + m * mask_stride : 0;
-                o[i] = att + m * H * D + head * D;
-            }
-            attend(n, q, kv + g * S * D, kv + (Hkv + g) * S * D, D, rows, bound, scale, mine,
-                   mine + SEGMENT * padded, o);
-            lo += n;
-        }
-#pragma omp barrier
-        skinny_part(att, M, H * D, wo, is_bf16, Hd, bo, residual, out);
-    }
+    attention_part(x, M, Kin, norm, eps, residual, wqkv, is_bf16, bqkv, H, Hkv, D, wo, bo, Hd, cos, sin, rope_stride,
+                   kv, S, slots, mask, mask_stride, bound, out, buf);
     return 0;
 }
 
@@ -417,31 +473,10 @@ int attention_block(const float *x, long M, long Kin, const float *norm, float e
    out of memory. */
 int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, const void *wgu, int is_bf16,
               const float *bgu, long I, const void *wd, const float *bd, float *out, int threads) {
-    float *h = scratch(M * Hd + M * 2 * I + M * I);
-    if (!h) return -1;
-    float *gu = h + M * Hd, *act = gu + M * 2 * I;
+    float *buf = scratch(mlp_floats(M, Hd, I, threads));
+    if (!buf) return -1;
 #pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (long m = 0; m < M; m++) norm_row(x + m * Hd, Hd, norm, eps, h + m * Hd);
-        skinny_part(h, M, Hd, wgu, is_bf16, 2 * I, bgu, 0, gu);
-#pragma omp for schedule(static)
-        for (long m = 0; m < M; m++) {
-            const float *g = gu + m * 2 * I, *u = g + I;
-            float *a = act + m * I;
-            long i = 0;
-            for (; i + LANES <= I; i += LANES) {
-                vw gi = loadw(g + i), o = gi / (1.0f + expw(-gi)) * loadw(u + i);
-                __builtin_memcpy(a + i, &o, sizeof o);
-            }
-            for (; i + 8 <= I; i += 8) {
-                v8 gi = load8(g + i);
-                store8(a + i, gi / (1.0f + exp8(-gi)) * load8(u + i));
-            }
-            for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
-        skinny_part(act, M, I, wd, is_bf16, Hd, bd, x, out);
-    }
+    mlp_part(x, M, Hd, norm, eps, wgu, is_bf16, bgu, I, wd, bd, out, buf);
     return 0;
 }
 
@@ -461,20 +496,23 @@ int decoder_layers(float *x, long M, long Hd, long first, long last, const void 
                    const float *cos, const float *sin, long rope_stride, long S, const int64_t *slots,
                    const uint8_t *mask, long mask_stride, long bound, const long *tap_at, float *taps, long ntaps,
                    int threads) {
+    size_t a = attention_floats(M, Hd, H, Hkv, D, bound, threads), b = mlp_floats(M, Hd, I, threads);
+    float *buf = scratch(a > b ? a : b);
+    if (!buf) return -1;
+#pragma omp parallel num_threads(threads) /* one region for all the layers: no fork and join a sublayer */
     for (long i = first; i <= last; i++) {
         long t = tap_at[i - first];
-        if (t >= 0)
+        if (t >= 0) {
+#pragma omp for schedule(static)
             for (long m = 0; m < M; m++) memcpy(taps + (m * ntaps + t) * Hd, x + m * Hd, Hd * sizeof(float));
+        }
         if (i == last) break;
         const void *const *l = w + i * PER_LAYER;
-        if (!(flags[i - first] & 1) &&
-            attention_block(x, M, Hd, l[ATTN_NORM], eps, x, l[QKV], is_bf16, l[QKV_BIAS], H, Hkv, D, l[O], l[O_BIAS],
-                            Hd, cos, sin, rope_stride, kv + i * kv_stride, S, slots, mask, mask_stride, bound, x,
-                            threads))
-            return -1;
-        if (!(flags[i - first] & 2) && mlp_block(x, M, Hd, l[MLP_NORM], eps, l[GATE_UP], is_bf16, l[GATE_UP_BIAS], I,
-                                                 l[DOWN], l[DOWN_BIAS], x, threads))
-            return -1;
+        if (!(flags[i - first] & 1))
+            attention_part(x, M, Hd, l[ATTN_NORM], eps, x, l[QKV], is_bf16, l[QKV_BIAS], H, Hkv, D, l[O], l[O_BIAS], Hd,
+                           cos, sin, rope_stride, kv + i * kv_stride, S, slots, mask, mask_stride, bound, x, buf);
+        if (!(flags[i - first] & 2))
+            mlp_part(x, M, Hd, l[MLP_NORM], eps, l[GATE_UP], is_bf16, l[GATE_UP_BIAS], I, l[DOWN], l[DOWN_BIAS], x, buf);
     }
     return 0;
 }
