@@ -48,11 +48,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-# More rows than this (a long prefill): torch's ops, MKL's GEMM and SDPA. Built with 8-lane fp32 tiles
-# only (AVX2), MKL's GEMM was faster from ~256 rows on; with 512-bit tiles (AVX-512) the kernel's
-# whole prefill ran in 0.58 / 0.69 / 0.82 / 0.95 / 1.12x the time of torch's at 129 / 256 / 512 /
-# 1024 / 2048 tokens (its attention reads every slot of the cache, masked or not: SDPA skips them).
-# scripts/bench_cost.py --rows. max_rows() is this build's.
+# The most rows a call takes. Built with 8-lane fp32 tiles only (AVX2), MKL's GEMM was faster from
+# ~256 rows on; with 512-bit tiles (AVX-512) the kernel's whole prefill ran in 0.58 / 0.69 / 0.82 /
+# 0.95 / 1.12x the time of torch's at 129 / 256 / 512 / 1024 / 2048 tokens (its attention reads
+# every slot up to the last row's, masked or not: SDPA skips them). scripts/bench_cost.py --rows.
+# max_rows() is this build's. A longer prompt runs in chunks of model.PREFILL_CHUNK rows, each
+# attending only to the slots up to its own last row (0.51-0.62x torch's time at 768-3000 tokens).
 MAX_ROWS, WIDE_MAX_ROWS = 128, 512
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "skinny.c", CSRC / "layers.c", CSRC / "argmax.c")

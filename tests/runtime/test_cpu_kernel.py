@@ -378,6 +378,42 @@ def test_long_contexts_and_many_queries_a_head(head_dim, group):
 
 
 @needs_kernel
+def test_a_prompt_longer_than_a_kernel_call_is_prefilled_in_chunks(monkeypatch):
+    """A prompt of more rows than the kernel takes in one call runs in chunks of PREFILL_CHUNK
+    rows (each attending to the slots before it), not through torch's ops: its logits (all of them,
+    or the last few across chunks), taps and KV cache are bitwise one kernel call's, and as close
+    to float64 as torch's prefill."""
+    from specdec_runtime import model as model_module
+
+    model = wide_decoder(64)
+    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(5))
+    T = ids.shape[1]
+
+    def prefill(m, **kw):
+        m.setup_cache(1, T)
+        out = m.prefill(ids, **kw)
+        return out, m.cache.kv[..., :T, :].clone()
+
+    whole = {keep: prefill(model, logits_to_keep=keep, taps=(0, 1, 2)) for keep in (0, 1, 7)}
+    with cpu_kernel.disabled():
+        torchs, _ = prefill(model)
+    exact, _ = prefill(in_float64(model))
+    calls = []
+    layers = cpu_kernel.decoder_layers
+    monkeypatch.setattr(cpu_kernel, "decoder_layers", lambda s, x, *a: calls.append(len(x)) or layers(s, x, *a))
+    monkeypatch.setattr(cpu_kernel, "max_rows", lambda: 8)
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 5)
+    for keep, (want, want_kv) in whole.items():
+        calls.clear()
+        got, got_kv = prefill(model, logits_to_keep=keep, taps=(0, 1, 2))
+        assert calls == [5, 5, 5, 5, 3]
+        assert got.logits.shape == want.logits.shape and torch.equal(got.logits, want.logits)
+        assert torch.equal(got.hidden, want.hidden) and torch.equal(got_kv, want_kv)
+    got, _ = prefill(model)
+    assert_as_close_as_torchs(got.logits[0], torchs.logits[0], exact.logits[0])
+
+
+@needs_kernel
 def test_sublayers_under_masks_are_as_accurate_as_torchs():
     """A token tree and a sliding window (masks the kernel reads row by row), against float64."""
     model = wide_decoder(64)
