@@ -314,8 +314,10 @@ static void values_of(int Q, float *const *pq, const float *sum, const float *v,
 /* Keys (and values) a block: KEY_BYTES of each, so that while the queries of a segment take their
    turns at a block (QMAX at a time), it stays in L1 instead of being read from L2 again for each
    chunk of queries (a 9-row verify step's attention, 27 queries a head, in ~0.9x the time at 900
-   cached slots on the 2-core EPYC). */
-#define KEY_BYTES 16384
+   cached slots on the 2-core EPYC; 32 KiB blocks against 16: 9-row verify steps in 0.98-0.99x the
+   time at 300-1500 slots, 8 KiB and 64 KiB no faster; segments of 12, 18 or 32 queries slower
+   than 24 by 2-4% at 1500). */
+#define KEY_BYTES 32768
 #define SEGMENT 24 /* queries at most a pass over a head's keys */
 
 /* out[i] [D] = softmax(q[i] . k_j * scale over the slots j < bound that mask[i] allows) @ v for n

@@ -362,7 +362,7 @@ def test_sublayers_are_as_accurate_as_torchs(head_dim, over):
 @needs_kernel
 @pytest.mark.parametrize("head_dim,group", [(64, 2), (80, 4)])
 def test_long_contexts_and_many_queries_a_head(head_dim, group):
-    """Attention reads the cache in blocks of keys (64 at head_dim 64, 48 at 80) that every query
+    """Attention reads the cache in blocks of keys (128 at head_dim 64, 96 at 80) that every query
     of a segment (up to 24 of one key/value head) takes in turn, the threads splitting the queries
     in equal runs: 150 cached slots (blocks and a tail past a multiple of 8) and a verify step of 13
     rows (26-52 queries a head: split into segments and across threads) against float64, and
