@@ -1,5 +1,6 @@
 /* A decoder layer's two sublayers for a few rows (decode, verify and draft steps on a CPU), fp32,
-   each in one call and one parallel region on torch's OpenMP threads. See specdec_runtime/cpu_kernel.py.
+   each in one call and one parallel region on torch's OpenMP threads, and a step's whole layer
+   stack in one call and one region (decoder_layers). See specdec_runtime/cpu_kernel.py.
 
    torch runs a sublayer as some twenty small ops, each dispatched, allocated and forked over the
    threads; at one to a few rows their overhead was a third of a decode step. Here the norm, the
