@@ -66,6 +66,54 @@ static inline vw loadx_bf16(const float *p) { return loadw(p); }
 static inline vw fma_bf16(vw a, vw b, vw c) { return fmaw(a, b, c); }
 static inline float hsum_bf16(vw s) { return hsumw(s); }
 
+/* hsum() of each of 8 accumulators r[0..7], 8 sums at a time, each in hsum's order ((0 + 4) + (1 +
+   5)) + ((2 + 6) + (3 + 7)): some 20 instructions for all 8, where hsum() takes 7 or more for one.
+   Tiles pass a quad's 4 rows for two rows of x: (row m's 4 sums, row m + 1's 4). */
+static inline v8 hsum8(const v8 *r) {
+    v8 u[4]; /* lanes i + (i + 4), two accumulators side by side */
+    for (int i = 0; i < 4; i++)
+        u[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    v8 v[2]; /* adjacent pairs of those: (u0 + u1), (u2 + u3) of four accumulators */
+    for (int i = 0; i < 2; i++)
+        v[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 2, 4, 6, 8, 10, 12, 14) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 1, 3, 5, 7, 9, 11, 13, 15);
+    return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* y[m N + r] (+ bias, + res) for rows m and m + 1 and a quad's 4 rows r from their 8 sums (hsum8),
+   each added in the order of the one-by-one epilogue: the sum, then bias, then res. */
+static inline void store4x2(v8 s, float *y, long m, long N, const float *bias, const float *res) {
+    v4 b, r0, r1;
+    if (bias) {
+        __builtin_memcpy(&b, bias, sizeof b);
+        s += __builtin_shufflevector(b, b, 0, 1, 2, 3, 0, 1, 2, 3);
+    }
+    if (res) {
+        __builtin_memcpy(&r0, res + m * N, sizeof r0);
+        __builtin_memcpy(&r1, res + (m + 1) * N, sizeof r1);
+        s += __builtin_shufflevector(r0, r1, 0, 1, 2, 3, 4, 5, 6, 7);
+    }
+    v4 lo = __builtin_shufflevector(s, s, 0, 1, 2, 3), hi = __builtin_shufflevector(s, s, 4, 5, 6, 7);
+    __builtin_memcpy(y + m * N, &lo, sizeof lo);
+    __builtin_memcpy(y + (m + 1) * N, &hi, sizeof hi);
+}
+
+/* A product accumulator as 8 lanes whose hsum() is its own lanes' sum (hsum_T): 16-lane ones folded
+   as hsumw() folds them. */
+static inline v8 as8_f32(v8 v) { return v; }
+static inline v8 as8_bf16(vw v) {
+#if LANES == 16
+    v8 lo, hi;
+    __builtin_memcpy(&lo, &v, sizeof lo);
+    __builtin_memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return lo + hi;
+#else
+    return v;
+#endif
+}
+
 #if defined(__x86_64__)
 #define IN_REGISTER(v) __asm__("" : "+v"(v)) /* one load of x feeds both products (GCC reloads it otherwise) */
 #else
@@ -108,7 +156,14 @@ static inline float hsum_bf16(vw s) { return hsumw(s); }
                     for (int r = 0; r < R; r++) a[m][r] = fma_##T(p[r], xm, a[m][r]);                             \
                 }                                                                                                 \
             }                                                                                                     \
-            for (int m = 0; m < (PAD_##T ? live : MR); m++)                                                       \
+            int m = 0;                                                                                            \
+            if (R == 4 && k == K && rows == 4) /* two rows' sums at a time (hsum8), then one by one */             \
+                for (; m + 2 <= (PAD_##T ? live : MR); m += 2) {                                                  \
+                    v8 r8[8];                                                                                     \
+                    for (int i = 0; i < 8; i++) r8[i] = as8_##T(a[m + i / 4][i % 4]);                             \
+                    store4x2(hsum8(r8), y, m, N, bias, res);                                                      \
+                }                                                                                                 \
+            for (; m < (PAD_##T ? live : MR); m++)                                                                \
                 for (int r = 0; r < R && h + r < rows; r++) {                                                     \
                     const T *tail = w + 4 * k + LANES_##T * r; /* row r's last chunk: K - k values, then zeros */ \
                     float s = hsum_##T(a[m][r]);                                                                  \
@@ -171,7 +226,17 @@ typedef void (*tile_fn)(const float *, const void *, long, float *, long, int, c
                 a[m][1] = _mm512_fmadd_ps(p23, xm, a[m][1]);                                                      \
             }                                                                                                     \
         }                                                                                                         \
-        for (int m = 0; m < live; m++)                                                                            \
+        int m = 0;                                                                                                \
+        if (k == K && rows == 4) /* two rows' sums at a time (hsum8), then one by one */                          \
+            for (; m + 2 <= live; m += 2) {                                                                       \
+                v8 r8[8];                                                                                         \
+                for (int i = 0; i < 8; i++) {                                                                     \
+                    __m512 both = a[m + i / 4][i % 4 / 2];                                                        \
+                    r8[i] = (v8)(i & 1 ? _mm512_extractf32x8_ps(both, 1) : _mm512_castps512_ps256(both));         \
+                }                                                                                                 \
+                store4x2(hsum8(r8), y, m, N, bias, res);                                                          \
+            }                                                                                                     \
+        for (; m < live; m++)                                                                                     \
             for (int r = 0; r < rows; r++) {                                                                      \
                 const float *tail = w + 4 * k + 8 * r; /* as in TILE */                                           \
                 __m512 both = a[m][r >> 1];                                                                       \
