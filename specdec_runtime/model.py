@@ -500,9 +500,7 @@ class Decoder(nn.Module):
         bitwise those of one kernel call and of decode steps, and 768-3000 tokens took 0.51-0.62x
         the time on a 2-core EPYC (README)."""
         opts, T = self._options(ids, **kwargs), ids.shape[1]
-        rows = torch.empty(PREFILL_CHUNK, self.config.hidden_size, device=self.device, dtype=self.dtype)
-        one = ids.shape[0] == 1 and self.row_start is None
-        if T <= cpu_kernel.max_rows() or not (one and cpu_kernel.stack_usable(rows) and self.kernel_stack()):
+        if T <= cpu_kernel.max_rows() or not self._kernel_runs_chunks(ids.shape[0]):
             return self._forward(ids, self.slots[0], T, **opts)
         keep, head = opts.pop("logits_to_keep"), opts.pop("head")
         logits, hidden = [], []
@@ -515,6 +513,13 @@ class Decoder(nn.Module):
             hidden += [out.hidden] if out.hidden is not None else []
         logits = torch.cat(logits, dim=1) if logits else None
         return DecoderOutput(logits, torch.cat(hidden, dim=1) if hidden else None)
+
+    def _kernel_runs_chunks(self, batch: int) -> bool:
+        """Whether _forward runs a prefill chunk's rows through the CPU kernel's layer stack."""
+        if batch != 1 or self.row_start is not None:
+            return False
+        rows = torch.empty(PREFILL_CHUNK, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        return cpu_kernel.stack_usable(rows) and self.kernel_stack() is not None
 
     @torch.inference_mode()  # inference only: training uses the transformers model
     def forward(self, x: Tensor, start: int, **kwargs) -> DecoderOutput:
