@@ -44,17 +44,15 @@ static float *scratch(size_t n) {
 }
 
 /* a . b over n: one 8-lane sum over the chunks of n (each product rounded, then added), its lanes
-   summed in `lanes`' order, then the tail of n. */
-static inline float dot_in(const float *a, const float *b, long n, float (*lanes)(v8)) {
+   summed by hsum(), then the tail of n. */
+static float dot(const float *a, const float *b, long n) {
     v8 s = {0};
     long k = 0;
     for (; k + 8 <= n; k += 8) s += load8(a + k) * load8(b + k);
-    float t = lanes(s);
+    float t = hsum(s);
     for (; k < n; k++) t += a[k] * b[k];
     return t;
 }
-
-static float dot(const float *a, const float *b, long n) { return dot_in(a, b, n, hsum); }
 
 /* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' RMSNorm. */
 static void norm_row(const float *x, long n, const float *w, float eps, float *out) {

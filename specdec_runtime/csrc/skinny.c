@@ -100,19 +100,9 @@ static inline void store4x2(v8 s, float *y, long m, long N, const float *bias, c
     __builtin_memcpy(y + (m + 1) * N, &hi, sizeof hi);
 }
 
-/* A product accumulator as 8 lanes whose hsum() is its own lanes' sum (hsum_T): 16-lane ones folded
-   as hsumw() folds them. */
+/* A product accumulator as 8 lanes whose hsum() is its own lanes' sum (hsum_T). */
 static inline v8 as8_f32(v8 v) { return v; }
-static inline v8 as8_bf16(vw v) {
-#if LANES == 16
-    v8 lo, hi;
-    __builtin_memcpy(&lo, &v, sizeof lo);
-    __builtin_memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    return lo + hi;
-#else
-    return v;
-#endif
-}
+static inline v8 as8_bf16(vw v) { return fold8(v); }
 
 #if defined(__x86_64__)
 #define IN_REGISTER(v) __asm__("" : "+v"(v)) /* one load of x feeds both products (GCC reloads it otherwise) */

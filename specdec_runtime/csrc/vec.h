@@ -80,17 +80,20 @@ static inline float hsum(v8 s) {
     return v[0] + v[2];
 }
 
-/* A product vector's lanes' sum, in one fixed order (16 lanes: folded to 8 first). */
-static inline float hsumw(vw s) {
+/* A product vector as 8 lanes: 16 lanes folded, lane i + lane i + 8. */
+static inline v8 fold8(vw s) {
 #if LANES == 16
     v8 lo, hi;
     __builtin_memcpy(&lo, &s, sizeof lo);
     __builtin_memcpy(&hi, (const char *)&s + sizeof lo, sizeof hi);
-    return hsum(lo + hi);
+    return lo + hi;
 #else
-    return hsum(s);
+    return s;
 #endif
 }
+
+/* A product vector's lanes' sum, in one fixed order (16 lanes: folded to 8 first). */
+static inline float hsumw(vw s) { return hsum(fold8(s)); }
 
 /* Lanes of a where m is set (all bits), else of b. */
 static inline v8 blend(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); }
