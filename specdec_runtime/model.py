@@ -499,8 +499,12 @@ class Decoder(nn.Module):
         tokens, each attending to the slots before it, instead of through torch's ops: its rows are
         bitwise those of one kernel call and of decode steps, and 768-3000 tokens took 0.51-0.62x
         the time on a 2-core EPYC (README)."""
-        opts, T = self._options(ids, **kwargs), ids.shape[1]
-        if T <= cpu_kernel.max_rows() or not self._kernel_runs_chunks(ids.shape[0]):
+        opts, (B, T) = self._options(ids, **kwargs), ids.shape[:2]
+        chunked = T > cpu_kernel.max_rows()
+        if chunked:  # a chunk's rows as _forward sees them
+            rows = torch.empty(B * PREFILL_CHUNK, self.config.hidden_size, device=self.device, dtype=self.dtype)
+            chunked = self._stack_in_kernel(rows, B)
+        if not chunked:
             return self._forward(ids, self.slots[0], T, **opts)
         keep, head = opts.pop("logits_to_keep"), opts.pop("head")
         logits, hidden = [], []
@@ -514,12 +518,10 @@ class Decoder(nn.Module):
         logits = torch.cat(logits, dim=1) if logits else None
         return DecoderOutput(logits, torch.cat(hidden, dim=1) if hidden else None)
 
-    def _kernel_runs_chunks(self, batch: int) -> bool:
-        """Whether _forward runs a prefill chunk's rows through the CPU kernel's layer stack."""
-        if batch != 1 or self.row_start is not None:
-            return False
-        rows = torch.empty(PREFILL_CHUNK, self.config.hidden_size, device=self.device, dtype=self.dtype)
-        return cpu_kernel.stack_usable(rows) and self.kernel_stack() is not None
+    def _stack_in_kernel(self, h: Tensor, B: int) -> bool:
+        """Whether the CPU kernel runs rows h [B*T, H] through the whole layer stack in one call
+        (cpu_kernel.decoder_layers): one sequence, rows it takes, the layers' weights packed."""
+        return B == 1 and self.row_start is None and cpu_kernel.stack_usable(h) and self.kernel_stack() is not None
 
     @torch.inference_mode()  # inference only: training uses the transformers model
     def forward(self, x: Tensor, start: int, **kwargs) -> DecoderOutput:
@@ -605,8 +607,7 @@ class Decoder(nn.Module):
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()
         h, tapped = x.reshape(B * T, -1), []  # the layers work on [B*T, H]
-        one = B == 1 and self.row_start is None
-        if layer_fns == (attention, mlp) and one and cpu_kernel.stack_usable(h) and self.kernel_stack():
+        if layer_fns == (attention, mlp) and self._stack_in_kernel(h, B):
             c = self.config  # the CPU kernel runs the layers in one call
             dims = (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
             h, hidden = cpu_kernel.decoder_layers(
