@@ -342,38 +342,32 @@ def in_float64(model):
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "head_dim,over",
-    [(64, {}), (80, {}), (16, {"attention_bias": True, "mlp_bias": True}), (64, {"num_key_value_heads": 4})],
+    "head_dim,over,length,start",
+    [
+        (64, {}, 21, 14),
+        (80, {}, 21, 14),
+        (16, {"attention_bias": True, "mlp_bias": True}, 21, 14),
+        (64, {"num_key_value_heads": 4}, 21, 14),
+        (64, {}, 163, 150),
+        (80, {"num_key_value_heads": 1}, 163, 150),
+    ],
 )
-def test_sublayers_are_as_accurate_as_torchs(head_dim, over):
+def test_sublayers_are_as_accurate_as_torchs(head_dim, over, length, start):
     """Decode and verify steps in the kernel's sublayers (layers.c) against the same decoder in
-    float64, as close as torch's fp32 sublayers; a verify step's rows are bitwise its decode steps'."""
+    float64, as close as torch's fp32 sublayers; a verify step's rows are bitwise its decode steps'.
+
+    The last two: attention reads the cache in blocks of keys (128 at head_dim 64, 96 at 80) that
+    every query of a segment (up to 24 of one key/value head) takes in turn, the threads splitting
+    the queries in equal runs: 150 cached slots (blocks and a tail past a multiple of 8) and a
+    verify step of 13 rows (26-52 queries a head: split into segments and across threads)."""
     model = wide_decoder(head_dim, **over)
-    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(head_dim))
-    verify, decode = decode_and_verify(model, ids, 14)
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(head_dim))
+    verify, decode = decode_and_verify(model, ids, start)
     with cpu_kernel.disabled():
-        torch_verify, torch_decode = decode_and_verify(model, ids, 14)
-    exact, _ = decode_and_verify(in_float64(model), ids, 14)
+        torch_verify, torch_decode = decode_and_verify(model, ids, start)
+    exact, _ = decode_and_verify(in_float64(model), ids, start)
     assert_as_close_as_torchs(verify, torch_verify, exact)
     assert_as_close_as_torchs(decode, torch_decode, exact)
-    assert torch.equal(verify, decode)
-
-
-@needs_kernel
-@pytest.mark.parametrize("head_dim,group", [(64, 2), (80, 4)])
-def test_long_contexts_and_many_queries_a_head(head_dim, group):
-    """Attention reads the cache in blocks of keys (128 at head_dim 64, 96 at 80) that every query
-    of a segment (up to 24 of one key/value head) takes in turn, the threads splitting the queries
-    in equal runs: 150 cached slots (blocks and a tail past a multiple of 8) and a verify step of 13
-    rows (26-52 queries a head: split into segments and across threads) against float64, and
-    bitwise its decode steps."""
-    model = wide_decoder(head_dim, num_attention_heads=4, num_key_value_heads=4 // group)
-    ids = torch.randint(0, 256, (1, 163), generator=torch.Generator().manual_seed(head_dim))
-    verify, decode = decode_and_verify(model, ids, 150)
-    with cpu_kernel.disabled():
-        torch_verify, _ = decode_and_verify(model, ids, 150)
-    exact, _ = decode_and_verify(in_float64(model), ids, 150)
-    assert_as_close_as_torchs(verify, torch_verify, exact)
     assert torch.equal(verify, decode)
 
 
