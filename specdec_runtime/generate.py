@@ -150,7 +150,8 @@ def generate(
         )
     sampler = sampler or Sampler()
     device = target.device
-    prompt = torch.as_tensor(prompt, dtype=torch.long, device=device).flatten()
+    # non_blocking: a list's copy to a GPU need not wait for the device (a sync the fast path avoids)
+    prompt = torch.as_tensor(prompt, dtype=torch.long).flatten().to(device, non_blocking=True)
     P = prompt.shape[0]
     check_fits(P, max_new_tokens, target.config.max_position_embeddings)
     capacity = max(capacity, P + max_new_tokens)

@@ -500,7 +500,7 @@ class Decoder(nn.Module):
         bitwise those of one kernel call and of decode steps, and 768-3000 tokens took 0.51-0.62x
         the time on a 2-core EPYC (README)."""
         opts, (B, T) = self._options(ids, **kwargs), ids.shape[:2]
-        chunked = T > cpu_kernel.max_rows()
+        chunked = self.device.type == "cpu" and T > cpu_kernel.max_rows()  # (a GPU never loads the kernel)
         if chunked:  # a chunk's rows as _forward sees them
             rows = torch.empty(B * PREFILL_CHUNK, self.config.hidden_size, device=self.device, dtype=self.dtype)
             chunked = self._stack_in_kernel(rows, B)

@@ -68,8 +68,10 @@ def _batch_generator(
         return partial(
             generate_batch, model, sampler=sampler, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id
         )
-    sampling = (
-        {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    sampling = (  # top_k=0: transformers would otherwise keep only the 50 likeliest tokens (its default)
+        {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
     )
     return partial(
         _transformers_batch, model, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, **sampling

@@ -242,8 +242,8 @@ def test_cuda_nothing_compiles_or_records_again_and_one_sync_per_round():
                 out = generate(target, PROMPT, d, max_new_tokens=40, gamma=3, capacity=64)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        assert len(syncs) <= out.stats.target_forwards, name
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) <= out.stats.target_forwards, (name, sorted(set(syncs)))
 
 
 @pytest.mark.gpu

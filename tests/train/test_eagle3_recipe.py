@@ -301,3 +301,21 @@ def test_thread_choices_are_one_line_when_nothing_was_timed_and_untouched_under_
         assert capsys.readouterr().err == "" and torch.get_num_threads() == 1  # accelerate's setting stands
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
+    """experiment=eagle3_gpu composes on eagle3_quickstart: its own data and training settings win,
+    the quickstart's drafting and validation are kept (what the CPU bench measures)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        gpu = compose("eagle3", overrides=["experiment=eagle3_gpu"])
+        quick = compose("eagle3", overrides=["experiment=eagle3_quickstart"])
+    r, t = gpu.responses, gpu.trainer
+    assert (r.samples_per_prompt, r.temperature, r.max_new_tokens, r.engine) == (8, 0.7, 128, "transformers")
+    assert (gpu.model.dtype, gpu.data.max_samples, gpu.eagle3.cache_hidden, gpu.eagle3.ttt_steps) == (
+        "float32",
+        2048,
+        False,
+        3,
+    )
+    assert (t.micro_batch, t.mixed_precision, t.max_minutes) == (64, "bf16", None)
+    assert gpu.validate == quick.validate and gpu.eagle3.draft_vocab_size == quick.eagle3.draft_vocab_size

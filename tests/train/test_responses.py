@@ -31,6 +31,24 @@ def test_the_runtime_engine_gives_one_by_one_decodings_responses():
     assert got == [oracle(model, p, 12) for p in PROMPTS]
 
 
+def test_sampled_transformers_responses_draw_from_the_whole_vocabulary():
+    """temperature / top_p as given and nothing else: transformers' generate would otherwise keep
+    only the 50 likeliest tokens (its top_k default). Oracle: the model's own softmax, checked on
+    the first token of 600 draws after one prompt (the share drawn outside its top 50)."""
+    model = tiny_hf_model(seed=2)
+    prompt = [1, 5, 9]
+    with torch.no_grad():
+        probs = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+    top50 = set(probs.topk(50).indices.tolist())
+    outside = 1 - float(probs[sorted(top50)].sum())  # 0.32 for this model (top_k=50 draws 0 there)
+    n = 600
+    torch.manual_seed(0)
+    generate = R._batch_generator(model, pad_id=0, stop_ids=frozenset({2}), max_new_tokens=1, temperature=1.0,
+                                  top_p=1.0, seed=0)  # fmt: skip
+    share = sum(r[0] not in top50 for r in generate([prompt] * n)) / n
+    assert abs(share - outside) < 5 * (outside * (1 - outside) / n) ** 0.5
+
+
 def test_cut_at_stop_keeps_the_stop_token():
     assert R.cut_at_stop([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
     assert R.cut_at_stop([5, 6], {2}) == [5, 6]
