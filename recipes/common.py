@@ -384,6 +384,8 @@ def target_responses(cfg: DictConfig, run: Run, target: Any, prompts: list[list[
     engine = response_engine(cfg, run)
     if engine == "runtime":  # (transformers' responses keep the cache keys they had before engines)
         settings["engine"] = engine
+    elif r.temperature > 0:  # transformers' sampled responses drew from its top 50 before top_k=0: not those
+        settings["top_k"] = 0
     root = Path(r.cache_dir).expanduser() if r.cache_dir else cache_root() / "responses"
     cache = root / cache_key(run.target_path, prompts, settings)
     run.say(f"self-distillation responses ({engine}): {cache}")
