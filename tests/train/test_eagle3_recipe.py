@@ -311,11 +311,7 @@ def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
         quick = compose("eagle3", overrides=["experiment=eagle3_quickstart"])
     r, t = gpu.responses, gpu.trainer
     assert (r.samples_per_prompt, r.temperature, r.max_new_tokens, r.engine) == (8, 0.7, 128, "transformers")
-    assert (gpu.model.dtype, gpu.data.max_samples, gpu.eagle3.cache_hidden, gpu.eagle3.ttt_steps) == (
-        "float32",
-        2048,
-        False,
-        3,
-    )
+    e = gpu.eagle3
+    assert (gpu.model.dtype, gpu.data.max_samples, e.cache_hidden, e.ttt_steps) == ("float32", 2048, False, 3)
     assert (t.micro_batch, t.mixed_precision, t.max_minutes) == (64, "bf16", None)
     assert gpu.validate == quick.validate and gpu.eagle3.draft_vocab_size == quick.eagle3.draft_vocab_size
