@@ -180,8 +180,8 @@ def usable(x: Tensor) -> bool:
     return (
         not torch.compiler.is_compiling()  # first: what follows asks the library (ctypes), which it cannot trace
         and not torch.is_grad_enabled()
+        and _serves(x.device, x.dtype)  # before max_rows(): a GPU's rows never load the library
         and x.shape[0] <= max_rows()
-        and _serves(x.device, x.dtype)
     )
 
 

@@ -500,10 +500,10 @@ class Decoder(nn.Module):
         bitwise those of one kernel call and of decode steps, and 768-3000 tokens took 0.51-0.62x
         the time on a 2-core EPYC (README)."""
         opts, (B, T) = self._options(ids, **kwargs), ids.shape[:2]
-        chunked = self.device.type == "cpu" and T > cpu_kernel.max_rows()  # (a GPU never loads the kernel)
-        if chunked:  # a chunk's rows as _forward sees them
+        chunked = T > PREFILL_CHUNK  # (one chunk or none: the same call)
+        if chunked:  # a chunk's rows as _forward sees them; then whether one call would not take them all
             rows = torch.empty(B * PREFILL_CHUNK, self.config.hidden_size, device=self.device, dtype=self.dtype)
-            chunked = self._stack_in_kernel(rows, B)
+            chunked = self._stack_in_kernel(rows, B) and T > cpu_kernel.max_rows()
         if not chunked:
             return self._forward(ids, self.slots[0], T, **opts)
         keep, head = opts.pop("logits_to_keep"), opts.pop("head")

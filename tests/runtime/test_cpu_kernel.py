@@ -252,6 +252,15 @@ def test_a_models_packed_weights_run_from_huge_pages_bitwise_as_from_torchs_memo
     assert torch.equal(*logits)
 
 
+def test_rows_off_the_cpu_never_load_the_library(monkeypatch):
+    """A GPU's rows (the meta device stands in) are refused before the library is asked anything:
+    building it on a GPU machine would cost a compile, and a stderr line where it cannot be built."""
+    monkeypatch.setattr(cpu_kernel, "kernel", lambda: pytest.fail("the library was loaded for rows off the CPU"))
+    with torch.inference_mode():
+        assert not cpu_kernel.usable(torch.empty(1, 8, device="meta"))
+        assert not cpu_kernel.stack_usable(torch.empty(600, 8, device="meta"))
+
+
 def test_refused_with_a_reason(monkeypatch, tmp_path, capsys):
     """No compiler: torch's products, and one line on stderr saying why and how to hide it."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
