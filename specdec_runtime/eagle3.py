@@ -45,8 +45,10 @@ MAX_DEPTH = 16  # the deepest tree the drafter builds
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """Low, middle and high taps, as vLLM and SpecForge take them: the residual streams after
-    layers 2, N // 2 and N - 3 (vLLM reads them as the inputs of those layers' indices)."""
-    return (2, num_layers // 2, num_layers - 3)
+    layers 2, N // 2 and N - 3 (vLLM reads them as the inputs of those layers' indices); where
+    those collide (targets of fewer than 7 layers), after layers 1, N // 2 and N - 1."""
+    taps = (2, num_layers // 2, num_layers - 3)
+    return taps if taps[0] < taps[1] < taps[2] else (1, num_layers // 2, num_layers - 1)
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,13 @@ class Eagle3Config:
         """A drafter as wide as the target (EAGLE-3's choice), one layer with the target's heads and rope."""
         n = target.num_layers
         aux = tuple(aux_layers) if aux_layers else default_aux_layers(n)
-        bad = [k for k in aux if not 1 <= k < n]
-        if len(aux) != 3 or bad:
+        if n < 4:
+            raise SpecdecError(f"eagle3 needs a target of at least 4 layers (3 distinct taps); this one has {n}")
+        # Ascending: the target hands its residual streams over in layer order (model.Decoder's taps).
+        if len(aux) != 3 or not 1 <= aux[0] < aux[1] < aux[2] < n:
             raise SpecdecError(
-                f"eagle3 aux layers {list(aux)}: give 3 layer counts in 1..{n - 1} (the residual streams after "
-                f"that many of the target's {n} layers), e.g. {list(default_aux_layers(n))}"
+                f"eagle3 aux layers {list(aux)}: give 3 ascending layer counts in 1..{n - 1} (the residual streams "
+                f"after that many of the target's {n} layers), e.g. {list(default_aux_layers(n))}"
             )
         if not 0 < draft_vocab_size <= target.vocab_size:
             raise SpecdecError(

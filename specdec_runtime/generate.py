@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specdec_runtime.drafters import Draft, Drafter
+from specdec_runtime.drafters import Draft, Drafter, LookupFirst
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
@@ -85,7 +85,10 @@ def warm_up(
     is paid before anything is timed. On the fast path every draft length the drafter can return
     (1 up to drafter.longest(gamma), max_gamma where gamma adapts) runs once: a verify shape first
     seen inside a timed prompt would put its compilation and capture in that prompt's time (a
-    lookup of 8 tokens at gamma 2 verifies 9)."""
+    lookup of 8 tokens at gamma 2 verifies 9). LookupFirst's lookups are chains of any of those
+    lengths whatever its model drafts (an EAGLE-3 tree drafter's: trees), so chains of each length
+    are verified too (_Chains: on an H200, the 8 chain shapes captured inside the timed prompts had
+    made EAGLE-3 + lookup 0.25x of autoregressive decoding)."""
     kw = dict(generate_kwargs, adaptive_gamma=False)
     if drafter is None or not target.compiled:
         generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)
@@ -94,6 +97,21 @@ def warm_up(
     short = min(max_new_tokens, max(8, longest + 2))  # room for a full draft of every length
     for g in range(1, longest + 1):
         generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
+        if isinstance(drafter, LookupFirst):
+            generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
+
+
+class _Chains(Drafter):
+    """Drafts gamma copies of the newest token, reading what `drafter` reads from the target (its
+    taps and tree slots): warm_up's way to verify a chain of each length as that drafter's would be."""
+
+    name = "warm-up chains"
+
+    def __init__(self, drafter: Drafter):
+        self.hidden_layers, self.tree_nodes = drafter.hidden_layers, drafter.tree_nodes
+
+    def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
+        return Draft(ids[-1:].repeat(gamma), None)
 
 
 def cut(draft: Draft, g: int) -> Draft:

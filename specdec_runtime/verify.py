@@ -58,6 +58,12 @@ def verify(
 _CHAIN_PATHS: dict[tuple[int, torch.device], Tensor] = {}
 
 
+def pick(x: Tensor, i: Tensor) -> Tensor:
+    """x[i] for a 0-dim index tensor i, on the device: indexing with x[i] reads i on the host first
+    (a sync a round on a GPU; the tests run every rule on meta tensors, which have no values to read)."""
+    return x.index_select(0, i.view(1)).squeeze(0)
+
+
 def chain_path(g: int, device: torch.device) -> Tensor:
     """0, 1, ..., g on the device (cached: a chain's path never changes)."""
     key = (g, torch.device(device))
@@ -79,7 +85,7 @@ def verify_greedy(draft: Tensor, target_logits: Tensor) -> Verdict:
     """
     choice = argmax(target_logits)  # [g + 1]
     n = accepted_prefix(choice[:-1] == draft)
-    return Verdict(chain_path(draft.shape[0], draft.device), n, choice[n])
+    return Verdict(chain_path(draft.shape[0], draft.device), n, pick(choice, n))
 
 
 def verify_sample(draft: Tensor, draft_probs: Tensor | None, target_probs: Tensor, sampler: Sampler) -> Verdict:
@@ -102,9 +108,9 @@ def verify_sample(draft: Tensor, draft_probs: Tensor | None, target_probs: Tenso
     ok = sampler.uniform(g, draft.device) * q_draft < p_draft  # u < p / q without dividing
     n = accepted_prefix(ok)
     residual = torch.cat([(target_probs[:g] - q).clamp_(min=0), target_probs[g:]])  # [g + 1, V]
-    row = residual[n]
+    row = pick(residual, n)
     # p == q on a row leaves no residual mass; rejection there has probability 0, so p is used.
-    row = torch.where(row.sum() > 0, row, target_probs[n])
+    row = torch.where(row.sum() > 0, row, pick(target_probs, n))
     return Verdict(chain_path(g, draft.device), n, sampler.sample(row))  # sampling normalizes implicitly
 
 
@@ -141,8 +147,8 @@ def _walk_on_device(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tenso
     n_nodes = chosen.shape[0]
     score = torch.where(reached, t["depth"] * n_nodes + (n_nodes - 1 - torch.arange(n_nodes, device=chosen.device)), -1)
     last = score.argmax()
-    n = t["depth"][last]
-    on_path = t["ancestor"][last]  # [N+1] the branch root..last
+    n = pick(t["depth"], last)
+    on_path = pick(t["ancestor"], last)  # [N+1] the branch root..last
     by_depth = on_path[:, None] & (t["depth"][:, None] == t["levels"][None, :])  # [N+1, D+1]
     return by_depth.to(torch.uint8).argmax(dim=0), n  # [D+1]; entries past n point at the root
 
@@ -156,7 +162,7 @@ def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor) -> Verdict:
     choice = argmax(logits)  # [N+1]
     chosen = tokens == choice[t["parent"]]  # siblings are distinct, so at most one matches
     path, n = _walk(tree, t, chosen)
-    return Verdict(path, n, choice[path[n]])
+    return Verdict(path, n, pick(choice, pick(path, n)))
 
 
 def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler) -> Verdict:
@@ -175,11 +181,14 @@ def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampl
     ok = u * (1 - tried_mass).clamp_(min=0) < p_tok  # u < p(c) / (1 - tried) without dividing
     first_ok = ok & ~(t["earlier"] & ok).any(-1)  # no earlier sibling accepted (CUDA has no integer matmul)
     path, n = _walk(tree, t, first_ok)
-    last = path[n]
-    row = probs[last].clone()
+    last = pick(path, n)
+    p_last = pick(probs, last)
     children = (t["parent"] == last) & (torch.arange(tokens.shape[0], device=tokens.device) > 0)
-    row[tokens[children]] = 0.0  # every child of the last node was tried and rejected
-    row = torch.where(row.sum() > 0, row, probs[last])  # p entirely on rejected children: probability 0
+    # every child of the last node was tried and rejected (a mask over the vocabulary: tokens[children]
+    # would read the mask on the host)
+    tried = torch.zeros_like(p_last).index_put_((tokens,), children.to(p_last.dtype), accumulate=True)
+    row = torch.where(tried > 0, 0.0, p_last)
+    row = torch.where(row.sum() > 0, row, p_last)  # p entirely on rejected children: probability 0
     return Verdict(path, n, sampler.sample(row))
 
 
@@ -197,4 +206,4 @@ def verify_tree_typical(
     bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
     chosen = probs[t["parent"], tokens] > bar[t["parent"]]
     path, n = _walk(tree, t, chosen)
-    return Verdict(path, n, sampler.sample(probs[path[n]]))
+    return Verdict(path, n, sampler.sample(pick(probs, pick(path, n))))

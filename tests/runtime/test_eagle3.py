@@ -328,8 +328,12 @@ def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
 
 def test_bad_aux_layers_and_draft_vocabularies_are_refused():
     _, target, _ = tiny()
-    with pytest.raises(SpecdecError, match=r"aux layers \[1, 2, 4\]: give 3 layer counts in 1..3"):
-        Eagle3Config.for_target(target.config, aux_layers=(1, 2, 4), draft_vocab_size=10)
+    for aux in [(1, 2, 4), (3, 2, 1), (1, 2, 2)]:  # past the target; the taps arrive in layer order; twice
+        with pytest.raises(SpecdecError, match=rf"aux layers \[{', '.join(map(str, aux))}\]: give 3 ascending"):
+            Eagle3Config.for_target(target.config, aux_layers=aux, draft_vocab_size=10)
+    assert Eagle3Config.for_target(target.config, aux_layers=None, draft_vocab_size=10).aux_layers == (1, 2, 3)
+    with pytest.raises(SpecdecError, match="at least 4 layers"):
+        Eagle3Config.for_target(replace(target.config, num_layers=3), aux_layers=None, draft_vocab_size=10)
     with pytest.raises(SpecdecError, match=r"draft vocabulary of 300 tokens: need 1..256"):
         Eagle3Config.for_target(target.config, aux_layers=AUX, draft_vocab_size=300)
 

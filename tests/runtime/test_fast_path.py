@@ -14,6 +14,7 @@ import torch
 
 from specdec_runtime import graphs
 from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter
+from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 from specdec_runtime.generate import generate, warm_up
 from specdec_runtime.measure import divergences, measure
 from specdec_runtime.medusa import MedusaDrafter
@@ -28,16 +29,27 @@ PROMPT = list(range(5, 17))
 
 
 def mtp_drafter(target, hf) -> MTPDrafter:
-    """MTP heads 1 and 2 on a 3-layer target (trunk: 2 layers, head 0: layer 2), with the weights
-    of the target's layers 1 and 2 (any weights do: what is checked is exactness)."""
+    """MTP heads 1 and 2 on a 4-layer target (trunk: 3 layers, head 0: layer 3), with the weights
+    of the target's layers 2 and 3 (any weights do: what is checked is exactness)."""
     sd = {
-        f"heads.{i}.{k.removeprefix(f'model.layers.{i}.')}": v
+        f"heads.{i}.{k.removeprefix(f'model.layers.{i + 1}.')}": v
         for i in (1, 2)
         for k, v in hf.state_dict().items()
-        if k.startswith(f"model.layers.{i}.")
+        if k.startswith(f"model.layers.{i + 1}.")
     }
-    heads = MTPHeads.from_hf_state_dict(target.config, sd, 3, 2, target.device, target.dtype)
+    heads = MTPHeads.from_hf_state_dict(target.config, sd, 3, 3, target.device, target.dtype)
     return MTPDrafter(heads, target)
+
+
+def eagle3_tree(target, hf) -> Eagle3Drafter:
+    """An EAGLE-3 drafter (random weights) on the default taps (1, 2, 3): trees of 5 nodes."""
+    cfg = Eagle3Config.for_target(target.config, aux_layers=None, draft_vocab_size=200)
+    torch.manual_seed(1)
+    model = Eagle3Model(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model.set_draft_vocab(torch.arange(200))
+    return Eagle3Drafter(model.to(target.device), target, tree_budget=5, top_k=3)
 
 
 DRAFTERS = {
@@ -49,6 +61,8 @@ DRAFTERS = {
     "ngram": lambda m, hf: NgramDrafter(),
     "medusa tree": lambda m, hf: MedusaDrafter(random_heads(64, 256).to(m.device), m, Tree.from_paths(PATHS)),
     "mtp": mtp_drafter,
+    "eagle3 tree": eagle3_tree,
+    "eagle3 tree + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf)),  # lookups verify chains, the model trees
 }
 
 
@@ -63,9 +77,10 @@ def standalone(target):
 COMPILE_BACKEND = {"cpu": "aot_eager", "cuda": "inductor"}
 
 
-def pair(kind: str = "llama", device: str = "cpu", dtype=torch.float32, **overrides):
-    """The same tiny target twice, eager and compiled, and its transformers model."""
-    hf = tiny_hf_model(kind, 0, num_hidden_layers=3, **overrides)
+def pair(kind: str = "llama", device: str = "cpu", dtype=torch.float32, layers: int = 4, **overrides):
+    """The same tiny target twice, eager and compiled, and its transformers model (4 layers: EAGLE-3
+    taps 3 distinct ones)."""
+    hf = tiny_hf_model(kind, 0, num_hidden_layers=layers, **overrides)
     eager, fast = (runtime_from_hf(hf).to(device, dtype) for _ in range(2))
     fast.compile(backend=COMPILE_BACKEND[device])
     return eager, fast, hf
@@ -74,7 +89,7 @@ def pair(kind: str = "llama", device: str = "cpu", dtype=torch.float32, **overri
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})])
 def test_forwards_equal_the_eager_path(kind, overrides):
     """Decode, chain-verify and tree-verify logits at the same slots, stale slots in the cache."""
-    a, b, _ = pair(kind, **overrides)
+    a, b, _ = pair(kind, layers=3, **overrides)
     for m in (a, b):
         m.setup_cache(1, 64)
         with torch.inference_mode():
@@ -127,6 +142,7 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     _, target, hf = pair()
     drafters = ["autoregressive", "truncate", "layer skip", "medusa tree", "mtp", "stand-alone model"]
     drafters += ["stand-alone + lookup"]  # its model catches up on the tokens lookup drafted
+    drafters += ["eagle3 tree + lookup"]  # chains of every length verified, though its model drafts trees
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
@@ -230,6 +246,7 @@ def test_cuda_fp32_greedy_equals_autoregressive_for_every_drafter(drafter):
 def test_cuda_nothing_compiles_or_records_again_and_one_sync_per_round():
     _, target, hf = pair(device="cuda", dtype=torch.bfloat16)
     drafters = ["autoregressive", "truncate", "layer skip", "medusa tree", "mtp", "stand-alone model"]
+    drafters += ["eagle3 tree + lookup"]
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     for name in ("autoregressive", "truncate", "medusa tree"):

@@ -5,7 +5,14 @@ import torch
 
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.sampling import Sampler, warp
-from specdec_runtime.verify import verify_greedy, verify_sample
+from specdec_runtime.tree import Tree
+from specdec_runtime.verify import (
+    verify_greedy,
+    verify_sample,
+    verify_tree_greedy,
+    verify_tree_sample,
+    verify_tree_typical,
+)
 from tests.conftest import assert_follows, assert_not_follows
 
 
@@ -103,3 +110,33 @@ def test_rejection_sampling_when_draft_equals_target_accepts_everything():
     p = torch.tensor([0.1, 0.6, 0.3])
     _, rate = speculative_first_token(p, p.clone(), trials=500, seed=2)
     assert rate == 1.0
+
+
+class NoGenerator(Sampler):
+    """Draws from torch's default stream: meta tensors have no generator of their own."""
+
+    def generator(self, device):
+        return None
+
+
+def test_no_rule_reads_a_value_on_the_host():
+    """The generate loop syncs with the host once a round, after verification; every rule keeps its
+    values on the device until then (on an H200, x[n] with a 0-dim tensor n cost a sync a round).
+    Meta tensors have shapes and no values, so any read on the host raises: x[n], a boolean mask,
+    .item(), .tolist(). A verdict with the right shapes is all a rule can return here."""
+    meta, V, g = torch.device("meta"), 50, 3
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    N = len(tree)
+    sampler = NoGenerator(0.8)
+    logits, probs = torch.empty(N + 1, V, device=meta), torch.empty(N + 1, V, device=meta)
+    chain, nodes = torch.empty(g, dtype=torch.long, device=meta), torch.empty(N + 1, dtype=torch.long, device=meta)
+    verdicts = [
+        verify_greedy(chain, logits[: g + 1]),
+        verify_sample(chain, None, probs[: g + 1], sampler),
+        verify_sample(chain, probs[:g], probs[: g + 1], sampler),
+        verify_tree_greedy(tree, nodes, logits),
+        verify_tree_sample(tree, nodes, probs, sampler),
+        verify_tree_typical(tree, nodes, probs, sampler, threshold=0.09, alpha=0.3),
+    ]
+    for v, depth in zip(verdicts, [g] * 3 + [tree.depth] * 3):
+        assert v.path.shape == (depth + 1,) and v.accept_len.shape == () and v.token.shape == ()
