@@ -214,7 +214,7 @@ def test_two_processes_match_one_on_the_same_global_batch_and_zero3_is_refused(t
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("eagle3.aux_layers=[1,2,4]", r"aux layers \[1, 2, 4\]: give 3 layer counts in 1..3"),
+        ("eagle3.aux_layers=[1,2,4]", r"aux layers \[1, 2, 4\]: give 3 ascending layer counts in 1..3"),
         ("eagle3.draft_vocab_size=100000", "draft vocabulary of 100000 tokens: need 1..35"),
         ("eagle3.ttt_steps=0", "eagle3.ttt_steps=0 must be a positive integer"),
         ("eagle3.init=zeros", "eagle3.init='zeros'"),
