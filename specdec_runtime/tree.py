@@ -100,8 +100,14 @@ class Tree:
         return [0] + [index.get(p[:-1], 0) for p in self.paths], [0] + [len(p) for p in self.paths]
 
     def truncated(self, depth: int) -> "Tree":
-        """The nodes up to `depth` (the loop never drafts past max_new_tokens)."""
-        return self if depth >= self.depth else Tree(tuple(p for p in self.paths if len(p) <= depth))
+        """The nodes up to `depth` (the loop never drafts past max_new_tokens), the same object each
+        time: its tensors then move to a device once (on()), not every round (a host sync each)."""
+        if depth >= self.depth:
+            return self
+        cache = self.__dict__.setdefault("_truncated", {})
+        if depth not in cache:
+            cache[depth] = Tree(tuple(p for p in self.paths if len(p) <= depth))
+        return cache[depth]
 
     @cached_property
     def tensors(self) -> dict[str, Tensor]:

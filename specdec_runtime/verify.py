@@ -141,8 +141,7 @@ def _walk_on_host(tree: Tree, chosen: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _walk_on_device(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
-    chosen = chosen.clone()
-    chosen[0] = True
+    chosen = chosen | (t["depth"] == 0)  # the root counts as chosen (chosen[0] = True would sync on CUDA)
     reached = ~(t["ancestor"] & ~chosen[None, :]).any(dim=1)  # [N+1]
     n_nodes = chosen.shape[0]
     score = torch.where(reached, t["depth"] * n_nodes + (n_nodes - 1 - torch.arange(n_nodes, device=chosen.device)), -1)

@@ -210,3 +210,13 @@ def test_typical_acceptance_is_lossy_and_only_applies_when_sampling():
 def test_invalid_paths(bad):
     with pytest.raises(SpecdecError):
         Tree.from_paths(bad)
+
+
+def test_a_truncated_tree_is_one_object_so_its_tensors_move_once():
+    """Near max_new_tokens a Medusa drafter truncates its tree every round; on a GPU each new Tree's
+    tensors were copied there again, a host sync each (the H200's sync count found them)."""
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    assert tree.truncated(3) is tree and tree.truncated(2) is tree.truncated(2)
+    assert tree.truncated(2).paths == ((0,), (1,), (0, 0), (0, 1)) and tree.truncated(1).paths == ((0,), (1,))
+    meta = torch.device("meta")
+    assert tree.truncated(2).on(meta) is tree.truncated(2).on(meta)
