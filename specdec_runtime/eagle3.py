@@ -38,6 +38,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, Weights, block_state_dict, linear, mlp, rms_norm, rope_table, self_attention
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
+from specdec_runtime.verify import pick
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B, h, T, D], k, v [B, h_kv, T, D]) -> [B, h, T, D]
 MAX_DEPTH = 16  # the deepest tree the drafter builds
@@ -367,7 +368,7 @@ class Eagle3Drafter(Drafter):
         tokens, probs = [], []
         for i in range(gamma):
             if sampler.greedy:  # draft ids ascend with target ids: the same first maximum
-                token = self.draft_ids[logits[0].argmax()]
+                token = pick(self.draft_ids, logits[0].argmax())  # on the device: no host read a token
             else:
                 full = logits.new_full((self.target.config.vocab_size,), float("-inf"))
                 full = full.index_copy_(0, self.draft_ids, logits[0])  # ids outside the draft vocabulary: probability 0
