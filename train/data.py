@@ -9,6 +9,8 @@
     for micro_batch in Batches(examples, micro_batch=4, grad_accum=2, world=1, rank=0, seed=0).step(7): ...
     convs = spread(convs, 16)                                   # 16 conversations, round-robin over categories
     examples = with_responses(prompts, responses, max_len=512)  # prompt + response, loss on the response
+    written = model_writes(pre_query_ids(tokenizer))            # the target writes user messages (Magpie) ...
+    convs = self_written(tokenizer, written, stop_ids)          # ... the finished ones, once each
     prompts, categories = prompts_of(tokenizer, "builtin:val", 16)
 
 A conversation is a list of {"role", "content"} messages. Accepted records: {"messages": [...]}
@@ -162,6 +164,36 @@ def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bo
 def prompt_ids(tokenizer: Any, conv: Conversation) -> list[int]:
     """Token ids of the conversation's prompt with the assistant generation prompt appended."""
     return tokenizer.encode(render(tokenizer, conv.prompt, True), add_special_tokens=False)
+
+
+def pre_query_ids(tokenizer: Any) -> list[int]:
+    """The chat template up to where a user's message begins (the system turn, if the template
+    has one, and the user's header): fed alone to an instruction-tuned model, it makes the model
+    write a user's message (Magpie, Xu et al. 2024). Needs a chat template."""
+    mark = "\x00SPECDEC-USER-MESSAGE\x00"
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecdecError(
+            "responses.self_prompts needs a target with a chat template (it prompts the target with the template "
+            "up to a user's turn): set responses.self_prompts=0 for this target"
+        )
+    text = render(tokenizer, [{"role": "user", "content": mark}], False)
+    if mark not in text:
+        raise SpecdecError("responses.self_prompts: the chat template drops the user's message; set it to 0")
+    return tokenizer.encode(text[: text.index(mark)], add_special_tokens=False)
+
+
+def self_written(tokenizer: Any, written: list[list[int]], stop_ids: frozenset[int]) -> list[Conversation]:
+    """The user messages a model wrote after pre_query_ids() as one-turn conversations: those it
+    finished (ended with a stop token), stripped, without repeats, in order."""
+    convs, seen = [], set()
+    for i, ids in enumerate(written):
+        if not ids or ids[-1] not in stop_ids:
+            continue  # cut off by the token limit
+        text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()
+        if text and text not in seen:
+            seen.add(text)
+            convs.append(Conversation(f"self-{i}", [{"role": "user", "content": text}], "self"))
+    return convs
 
 
 def encode_conversation(tokenizer: Any, conv: Conversation, max_len: int | None = None) -> Example:

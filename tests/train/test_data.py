@@ -8,7 +8,17 @@ import torch
 
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import resolve_model
-from train.data import Batches, Conversation, Example, collate, encode_conversation, load_conversations, prompt_ids
+from train.data import (
+    Batches,
+    Conversation,
+    Example,
+    collate,
+    encode_conversation,
+    load_conversations,
+    pre_query_ids,
+    prompt_ids,
+    self_written,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +108,43 @@ def test_only_assistant_turns_carry_loss(smol_tokenizer):
     # The prompt part equals what the runtime feeds at generation time.
     n = ex.loss_mask.index(True)
     assert ex.ids[:n] == prompt_ids(tok, Conversation("c", msgs[:1]))
+
+
+def test_pre_query_ids_are_the_template_up_to_a_users_message(smol_tokenizer):
+    """SmolLM2's template with its default system turn, up to the user's header: a conversation's
+    prompt ids begin with them and go on with the user's message."""
+    pre = pre_query_ids(smol_tokenizer)
+    assert smol_tokenizer.decode(pre).endswith("<|im_end|>\n<|im_start|>user\n")
+    assert "You are a helpful AI assistant" in smol_tokenizer.decode(pre)
+    ids = prompt_ids(smol_tokenizer, Conversation("c", [{"role": "user", "content": "Name a red fruit."}]))
+    assert ids[: len(pre)] == pre
+    assert smol_tokenizer.decode(ids[len(pre) :]).startswith("Name a red fruit.<|im_end|>")
+
+
+def test_pre_query_ids_need_a_chat_template(smol_tokenizer):
+    import copy
+
+    plain = copy.deepcopy(smol_tokenizer)
+    plain.chat_template = None
+    with pytest.raises(SpecdecError, match="self_prompts=0"):
+        pre_query_ids(plain)
+
+
+def test_self_written_keeps_the_finished_distinct_messages(smol_tokenizer):
+    end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    enc = lambda text: smol_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    written = [
+        enc("How do bees make honey?") + [end],
+        enc("What is the capital of"),  # cut off by the token limit: dropped
+        enc(" How do bees make honey? ") + [end],  # the first again, once stripped: dropped
+        [end],  # empty: dropped
+        enc("Write a haiku about rain.") + [end],
+    ]
+    convs = self_written(smol_tokenizer, written, frozenset({end}))
+    assert [(c.id, c.messages, c.category) for c in convs] == [
+        ("self-0", [{"role": "user", "content": "How do bees make honey?"}], "self"),
+        ("self-4", [{"role": "user", "content": "Write a haiku about rain."}], "self"),
+    ]
 
 
 def test_collate_shifts_the_loss_mask():

@@ -118,11 +118,14 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
         ("data.train=missing.jsonl", "does not exist"),
         ("drafter.num_layers=5", "choose 1..1"),
         ("responses.samples_per_prompt=2", "temperature > 0"),
+        ("responses.self_prompts=-1", "responses.self_prompts=-1 must be a count"),
+        ("responses.self_prompts=4 responses.source=dataset", "use responses.source=target, or self_prompts=0"),
         ("responses.engine=vllm", "responses.engine='vllm': use one of auto, runtime, transformers"),
     ],
 )
 def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, override, message):
-    cfg = config(tiny, tmp_path / "bad", override, "loss.top_k=3" if override == "loss.kind=rkl" else "loss.top_k=0")
+    top_k = "loss.top_k=3" if override == "loss.kind=rkl" else "loss.top_k=0"
+    cfg = config(tiny, tmp_path / "bad", *override.split(), top_k)
     with pytest.raises(SpecdecError, match=message or "top_k"):
         distill.run(cfg)
 
@@ -237,3 +240,25 @@ def test_several_sampled_responses_per_prompt(tiny, tmp_path):
     )
     assert len(three) == 3 * len(one)
     assert any(len({tuple(r) for r in three[i : i + 3]}) > 1 for i in range(0, len(three), 3))
+
+
+def test_self_written_prompts_are_answered_beside_the_data(tiny, tmp_path):
+    """responses.self_prompts=8: the target writes 8 user messages after its template's user
+    header (sampled, cached like responses); the finished, distinct ones are prompted like the
+    data's prompts and answered once each, in a cache of their own."""
+    from transformers import AutoTokenizer
+
+    from train.data import load_conversations, self_written
+
+    target, data, _ = tiny
+    cache = tmp_path / "cache"
+    extra = ("validate.enabled=false", "trainer.max_steps=1", f"responses.cache_dir={cache}")
+    distill.run(config(tiny, tmp_path / "run", *extra, "responses.self_prompts=8"))
+    done = sorted((d / "responses.jsonl" for d in cache.iterdir()), key=lambda f: f.stat().st_mtime_ns)
+    written, *answers = [[json.loads(line) for line in f.read_text().splitlines()] for f in done]  # written first
+    assert len(written) == 8
+    tok = AutoTokenizer.from_pretrained(target)
+    stop = frozenset({tok.eos_token_id, tok.convert_tokens_to_ids("<eot>")})
+    own = self_written(tok, [r["response"] for r in written], stop)
+    assert 0 < len(own) <= 8 and all(c.messages[0]["content"] for c in own)
+    assert sorted(len(r) for r in answers) == sorted([len(load_conversations(str(data))), len(own)])
