@@ -47,9 +47,10 @@ from specdec_runtime.drafter_spec import LOOKUP
 from specdec_runtime.drafters import LookupFirst
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 from specdec_runtime.loading import cache_root, load_hf_config, resolve_model
+from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
-from train.data import Example, collate, prompt_ids, with_responses
+from train.data import Example, collate, prompt_ids, responses_of, with_responses
 from train.draft_model import draft_vocab
 from train.eagle3 import Eagle3Training, accuracies, replay_chain, target_states, tau_estimate, warm_start
 from train.export import Card, export_eagle3
@@ -95,6 +96,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     examples, _ = training_examples(cfg, run, target, data)
     held_out = estimate_examples(cfg, run, data, target)
     draft_ids = draft_vocab([x.ids for x in examples], config.draft_vocab_size, config.vocab_size, run.stop_ids)
+    phrases = phrase_table(run, examples) if e.phrase_table else None
     model = build_model(cfg, run, config, target, draft_ids)
     if e.cache_hidden:  # the frozen target runs once per example, not once per epoch
         examples, held_out = (target_features(cfg, run, target, config, x) for x in (examples, held_out))
@@ -107,7 +109,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     loss = TTTLoss(wrapped, run, target, config, e.prompt_loss)
     tracker = make_tracker(cfg, run, "eagle3")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
-    validation = Validation(cfg, run, data, target, unwrap(accelerator, wrapped), held_out, loss, tracker)
+    validation = Validation(cfg, run, data, target, unwrap(accelerator, wrapped), held_out, loss, tracker, phrases)
 
     # ---------------------------------------------------------------- loop
     steps = [f"step{k}" for k in range(e.ttt_steps)]
@@ -134,12 +136,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     # ---------------------------------------------------------------- export
     if run.main:
-        export = write_export(cfg, run, validation.model, metrics, len(examples), horizon.steps)
+        export = write_export(cfg, run, validation.model, metrics, len(examples), horizon.steps, phrases)
         spec = f"{export}{LOOKUP}" if cfg.validate.lookup else export
         finish(cfg, run, result, export, f"specdec generate --target {cfg.model.name} --drafter {spec} --baseline",
                tracker, "eagle3")  # fmt: skip
     tracker.finish()
     return result
+
+
+def phrase_table(run: Run, examples: list[Example]) -> PhraseTable:
+    """What the training responses agree follows 4 tokens (specdec_runtime.phrases), for lookup."""
+    table = PhraseTable.build(responses_of(examples))
+    run.say(f"phrase table: {len(table):,} 4-token phrases the responses continue alike for 3-8 tokens")
+    return table
 
 
 def build_model(cfg: DictConfig, run: Run, config: Eagle3Config, target: Any, draft_ids: torch.Tensor) -> Eagle3Model:
@@ -223,9 +232,9 @@ class Validation:
     the tau it predicts, chain and tree), then the drafter on specdec_runtime (tau, speedup,
     losslessness; a tree of validate.tree_budget nodes, or a chain), logged as val/*."""
 
-    def __init__(self, cfg, run, data, target, training, held_out, loss, tracker):  # noqa: ANN001
+    def __init__(self, cfg, run, data, target, training, held_out, loss, tracker, phrases=None):  # noqa: ANN001
         self.cfg, self.run, self.data, self.target, self.training = cfg, run, data, target, training
-        self.held_out, self.loss, self.tracker = held_out, loss, tracker
+        self.held_out, self.loss, self.tracker, self.phrases = held_out, loss, tracker, phrases
         self.model: Eagle3Model = training.drafter
         self.runtime = None  # the target on the runtime, built at the first validation
 
@@ -270,8 +279,11 @@ class Validation:
             self.runtime = self.runtime or runtime_decoder(self.target, None, run.device)
             drafter = Eagle3Drafter(copy.deepcopy(self.model), self.runtime, tree_budget=v.tree_budget,
                                     top_k=v.top_k, gamma=v.gamma, name="eagle3")  # fmt: skip
-            if v.lookup:  # prompt lookup where it matches, the drafter elsewhere
-                drafter = LookupFirst(drafter)
+            if v.lookup:  # prompt lookup where it matches, then the phrase table, the drafter elsewhere
+                table = self.phrases
+                if table is not None:  # on the runtime's device
+                    table = PhraseTable(table.keys, table.chains, run.device)
+                drafter = LookupFirst(drafter, table=table)
             metrics = validate(
                 self.runtime,
                 drafter,
@@ -290,9 +302,15 @@ class Validation:
 
 
 def write_export(
-    cfg: DictConfig, run: Run, model: Eagle3Model, metrics: dict[str, Any], n_examples: int, steps: int
+    cfg: DictConfig,
+    run: Run,
+    model: Eagle3Model,
+    metrics: dict[str, Any],
+    n_examples: int,
+    steps: int,
+    phrases: PhraseTable | None = None,
 ) -> Path:
-    """export/: the speculators folder (config.json, model.safetensors) and a model card."""
+    """export/: the speculators folder (config.json, model.safetensors), the phrase table and a model card."""
     e, v = cfg.eagle3, cfg.validate
     card = Card(
         target=cfg.model.name,
@@ -322,7 +340,7 @@ def write_export(
     )
     drafting = {"gamma": v.gamma, "tree_budget": v.tree_budget, "top_k": v.top_k}
     return export_eagle3(copy.deepcopy(model).float(), run.out / "export", card, verifier=cfg.model.name,
-                         verifier_path=run.target_path, drafting=drafting)  # fmt: skip
+                         verifier_path=run.target_path, drafting=drafting, phrases=phrases)  # fmt: skip
 
 
 @hydra.main(config_path="../conf", config_name="eagle3", version_base=None)

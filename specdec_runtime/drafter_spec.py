@@ -18,6 +18,7 @@ from specdec_runtime.layerskip import SkipSet, is_skipset_file, skip_drafter
 from specdec_runtime.loading import LoadedModel, check_same_vocab, load_model
 from specdec_runtime.medusa import is_medusa_folder, load_medusa
 from specdec_runtime.mtp import load_mtp
+from specdec_runtime.phrases import PhraseTable
 
 LOOKUP = "+lookup"
 
@@ -51,15 +52,19 @@ def build_drafter(
     FILE.json       a layer-skip set from recipes.layerskip (self-speculative: the target with
                     sublayers skipped, adaptive draft exit; confidence > 0 fixes the threshold)
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
-    SPEC+lookup     prompt lookup (n-grams of 2-3 tokens; 4 tokens, or gamma if longer) where it matches,
-                    SPEC otherwise (LookupFirst)
+    SPEC+lookup     prompt lookup (n-grams of 2-3 tokens; 8 tokens, or gamma if longer) where it matches,
+                    then the phrase table of an export that has one (phrase_table.safetensors), SPEC
+                    otherwise (LookupFirst)
     """
     spec = spec.strip()
     if spec.endswith(LOOKUP) and spec != LOOKUP:
-        inner = build_drafter(spec[: -len(LOOKUP)], target, confidence=confidence, dtype=dtype, tree=tree)
+        inner_spec = spec[: -len(LOOKUP)]
+        inner = build_drafter(inner_spec, target, confidence=confidence, dtype=dtype, tree=tree)
         if inner is None:
             raise SpecdecError(f"drafter '{spec}': lookup needs a drafter to fall back on; plain lookup is 'ngram'")
-        return LookupFirst(inner)
+        phrases = Path(inner_spec).expanduser() / PhraseTable.FILE
+        table = PhraseTable.load(phrases, target.model.device) if phrases.is_file() else None
+        return LookupFirst(inner, table=table)
     if spec.lower() in ("", "none", "ar"):
         return None
     if spec == "ngram" or spec.startswith("ngram:"):

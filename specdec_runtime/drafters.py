@@ -4,6 +4,7 @@
     drafter = ModelDrafter(target, exit_layer=6, shares_target_cache=True)  # truncate:6
     drafter = NgramDrafter(max_ngram=3)                                     # prompt lookup
     drafter = LookupFirst(eagle3_drafter)               # prompt lookup where it matches, the model elsewhere
+    drafter = LookupFirst(eagle3_drafter, table=PhraseTable.load(path))  # ... the target's phrases before the model
     drafter.start(prompt, capacity)
     draft = drafter.draft(ids, gamma=4, sampler=sampler)   # Draft(tokens [g], probs [g, V] | None)
 
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, LayerSkip
+from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 
@@ -309,14 +311,26 @@ class LookupFirst(Drafter):
     / 1.32x for lookups of 2; on the 2,048-prompt drafter with trees of 5 (48 prompts), lookups of
     8 measured 2.18 / 1.508x against 2.07 / 1.480x for 4, and 11 2.21 / 1.515x (README).
 
+    With a phrase table (specdec_runtime.phrases: what the target's training responses agree
+    follows the last 4 tokens), a round the prompt does not match drafts the table's chain where it
+    has one, and the model only where neither has.
+
     The model drafter still observes every accepted position; its next draft runs the rows it
     missed (a stand-alone model catches up on the tokens, EAGLE-3 on the pending features).
     """
 
-    def __init__(self, drafter: Drafter, max_ngram: int = 3, min_ngram: int = 2, tokens: int = 8):
+    def __init__(
+        self,
+        drafter: Drafter,
+        max_ngram: int = 3,
+        min_ngram: int = 2,
+        tokens: int = 8,
+        table: PhraseTable | None = None,
+    ):
         if tokens < 1:
             raise ValueError(f"LookupFirst needs tokens >= 1, got {tokens}")
         self.drafter, self.lookup, self.tokens = drafter, NgramDrafter(max_ngram, min_ngram), tokens
+        self.table = table
         self.name = f"{drafter.name}+lookup"
         self.gamma, self.tree_nodes = drafter.gamma, drafter.tree_nodes
         self.hidden_layers = drafter.hidden_layers
@@ -334,6 +348,9 @@ class LookupFirst(Drafter):
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         found = self.lookup.draft(ids, max(gamma, self.tokens), sampler)
+        if not found.tokens.numel() and self.table is not None:  # the lookup indexed ids: its host copy serves
+            chain = self.table.get(self.lookup.seq, max(gamma, self.tokens))
+            found = found if chain is None else Draft(chain, None)
         if found.tokens.numel():
             self.lookups += 1
             self.drafter.pass_round()

@@ -19,6 +19,7 @@ Spec-Bench / MT-Bench prompt form {"turns": [...]} and {"prompt": "..."}. Only r
 (assistant turns) carry loss.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -320,6 +321,22 @@ def with_responses(prompts: list[list[int]], responses: list[list[int]], max_len
             if ex.n_targets:
                 out.append(ex)
     return out
+
+
+def responses_of(examples: Iterable[Example]) -> list[list[int]]:
+    """The runs of tokens that carry loss in the examples (their responses, each turn apart)."""
+    runs = []
+    for ex in examples:
+        run: list[int] = []
+        for token, loss in zip(ex.ids, ex.loss_mask):
+            if loss:
+                run.append(token)
+            elif run:
+                runs.append(run)
+                run = []
+        if run:
+            runs.append(run)
+    return runs
 
 
 def prompts_of(

@@ -347,10 +347,18 @@ def push_to_hub(
 
 
 def export_eagle3(
-    model: Any, out: Path, card: Card, *, verifier: str, verifier_path: Path, drafting: dict[str, int]
+    model: Any,
+    out: Path,
+    card: Card,
+    *,
+    verifier: str,
+    verifier_path: Path,
+    drafting: dict[str, int],
+    phrases: Any = None,
 ) -> Path:
     """An EAGLE-3 drafter in the speculators format (specdec_runtime.eagle3_format) and SGLang's
-    flat layout (sglang/), with its card."""
+    flat layout (sglang/), with its card and, given one, the phrase table (specdec_runtime.phrases:
+    specdec's runtime drafts from it with DIR+lookup; serving engines ignore the file)."""
     from specdec_runtime.eagle3_format import save_speculators
 
     target_config = json.loads((Path(verifier_path) / "config.json").read_text())
@@ -359,10 +367,11 @@ def export_eagle3(
     k, tree = drafting["gamma"], drafting["tree_budget"]
     topk, draft_tokens = (drafting["top_k"], tree + 1) if tree else (1, k + 1)  # SGLang: a chain is top-k 1
     drafts = f"a tree of {tree} nodes up to {k} deep" if tree else f"chains of {k} tokens"
-    usage = f"""With specdec's runtime ({drafts}; greedy output identical to the target's):
+    lookup, first = ("+lookup", ", prompt lookup and the phrase table first") if phrases is not None else ("", "")
+    usage = f"""With specdec's runtime ({drafts}{first}; greedy output identical to the target's):
 
 ```bash
-{get}specdec generate --target {card.target} --drafter {folder} --prompt "Write a haiku about the sea." --baseline
+{get}specdec generate --target {card.target} --drafter {folder}{lookup} --baseline --prompt "A haiku about the sea."
 ```
 
 With vLLM, which reads the speculators format (not run by specdec's tests):
@@ -384,6 +393,8 @@ python -m sglang.launch_server --model-path {card.target} --speculative-algorith
         layers = target_config.get("num_hidden_layers")
         save_speculators(model, tmp, verifier=verifier, verifier_architectures=architectures, drafting=drafting,
                          num_target_layers=layers)  # fmt: skip
+        if phrases is not None:
+            phrases.save(tmp / phrases.FILE)
         write_card(tmp, "eagle3", card, usage)
 
     return _atomic(out, write)

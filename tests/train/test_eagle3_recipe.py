@@ -11,10 +11,12 @@ from hydra import compose, initialize_config_dir
 
 from recipes import eagle3
 from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters import LookupFirst
 from specdec_runtime.eagle3 import Eagle3Drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
+from specdec_runtime.phrases import PhraseTable
 from tests.conftest import accelerate_launch, save_tiny_model, write_prompt_file
 from train import checkpoint
 
@@ -101,6 +103,13 @@ def test_tiny_run_pinned_losses_learning_validation_and_export(tiny, tmp_path, c
     prompt = target.tokenizer.encode("apple river, and so on.")
     ar = generate(target.model, prompt, None, max_new_tokens=20, stop_ids=target.stop_ids)
     spec = generate(target.model, prompt, drafter, max_new_tokens=20, gamma=3, stop_ids=target.stop_ids)
+    assert spec.tokens == ar.tokens
+    # DIR+lookup: prompt lookup, then the export's phrase table (what the training responses repeat)
+    looked = build_drafter(f"{export}+lookup", target)
+    saved = PhraseTable.load(export / PhraseTable.FILE)
+    assert isinstance(looked, LookupFirst) and len(looked.table) == len(saved) > 0
+    assert "phrase table" in card and f"--drafter {export}+lookup" in card
+    spec = generate(target.model, prompt, looked, max_new_tokens=20, gamma=3, stop_ids=target.stop_ids)
     assert spec.tokens == ar.tokens
 
 
