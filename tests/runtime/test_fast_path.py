@@ -20,6 +20,7 @@ from specdec_runtime.measure import divergences, measure
 from specdec_runtime.medusa import MedusaDrafter
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.mtp import MTPDrafter, MTPHeads
+from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 from tests.conftest import runtime_from_hf, tiny_hf_model
@@ -63,7 +64,16 @@ DRAFTERS = {
     "mtp": mtp_drafter,
     "eagle3 tree": eagle3_tree,
     "eagle3 tree + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf)),  # lookups verify chains, the model trees
+    "eagle3 tree + lookup + phrases": lambda m, hf: LookupFirst(eagle3_tree(m, hf), table=phrases(m, hf)),
 }
+
+
+def phrases(target, hf) -> PhraseTable:
+    """A phrase table of transformers' greedy continuation of PROMPT (twice), on the target's device:
+    right chains on that prompt, wrong ones where sampling leaves it."""
+    said = hf.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False)[0].tolist()
+    table = PhraseTable.build([said, said])
+    return PhraseTable(table.keys, table.chains, target.device)
 
 
 def standalone(target):
@@ -143,6 +153,7 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     drafters = ["autoregressive", "truncate", "layer skip", "medusa tree", "mtp", "stand-alone model"]
     drafters += ["stand-alone + lookup"]  # its model catches up on the tokens lookup drafted
     drafters += ["eagle3 tree + lookup"]  # chains of every length verified, though its model drafts trees
+    drafters += ["eagle3 tree + lookup + phrases"]  # the table's chains: lookups' lengths
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
