@@ -257,7 +257,7 @@ def test_cuda_fp32_greedy_equals_autoregressive_for_every_drafter(drafter):
 def test_cuda_nothing_compiles_or_records_again_and_one_sync_per_round():
     _, target, hf = pair(device="cuda", dtype=torch.bfloat16)
     drafters = ["autoregressive", "truncate", "layer skip", "medusa tree", "mtp", "stand-alone model"]
-    drafters += ["eagle3 tree + lookup"]
+    drafters += ["eagle3 tree + lookup", "eagle3 tree + lookup + phrases"]
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     for name in ("autoregressive", "truncate", "medusa tree"):
