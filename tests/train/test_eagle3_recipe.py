@@ -320,6 +320,7 @@ def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
         quick = compose("eagle3", overrides=["experiment=eagle3_quickstart"])
     r, t = gpu.responses, gpu.trainer
     assert (r.samples_per_prompt, r.temperature, r.max_new_tokens, r.engine) == (8, 0.7, 128, "transformers")
+    assert (r.self_prompts, quick.responses.self_prompts, gpu.eagle3.phrase_table) == (12288, 0, True)
     e = gpu.eagle3
     assert (gpu.model.dtype, gpu.data.max_samples, e.cache_hidden, e.ttt_steps) == ("float32", 2048, False, 3)
     assert (t.micro_batch, t.mixed_precision, t.max_minutes) == (64, "bf16", None)
