@@ -415,8 +415,9 @@ SELF_PROMPTS = {"what": "self-written prompts", "max_new_tokens": 96, "temperatu
 def self_prompts(cfg: DictConfig, run: Run, target: Any) -> list[list[int]]:
     """responses.self_prompts user messages the target writes itself (Magpie: its chat template up
     to a user's turn, sampled), as prompt ids: the finished, distinct ones. More distinct prompts
-    are what a drafter trained on a few thousand lacks: on the built-in set's own training prompts
-    the GPU drafter accepts 2.22 tokens a round, on the held-out ones 1.89 (README)."""
+    are what a drafter trained on a few thousand lacks: the GPU-trained EAGLE-3 drafter of the
+    bundled target reaches tau 2.22 on the built-in set's training prompts, 1.89 on held-out ones
+    (README)."""
     n = cfg.responses.get("self_prompts", 0)
     if not n:
         return []

@@ -9,8 +9,9 @@
     for micro_batch in Batches(examples, micro_batch=4, grad_accum=2, world=1, rank=0, seed=0).step(7): ...
     convs = spread(convs, 16)                                   # 16 conversations, round-robin over categories
     examples = with_responses(prompts, responses, max_len=512)  # prompt + response, loss on the response
-    written = model_writes(pre_query_ids(tokenizer))            # the target writes user messages (Magpie) ...
-    convs = self_written(tokenizer, written, stop_ids)          # ... the finished ones, once each
+    pre = pre_query_ids(tokenizer)                              # the template up to a user's message: a model
+    convs = self_written(tokenizer, written, stop_ids)          # continues it with one (Magpie); the finished, once
+    runs = responses_of(examples)                               # the tokens carrying loss, a run per turn
     prompts, categories = prompts_of(tokenizer, "builtin:val", 16)
 
 A conversation is a list of {"role", "content"} messages. Accepted records: {"messages": [...]}

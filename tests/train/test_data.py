@@ -17,6 +17,7 @@ from train.data import (
     load_conversations,
     pre_query_ids,
     prompt_ids,
+    responses_of,
     self_written,
 )
 
@@ -145,6 +146,15 @@ def test_self_written_keeps_the_finished_distinct_messages(smol_tokenizer):
         ("self-0", [{"role": "user", "content": "How do bees make honey?"}], "self"),
         ("self-4", [{"role": "user", "content": "Write a haiku about rain."}], "self"),
     ]
+
+
+def test_responses_of_are_the_runs_that_carry_loss():
+    examples = [
+        Example([1, 2, 3, 4, 5, 6, 7], [False, False, True, True, False, True, True]),  # two turns
+        Example([8, 9], [False, False]),  # nothing to learn
+        Example([10, 11], [True, True]),
+    ]
+    assert responses_of(examples) == [[3, 4], [6, 7], [10, 11]]
 
 
 def test_collate_shifts_the_loss_mask():
