@@ -331,7 +331,7 @@ class LookupFirst(Drafter):
             raise ValueError(f"LookupFirst needs tokens >= 1, got {tokens}")
         self.drafter, self.lookup, self.tokens = drafter, NgramDrafter(max_ngram, min_ngram), tokens
         self.table = table
-        self.name = f"{drafter.name}+lookup"
+        self.name = f"{drafter.name}+lookup" + ("+phrases" if table is not None else "")
         self.gamma, self.tree_nodes = drafter.gamma, drafter.tree_nodes
         self.hidden_layers = drafter.hidden_layers
         self.lookups = 0  # rounds drafted by lookup

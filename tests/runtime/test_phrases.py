@@ -105,7 +105,7 @@ def test_lookup_first_drafts_the_table_where_the_prompt_does_not_match_and_stays
     table = Counting(PhraseTable.build([said, said]))
     drafter = LookupFirst(ModelDrafter(tiny_decoder("llama", seed=1)), table=table)
     out = generate(target, prompt, drafter, max_new_tokens=60, gamma=2)
-    assert out.tokens == ar.tokens
+    assert out.tokens == ar.tokens and drafter.name == "model+lookup+phrases"
     assert table.hits > 0 and drafter.lookups >= table.hits
     if whose == "the target's":  # every round from the table, every chain right (autoregressive: 60 forwards)
         assert out.stats.target_forwards <= 10
