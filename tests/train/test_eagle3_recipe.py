@@ -325,3 +325,21 @@ def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
     assert (gpu.model.dtype, gpu.data.max_samples, e.cache_hidden, e.ttt_steps) == ("float32", 2048, False, 3)
     assert (t.micro_batch, t.mixed_precision, t.max_minutes) == (64, "bf16", None)
     assert gpu.validate == quick.validate and gpu.eagle3.draft_vocab_size == quick.eagle3.draft_vocab_size
+
+
+def test_the_phrase_table_is_built_once_from_at_most_phrase_tokens(monkeypatch):
+    """On the main process only, from the responses in order while they fit PHRASE_TOKENS (said)."""
+    from types import SimpleNamespace
+
+    from train.data import Example
+
+    said = []
+    run = SimpleNamespace(main=True, say=said.append)
+    phrase = [1, 2, 3, 4, 5, 6, 7, 8]
+    examples = [Example([0] + phrase, [False] + [True] * 8) for _ in range(2)]
+    examples.append(Example([0] + phrase[::-1], [False] + [True] * 8))
+    monkeypatch.setattr(eagle3, "PHRASE_TOKENS", 20)  # the first two responses fit, the third does not
+    table = eagle3.phrase_table(run, examples)
+    assert table.get([1, 2, 3, 4]).tolist() == [5, 6, 7, 8] and table.get([8, 7, 6, 5]) is None
+    assert said[0] == "phrase table: from the first 16 response tokens (of more)"
+    assert eagle3.phrase_table(SimpleNamespace(main=False, say=said.append), examples) is None
