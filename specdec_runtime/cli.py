@@ -64,8 +64,8 @@ def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> 
 
 
 DRAFTERS_HELP = (
-    "none | ngram[:N] | truncate:K | mtp (the target's own heads) | draft model | Medusa folder "
-    "| layer-skip set (skipset.json)"
+    "none | ngram[:N] | truncate:K | mtp (the target's own heads) | draft model | EAGLE-3 or Medusa folder "
+    "| layer-skip set (skipset.json); SPEC+lookup: prompt lookup first, then an export's phrase table"
 )
 
 
