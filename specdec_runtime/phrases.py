@@ -52,6 +52,8 @@ class PhraseTable:
         support: int = 2,
         share: float = 0.5,
     ) -> "PhraseTable":
+        """The table of `sequences` (token id lists the target wrote), by the rule of the module
+        docstring: every n-gram that occurs at least `support` times, walked token by token."""
         seqs = [list(s) for s in sequences]
         after: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)  # n-gram -> (sequence, next position)
         for s, seq in enumerate(seqs):
