@@ -53,7 +53,7 @@ def build_drafter(
                     sublayers skipped, adaptive draft exit; confidence > 0 fixes the threshold)
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
     SPEC+lookup     prompt lookup (n-grams of 2-3 tokens; 8 tokens, or gamma if longer) where it matches,
-                    then the phrase table of an export that has one (phrase_table.safetensors), SPEC
+                    then the phrase table of an export that has one (specdec_phrases/), SPEC
                     otherwise (LookupFirst)
     """
     spec = spec.strip()

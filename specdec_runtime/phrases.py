@@ -28,7 +28,8 @@ from torch import Tensor
 
 
 class PhraseTable:
-    FILE = "phrase_table.safetensors"
+    # In a folder of its own: serving engines load every *.safetensors beside config.json as weights.
+    FILE = "specdec_phrases/table.safetensors"
 
     def __init__(self, keys: Tensor, chains: Tensor, device: torch.device | str = "cpu"):
         """keys [M, n] and chains [M, longest] (int, rows padded with -1) as build() makes them."""
@@ -91,6 +92,7 @@ class PhraseTable:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file({"keys": self.keys.to(torch.int32), "chains": self.chains.to(torch.int32)}, str(path))
 
     @classmethod

@@ -107,6 +107,7 @@ def test_tiny_run_pinned_losses_learning_validation_and_export(tiny, tmp_path, c
     # DIR+lookup: prompt lookup, then the export's phrase table (what the training responses repeat)
     looked = build_drafter(f"{export}+lookup", target)
     saved = PhraseTable.load(export / PhraseTable.FILE)
+    assert [f.name for f in export.glob("*.safetensors")] == ["model.safetensors"]  # what engines load as weights
     assert isinstance(looked, LookupFirst) and len(looked.table) == len(saved) > 0
     assert "phrase table" in card and f"--drafter {export}+lookup" in card
     spec = generate(target.model, prompt, looked, max_new_tokens=20, gamma=3, stop_ids=target.stop_ids)
