@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from specdec_runtime.loading import DRAFT_VOCAB_FILE
+from specdec_runtime.phrases import PhraseTable
 from train.draft_model import full_state_dict
 
 KINDS = ("standalone", "medusa", "mtp", "layerskip", "eagle3")
@@ -354,11 +355,11 @@ def export_eagle3(
     verifier: str,
     verifier_path: Path,
     drafting: dict[str, int],
-    phrases: Any = None,
+    phrases: PhraseTable | None = None,
 ) -> Path:
     """An EAGLE-3 drafter in the speculators format (specdec_runtime.eagle3_format) and SGLang's
     flat layout (sglang/), with its card and, given one, the phrase table (specdec_runtime.phrases:
-    specdec's runtime drafts from it with DIR+lookup; serving engines ignore the file)."""
+    specdec's runtime drafts from it with DIR+lookup; in specdec_phrases/, which serving engines do not read)."""
     from specdec_runtime.eagle3_format import save_speculators
 
     target_config = json.loads((Path(verifier_path) / "config.json").read_text())
