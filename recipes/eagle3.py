@@ -161,7 +161,7 @@ def phrase_table(run: Run, examples: list[Example]) -> PhraseTable | None:
             break
         runs.append(r)
         total += len(r)
-    table = PhraseTable.build(runs)
+    table = PhraseTable.build(runs, device=run.device)  # where validation drafts from it
     run.say(f"phrase table: {len(table):,} 4-token phrases the responses continue alike for 3-8 tokens")
     return table
 
@@ -295,10 +295,7 @@ class Validation:
             drafter = Eagle3Drafter(copy.deepcopy(self.model), self.runtime, tree_budget=v.tree_budget,
                                     top_k=v.top_k, gamma=v.gamma, name="eagle3")  # fmt: skip
             if v.lookup:  # prompt lookup where it matches, then the phrase table, the drafter elsewhere
-                table = self.phrases
-                if table is not None:  # on the runtime's device
-                    table = PhraseTable(table.keys, table.chains, run.device)
-                drafter = LookupFirst(drafter, table=table)
+                drafter = LookupFirst(drafter, table=self.phrases)
             metrics = validate(
                 self.runtime,
                 drafter,

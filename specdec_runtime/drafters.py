@@ -347,9 +347,10 @@ class LookupFirst(Drafter):
         return max(self.drafter.longest(gamma), self.tokens)
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
-        found = self.lookup.draft(ids, max(gamma, self.tokens), sampler)
+        longest = max(gamma, self.tokens)
+        found = self.lookup.draft(ids, longest, sampler)
         if not found.tokens.numel() and self.table is not None:  # the lookup indexed ids: its host copy serves
-            chain = self.table.get(self.lookup.seq, max(gamma, self.tokens))
+            chain = self.table.get(self.lookup.seq, longest)
             found = found if chain is None else Draft(chain, None)
         if found.tokens.numel():
             self.lookups += 1

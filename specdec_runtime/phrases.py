@@ -52,9 +52,11 @@ class PhraseTable:
         shortest: int = 3,
         support: int = 2,
         share: float = 0.5,
+        device: torch.device | str = "cpu",
     ) -> "PhraseTable":
         """The table of `sequences` (token id lists the target wrote), by the rule of the module
-        docstring: every n-gram that occurs at least `support` times, walked token by token."""
+        docstring: every n-gram that occurs at least `support` times, walked token by token; its
+        chains kept on `device`."""
         seqs = [list(s) for s in sequences]
         after: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)  # n-gram -> (sequence, next position)
         for s, seq in enumerate(seqs):
@@ -79,7 +81,7 @@ class PhraseTable:
                 keys.append(list(key))
                 chains.append(chain + [-1] * (longest - len(chain)))
         as_tensor = lambda rows, width: torch.tensor(rows, dtype=torch.int64).view(-1, width)  # noqa: E731
-        return cls(as_tensor(keys, n), as_tensor(chains, longest))
+        return cls(as_tensor(keys, n), as_tensor(chains, longest), device)
 
     def get(self, seq: Sequence[int], limit: int | None = None) -> Tensor | None:
         """The chain that follows seq's last n tokens (a host list), at most `limit` long; None if none."""

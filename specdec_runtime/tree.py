@@ -104,10 +104,13 @@ class Tree:
         time: its tensors then move to a device once (on()), not every round (a host sync each)."""
         if depth >= self.depth:
             return self
-        cache = self.__dict__.setdefault("_truncated", {})
-        if depth not in cache:
-            cache[depth] = Tree(tuple(p for p in self.paths if len(p) <= depth))
-        return cache[depth]
+        if depth not in self._truncations:
+            self._truncations[depth] = Tree(tuple(p for p in self.paths if len(p) <= depth))
+        return self._truncations[depth]
+
+    @cached_property
+    def _truncations(self) -> dict[int, "Tree"]:
+        return {}
 
     @cached_property
     def tensors(self) -> dict[str, Tensor]:

@@ -72,8 +72,7 @@ def phrases(target, hf) -> PhraseTable:
     """A phrase table of transformers' greedy continuation of PROMPT (twice), on the target's device:
     right chains on that prompt, wrong ones where sampling leaves it."""
     said = hf.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False)[0].tolist()
-    table = PhraseTable.build([said, said])
-    return PhraseTable(table.keys, table.chains, target.device)
+    return PhraseTable.build([said, said], device=target.device)
 
 
 def standalone(target):

@@ -335,7 +335,7 @@ def test_the_phrase_table_is_built_once_from_at_most_phrase_tokens(monkeypatch):
     from train.data import Example
 
     said = []
-    run = SimpleNamespace(main=True, say=said.append)
+    run = SimpleNamespace(main=True, say=said.append, device="cpu")
     phrase = [1, 2, 3, 4, 5, 6, 7, 8]
     examples = [Example([0] + phrase, [False] + [True] * 8) for _ in range(2)]
     examples.append(Example([0] + phrase[::-1], [False] + [True] * 8))
