@@ -16,7 +16,8 @@ rope, cache write, attention, gated activation), where torch dispatches some twe
 overhead was a third of a decode step, and a one-sequence step's whole layer stack in one call
 (decoder_layers(), from a Stack of pointers the model builds once); it keeps the same row-for-row
 guarantee. model.Decoder hands a step's layers to it (stack_usable()); model.attention(),
-self_attention() and mlp() their rows otherwise (sublayer_usable()). `csrc/argmax.c` takes greedy
+self_attention() and mlp() their rows otherwise (sublayer_usable()), and an EAGLE-3 drafter's whole
+draft step runs in one call too (eagle3_rows()). `csrc/argmax.c` takes greedy
 decoding's argmax of the logits (argmax(), sampling.argmax), ~4.5x torch's speed on a row.
 
 It is compiled on first use (`cc -O3 -march=native -fopenmp`, about a second) into
@@ -137,6 +138,7 @@ def kernel() -> ctypes.CDLL | None:
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
         "decoder_layers": [P, N, N, N, N, P, Int, P, F, N, N, N, N, P, N, P, P, N, N, P, P, N, N, P, P, N, Int],
+        "eagle3_rows": [P, N, P, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -475,3 +477,70 @@ def decoder_layers(
     ))
     # fmt: on
     return x, out
+
+
+class Eagle3Weights(NamedTuple):
+    """An EAGLE-3 drafter's tensors as layers.c's eagle3_rows reads them: E3_WEIGHTS (14) pointers
+    in its order, built once (eagle3_weights()); `tensors` keeps the memory they point at alive."""
+
+    pointers: ctypes.Array
+    bf16: int
+    vocab: int  # the draft vocabulary: the head's outputs
+    tensors: tuple
+
+
+def eagle3_weights(fc: tuple, input_norm: Tensor, hidden_norm: Tensor, qkv: tuple, o: tuple, post_norm: Tensor,
+                   gate_up: tuple, down: tuple, norm: Tensor, head: tuple) -> Eagle3Weights | None:  # fmt: skip
+    """The Eagle3Weights of a drafter's fused layer (eagle3.FusedLayer; norms doubled), or None where
+    a weight is not packed or the kernel is not built."""
+    weights = (fc, qkv, o, gate_up, down, head)
+    if kernel() is None or not all(w.packed is not None for w in weights):
+        return None
+    tensors = (fc.packed, input_norm, hidden_norm, qkv.packed, qkv.bias, o.packed, o.bias, post_norm,
+               gate_up.packed, gate_up.bias, down.packed, down.bias, norm, head.packed)  # fmt: skip
+    if any(t is not None and not t.is_contiguous() for t in tensors):
+        return None
+    pointers = (ctypes.c_void_p * len(tensors))(*map(_ptr, tensors))
+    return Eagle3Weights(pointers, _bf16(*weights), head.w.shape[1], tensors)
+
+
+def eagle3_rows(
+    w: Eagle3Weights,
+    tokens: Tensor,
+    embed: Tensor,
+    inputs: Tensor,
+    project: bool,
+    dims: tuple[int, int, int, int, int],
+    eps: float,
+    norm_before_residual: bool,
+    head_from: int,
+    rope: Tensor,
+    first: int,
+    step: int,
+    kv: Tensor,
+    slots: Tensor,
+    mask: Tensor | None,
+    bound: int,
+) -> tuple[Tensor, Tensor]:
+    """An EAGLE-3 drafter's step for rows of one sequence in one call (eagle3.Eagle3Drafter._run):
+    (prenorm [M, H], draft logits [M - head_from, N] of rows head_from..). tokens [M] (ids);
+    embed: the target's embedding [V, H] (any strides); inputs: the target's taps [M, Kt] to project
+    with fc (project) or the previous step's prenorm [M, H]; dims: (H, heads, kv heads, head dim,
+    intermediate); rope [S, 2, D] (model.rope_table), row m at position first + m * step; kv the
+    drafter's cache [1, 2Hkv, S, D]; slots, mask, bound as attention()."""
+    H, Hq, Hkv, D, intermediate = dims
+    tokens, inputs = tokens.contiguous(), inputs.contiguous()
+    M, N = tokens.shape[0], w.vocab
+    cos, sin = rope[first, 0], rope[first, 1]
+    slots, mask = _attention_args("eagle3_rows", kv, cos, sin, slots, mask)
+    prenorm, logits = _out(M, H), _out(max(M - head_from, 0), N)
+    taps, feature = (inputs, None) if project else (None, inputs)
+    # fmt: off
+    _ran(kernel().eagle3_rows(
+        tokens.data_ptr(), M, embed.data_ptr(), embed.stride(0), embed.stride(1), _ptr(taps), inputs.shape[1],
+        _ptr(feature), w.pointers, w.bf16, int(norm_before_residual), eps, H, Hq, Hkv, D, intermediate, N, head_from,
+        cos.data_ptr(), sin.data_ptr(), step * rope.stride(0), kv.data_ptr(), kv.shape[-2], slots.data_ptr(),
+        _ptr(mask), 0 if mask is None else mask.stride(0), bound, prenorm.data_ptr(), logits.data_ptr(), _threads(),
+    ))
+    # fmt: on
+    return prenorm, logits

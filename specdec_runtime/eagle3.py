@@ -307,6 +307,7 @@ class Eagle3Drafter(Drafter):
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
         self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
+        self.kernel_w = cpu_kernel.eagle3_weights(*self.w) if target.lm_head.cpu_copy else None  # see _run
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (model.rope_table)
@@ -346,19 +347,51 @@ class Eagle3Drafter(Drafter):
         """Draft logits [T, N] of prenorm [T, H] (Eagle3Model.head)."""
         return linear(rms_norm(prenorm, self.w.norm, self.model.config.layer.rms_norm_eps), self.w.head)
 
+    def _run(
+        self,
+        tokens: Tensor,
+        inputs: Tensor,
+        project: bool,
+        first: int,
+        step: int,
+        slots: Tensor,
+        mask: Tensor | None,
+        bound: int,
+        head_from: int,
+    ) -> tuple[Tensor, Tensor]:
+        """A draft step of rows tokens [T]: (prenorm [T, H], draft logits [T - head_from, N] of rows
+        head_from..). inputs: the target's features [T, 3 H_t] (project: fc first, Eagle3Model.project)
+        or the previous step's prenorm [T, H]; row t at rope position first + t * step; slots, mask
+        and bound as _rows. On a CPU with the runtime's kernel, one call (cpu_kernel.eagle3_rows:
+        1.47 -> ~0.8 ms a round of a 5-node tree on the 2-core EPYC); its norms are the kernel's,
+        so drafts agree with the torch ops' to rounding (tested), and the target decides either way."""
+        cfg = self.model.config.layer
+        inputs = inputs.to(self.w.dtype)
+        if self.kernel_w is not None and cpu_kernel.stack_usable(inputs):
+            dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+            return cpu_kernel.eagle3_rows(
+                self.kernel_w, tokens, self.target.embedding, inputs, project, dims, cfg.rms_norm_eps,
+                self.model.config.norm_before_residual, head_from, self.rope, first, step, self.kv, slots, mask, bound,
+            )  # fmt: skip
+        T = tokens.shape[0]
+        positions = self.slots[first : first + T] if step else self.slots[first].expand(T)
+        feature = linear(inputs, self.w.fc) if project else inputs
+        prenorm = self._rows(tokens, feature, positions, slots, mask, bound)
+        return prenorm, self._head(prenorm[head_from:])
+
     @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         if not self.pending:
             raise RuntimeError("Eagle3Drafter.draft before observe(): the generate loop feeds it hidden states")
         L = ids.shape[0]
-        feats = linear(torch.cat(self.pending).to(self.w.dtype), self.w.fc)  # [k, H] (Eagle3Model.project)
+        taps = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]  # [k, 3 H_t]
         self.pending = []
-        k = feats.shape[0]
+        k = taps.shape[0]
         # Rows L-1-k .. L-2: the accepted positions' features, with the tokens after them (causal).
         pos = self.slots[L - 1 - k : L - 1]
         mask = self.slots[: L - 1][None, :] <= pos[:, None] if k > 1 else None
-        last = self._rows(ids[L - k : L], feats, pos, pos, mask, L - 1)[-1:]  # the newest row drafts the next token
-        logits = self._head(last)  # [1, N]
+        prenorm, logits = self._run(ids[L - k : L], taps, True, L - 1 - k, 1, pos, mask, L - 1, head_from=k - 1)
+        last = prenorm[-1:]  # the newest row drafts the next token; logits [1, N] are its
         if self.tree_budget:
             return self._tree(last[0], logits[0], L, gamma)
         return self._chain(last, logits, L, gamma, sampler)
@@ -382,8 +415,7 @@ class Eagle3Drafter(Drafter):
                     break
             if i + 1 < gamma:  # row L-1+i: the token just drafted, the previous row's prenorm; sees slots 0..L-1+i
                 pos = self.slots[L - 1 + i : L + i]
-                prenorm = self._rows(token.view(1), prenorm, pos, pos, None, L + i)
-                logits = self._head(prenorm)
+                prenorm, logits = self._run(token.view(1), prenorm, False, L - 1 + i, 1, pos, None, L + i, 0)
         return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
 
     def _tree(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int) -> Draft:
@@ -401,16 +433,16 @@ class Eagle3Drafter(Drafter):
         slot = L - 1
         for depth in range(1, min(gamma, MAX_DEPTH)):  # nodes of depth `depth` get rows; their children depth + 1
             F_ = len(frontier)
-            slots = torch.arange(slot, slot + F_, device=dev)
-            pos = torch.full((F_,), L - 2 + depth, device=dev)
-            mask = torch.zeros(F_, slot + F_, dtype=torch.bool, device=dev)
-            mask[:, : L - 1] = True
+            slots = self.slots[slot : slot + F_]
+            tree_rows = [[False] * (slot + F_ - (L - 1)) for _ in range(F_)]  # slots L-1..: the tree's own rows
             for r, node in enumerate(frontier):
-                mask[r, ancestors[node]] = True
-                mask[r, slot + r] = True
+                for a in ancestors[node] + [slot + r]:
+                    tree_rows[r][a - (L - 1)] = True
+            prefix = torch.ones(F_, L - 1, dtype=torch.bool, device=dev)
+            mask = torch.cat([prefix, torch.tensor(tree_rows, device=dev)], dim=1)
             rows = self.draft_ids[tok[frontier]]  # the frontier's tokens as target ids (tok holds draft ids)
-            rows_prenorm = self._rows(rows, features, pos, slots, mask, slot + F_)
-            child = self._head(rows_prenorm).float().log_softmax(-1).topk(K)  # [F, K]
+            rows_prenorm, rows_logits = self._run(rows, features, False, L - 2 + depth, 0, slots, mask, slot + F_, 0)
+            child = rows_logits.float().log_softmax(-1).topk(K)  # [F, K]
             cand = (scores[frontier][:, None] + child.values).flatten()  # [F * K]
             keep = cand.topk(min(K, cand.numel())).indices
             base = len(parent)

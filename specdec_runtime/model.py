@@ -445,10 +445,16 @@ class Decoder(nn.Module):
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """Token embeddings [B, T, H]."""
+        return F.embedding(ids, self.embedding)
+
+    @property
+    def embedding(self) -> Tensor:
+        """The embedding table [V, H]; tied, a view of the lm_head's [H, V] columns (the rows of its
+        transpose when that is kept)."""
         if self.embed is not None:
-            return F.embedding(ids, self.embed.weight)
-        head = self.lm_head  # tied: the lm_head's [H, V] columns (rows of its transpose when kept)
-        return F.embedding(ids, head.weight.t() if head.weight_t is None else head.weight_t)
+            return self.embed.weight
+        head = self.lm_head
+        return head.weight.t() if head.weight_t is None else head.weight_t
 
     def attention_inputs(
         self, start: Tensor, T: int, bound: int | None, tree: tuple[Tensor, Tensor] | None = None

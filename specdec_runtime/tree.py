@@ -42,7 +42,15 @@ class Tree:
                 raise SpecdecError(f"tree path {list(p)}: paths are non-empty lists of ranks >= 0")
             if len(p) > 1 and p[:-1] not in have:
                 raise SpecdecError(f"tree path {list(p)} has no parent {list(p[:-1])}: add it to the tree")
-        return cls(tuple(nodes))
+        return cls._interned(tuple(nodes))
+
+    @classmethod
+    @lru_cache(maxsize=1024)
+    def _interned(cls, nodes: tuple[tuple[int, ...], ...]) -> "Tree":
+        """One object per shape: a dynamic tree's shapes recur round after round (an EAGLE-2 tree of
+        5 nodes has a few dozen), and each object builds its index tensors (and moves them to a
+        device) once, ~0.1 ms a round on a CPU."""
+        return cls(nodes)
 
     @classmethod
     @lru_cache(maxsize=64)

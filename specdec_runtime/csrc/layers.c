@@ -524,3 +524,55 @@ int decoder_layers(float *x, long M, long Hd, long first, long last, const void 
     }
     return 0;
 }
+
+/* An EAGLE-3 drafter's weights in eagle3_rows' pointer array, in this order (biases may be NULL;
+   norms doubled as the model keeps them: their first half is read). */
+enum { E3_FC, E3_INPUT_NORM, E3_HIDDEN_NORM, E3_QKV, E3_QKV_BIAS, E3_O, E3_O_BIAS, E3_POST_NORM, E3_GATE_UP,
+       E3_GATE_UP_BIAS, E3_DOWN, E3_DOWN_BIAS, E3_NORM, E3_HEAD, E3_WEIGHTS };
+
+/* M rows of an EAGLE-3 drafter (specdec_runtime/eagle3.py: Eagle3Drafter._run), the whole draft step
+   in one call and one parallel region, where the drafter's Python ran some twenty torch ops and three
+   kernel calls a step (~0.45 ms a step of 1-3 rows on the 2-core EPYC, against ~0.25 ms of kernel):
+     feature = fc(taps) where taps [M, Kt] is given (the target's features of accepted rows), else
+               the previous step's prenorm, feature [M, H]
+     x       = [input_norm(embedding of tokens[m]) ; hidden_norm(feature)]       [M, 2H]
+     prenorm = mlp_part(attention_part(x, residual = feature, or hidden_norm(feature) where
+               norm_before_residual is set))                                      [M, H]
+     logits  = head(norm(prenorm)) of rows head_from..M-1                          [M - head_from, N]
+   embed: the target's embedding, token t's element k at embed[t * es0 + k * es1] (a tied one is
+   the lm_head's transpose). The weights packed (skinny.c), all in bf16 where is_bf16 is set; the
+   rest as attention_block. Returns 0, or -1 when out of memory. */
+int eagle3_rows(const int64_t *tokens, long M, const float *embed, long es0, long es1, const float *taps, long Kt,
+                const float *feature, const void *const *w, int is_bf16, int norm_before_residual, float eps, long H,
+                long Hq, long Hkv, long D, long I, long N, long head_from, const float *cos, const float *sin,
+                long rope_stride, float *kv, long S, const int64_t *slots, const uint8_t *mask, long mask_stride,
+                long bound, float *prenorm, float *logits, int threads) {
+    size_t a = attention_floats(M, 2 * H, Hq, Hkv, D, bound, threads), b = mlp_floats(M, H, I, threads);
+    size_t own = ((size_t)M * 5 * H + 15) & ~(size_t)15; /* fc's out, x [M, 2H], the residual, attention's out */
+    size_t c = (size_t)threads * M * H; /* the head's normalized rows (normed) */
+    float *base = scratch(own + (a > b ? (a > c ? a : c) : (b > c ? b : c)));
+    if (!base) return -1;
+    float *feat = base, *x = feat + M * H, *res = x + M * 2 * H, *att = res + M * H, *buf = base + own;
+#pragma omp parallel num_threads(threads)
+    {
+        if (taps) skinny_part(taps, M, Kt, w[E3_FC], is_bf16, H, 0, 0, feat); /* ends on a barrier */
+        const float *f = taps ? feat : feature;
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) {
+            float *row = x + m * 2 * H, *e = row + H; /* the embedding, gathered into place, then normed */
+            for (long k = 0; k < H; k++) e[k] = embed[tokens[m] * es0 + k * es1];
+            norm_row(e, H, w[E3_INPUT_NORM], eps, row);
+            norm_row(f + m * H, H, w[E3_HIDDEN_NORM], eps, e);
+            memcpy(res + m * H, norm_before_residual ? e : f + m * H, H * sizeof(float));
+        }
+        attention_part(x, M, 2 * H, 0, 0.0f, res, w[E3_QKV], is_bf16, w[E3_QKV_BIAS], Hq, Hkv, D, w[E3_O], w[E3_O_BIAS],
+                       H, cos, sin, rope_stride, kv, S, slots, mask, mask_stride, bound, att, buf);
+        mlp_part(att, M, H, w[E3_POST_NORM], eps, w[E3_GATE_UP], is_bf16, w[E3_GATE_UP_BIAS], I, w[E3_DOWN],
+                 w[E3_DOWN_BIAS], prenorm, buf);
+        long R = M - head_from;
+        if (R > 0)
+            skinny_part(normed(prenorm + head_from * H, R, H, w[E3_NORM], eps, buf), R, H, w[E3_HEAD], is_bf16, N, 0, 0,
+                        logits);
+    }
+    return 0;
+}

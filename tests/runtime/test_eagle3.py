@@ -100,21 +100,21 @@ def test_training_time_test_loss_equals_the_naive_step_by_step_loss():
 def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: int = 3):
     """(the draft logits of each step, the greedy ids they drafted from, the draft) of a chain drafted
     after a prefill of prompt, the drafter fed the target's taps as the generate loop feeds them."""
-    seen, real_head = [], drafter._head
+    seen, real_run = [], drafter._run
 
-    def recording(prenorm):
-        out = real_head(prenorm)
-        seen.append(out.reshape(-1, out.shape[-1])[-1])
-        return out
+    def recording(*args, **kwargs):
+        prenorm, logits = real_run(*args, **kwargs)
+        seen.append(logits[-1])
+        return prenorm, logits
 
-    drafter._head = recording
+    drafter._run = recording
     target.setup_cache(1, 64)
     prefill = target.prefill(prompt[None], logits_to_keep=1, taps=drafter.hidden_layers)
     ids = torch.cat([prompt, prefill.logits[0, -1].argmax().view(1)])
     drafter.start(prompt, 64)
     drafter.observe(prefill.hidden[0])
     draft = drafter.draft(ids, gamma, Sampler())
-    del drafter._head  # the class's own again
+    del drafter._run  # the class's own again
     return seen, ids, draft
 
 
@@ -160,6 +160,38 @@ def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert (runs[0][0] - exact[0]).abs().max() > 1e-4  # the weights' rounding (logits ~0.1): far above fp32's
     torch.testing.assert_close(runs[0][0], exact[0], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("heads, tied", [((4, 2), False), ((4, 4), True)])
+@torch.no_grad()
+def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residual, bf16, heads, tied):
+    """On a CPU a draft step runs in one kernel call (cpu_kernel.eagle3_rows: the target's embedding
+    gathered, both norms, fc, the layer, the head); its logits are those of the drafter's torch ops
+    (the first step's rows under a causal mask, then single rows), with GQA and without, a tied
+    embedding (the lm_head's columns) and not, the residual the feature or its norm, fp32 and bf16
+    weights; and an EAGLE-2 tree drafted either way is the same."""
+    hf, target, model = tiny(num_attention_heads=heads[0], num_key_value_heads=heads[1], tie_word_embeddings=tied)
+    assert (target.embed is None) == tied
+    model.config = replace(model.config, norm_before_residual=norm_before_residual)
+    prompt = torch.arange(7, 19)
+    fused = Eagle3Drafter(model, target, cpu_bf16=bf16)
+    ops = Eagle3Drafter(model, target, cpu_bf16=bf16)
+    ops.kernel_w = None  # the torch ops (as on a GPU, or where the kernel is off)
+    assert fused.kernel_w is not None
+    runs = [drafted_logits(d, target, prompt, gamma=4) for d in (fused, ops)]
+    assert len(runs[0][0]) == 4
+    for a, b in zip(runs[0][0], runs[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(runs[0][2].tokens, runs[1][2].tokens)
+    trees = []
+    for d in (fused, ops):
+        d.tree_budget = d.tree_nodes = 8
+        trees.append(drafted_logits(d, target, prompt, gamma=3)[2])
+    assert trees[0].tree == trees[1].tree and torch.equal(trees[0].tokens, trees[1].tokens)
+    assert len(trees[0].tree) == 8
 
 
 @torch.no_grad()
