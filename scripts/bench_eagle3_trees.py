@@ -5,7 +5,8 @@
 
 Drafting settings: `chain:G` (chains of G tokens), `chain:G@C` (up to G, stopping after a token
 the drafter gives a probability below C) or `tree:BxK:D` (a tree of B nodes at most D
-deep, expanding the K most likely nodes of each level; Eagle3Drafter). Every validation prompt is
+deep, expanding the K most likely nodes of each level; Eagle3Drafter). With lookup, the export's
+phrase table drafts where the prompt does not match, as `specdec bench` runs `DIR+lookup`. Every validation prompt is
 decoded once autoregressively and once per setting (alone and with lookup first; --lookup off / only),
 greedy, in an order that rotates from prompt to prompt, so the machine's drift hits every setting
 alike and each speedup is a ratio within one run. Prints a markdown table: tau, tokens/s, speedup
@@ -15,6 +16,7 @@ whether every output was the autoregressive one.
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -24,6 +26,7 @@ from specdec_runtime.eagle3 import Eagle3Drafter
 from specdec_runtime.eagle3_format import read_speculators
 from specdec_runtime.generate import generate, warm_up
 from specdec_runtime.loading import load_model
+from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.prompts import builtin_prompts, encode_prompt, first_per_category, read_prompts
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
@@ -74,13 +77,16 @@ def main() -> None:
 
     target = load_model(args.target, device="cpu", dtype=args.dtype)
     model, _ = read_speculators(args.export)
+    phrases = Path(args.export) / PhraseTable.FILE
+    table = PhraseTable.load(phrases) if phrases.is_file() else None
     settings = [Setting("autoregressive", None, 1)]
     for spec, (budget, top_k, depth, conf) in drafting:
         drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth, confidence=conf)
         if args.lookup != "only":
             settings.append(Setting(spec, drafter, depth))
         if args.lookup != "off":
-            settings.append(Setting(f"{spec}+lookup", LookupFirst(drafter), depth))
+            lookup = LookupFirst(drafter, table=table)
+            settings.append(Setting(spec + lookup.name.removeprefix(drafter.name), lookup, depth))
     prompts = first_per_category(read_prompts(builtin_prompts("prompts-val")), args.per_category)
     ids = [encode_prompt(target.tokenizer, q.text, chat=True) for q in prompts]
     room = max(map(len, ids)) + args.max_new_tokens

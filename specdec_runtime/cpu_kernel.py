@@ -529,6 +529,8 @@ def eagle3_rows(
     intermediate); rope [S, 2, D] (model.rope_table), row m at position first + m * step; kv the
     drafter's cache [1, 2Hkv, S, D]; slots, mask, bound as attention()."""
     H, Hq, Hkv, D, intermediate = dims
+    if embed.dtype != torch.float32 or inputs.dtype != torch.float32:
+        raise ValueError(f"eagle3_rows: need a float32 embedding and inputs, got {embed.dtype} and {inputs.dtype}")
     tokens, inputs = tokens.contiguous(), inputs.contiguous()
     M, N = tokens.shape[0], w.vocab
     cos, sin = rope[first, 0], rope[first, 1]
