@@ -315,7 +315,8 @@ def test_thread_choices_are_one_line_when_nothing_was_timed_and_untouched_under_
 
 def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
     """experiment=eagle3_gpu composes on eagle3_quickstart: its own data and training settings win,
-    the quickstart's drafting and validation are kept (what the CPU bench measures)."""
+    the quickstart's drafting and validation are kept (what the CPU bench measures) but for the
+    trees' depth: 3, the steps its drafter trains."""
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         gpu = compose("eagle3", overrides=["experiment=eagle3_gpu"])
         quick = compose("eagle3", overrides=["experiment=eagle3_quickstart"])
@@ -325,7 +326,8 @@ def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
     e = gpu.eagle3
     assert (gpu.model.dtype, gpu.data.max_samples, e.cache_hidden, e.ttt_steps) == ("float32", 2048, False, 3)
     assert (t.micro_batch, t.mixed_precision, t.max_minutes) == (64, "bf16", None)
-    assert gpu.validate == quick.validate and gpu.eagle3.draft_vocab_size == quick.eagle3.draft_vocab_size
+    assert (gpu.validate.gamma, quick.validate.gamma) == (e.ttt_steps, 2)
+    assert dict(gpu.validate, gamma=2) == dict(quick.validate) and e.draft_vocab_size == quick.eagle3.draft_vocab_size
 
 
 def test_the_phrase_table_is_built_once_from_at_most_phrase_tokens(monkeypatch):
