@@ -133,7 +133,7 @@ def kernel() -> ctypes.CDLL | None:
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
         "argmax_rows": [P, N, N, N, P, Int],
-        "skinny_lanes": [Int],
+        "skinny_panel": [],
         "skinny_wide": [],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
@@ -216,24 +216,22 @@ def reads_bf16_weights(device: torch.device) -> bool:
     return _serves(device, torch.float32)
 
 
-def lanes(bf16: bool = False) -> int:
-    """The chunk of K the kernel reads a packed weight in: 8 for fp32; for bf16 16 where it is
-    built for AVX-512, else 8 (8 where it is not built)."""
+def panel() -> int:
+    """The columns of a panel, the unit the kernel reads a packed weight in (pack()): 32 where it is
+    built for AVX-512 (two 16-lane vectors), else 16 (16 where it is not built)."""
     lib = kernel()
-    return 8 if lib is None else lib.skinny_lanes(int(bf16))
+    return 16 if lib is None else lib.skinny_panel()
 
 
 def pack(w: Tensor, bf16: bool = False, width: int | None = None) -> Tensor:
-    """W [K, N] (in, out) as skinny.c reads it: W^T's rows in quads, each quad's four rows as
-    alternating chunks of K of `width` elements (default: the kernel's lanes(bf16)), K padded to a
-    multiple of width and N to a multiple of 4 with zeros: [ceil(N / 4), 4 * K padded], streamed
-    once in order by a product. fp32, or rounded to bf16 (half the bytes, widened exactly in the
-    kernel: for a drafter, whose weights need not be exact)."""
-    width = width or lanes(bf16)
+    """W [K, N] (in, out) as skinny.c reads it: in panels of `width` output columns (default: the
+    kernel's panel()), each [K, width], N padded to a multiple of width with zero columns: [ceil(N /
+    width), K, width], streamed once in order by a product. fp32, or rounded to bf16 (half the bytes,
+    widened exactly in the kernel: for a drafter, whose weights need not be exact)."""
+    width = width or panel()
     K, N = w.shape
-    padded = torch.nn.functional.pad(w.detach(), (0, -N % 4, 0, -K % width))
-    Kp, N4 = padded.shape[0], padded.shape[1] // 4
-    packed = padded.view(Kp // width, width, N4, 4).permute(2, 0, 3, 1).reshape(N4, 4 * Kp)
+    padded = torch.nn.functional.pad(w.detach(), (0, -N % width))
+    packed = padded.view(K, -1, width).permute(1, 0, 2).contiguous()
     return packed.to(torch.bfloat16) if bf16 else packed
 
 

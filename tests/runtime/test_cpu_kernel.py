@@ -27,19 +27,17 @@ def packed(wt, bias=None):
     return Weights.of(wt.t().contiguous(), bias, cpu_copy=True)
 
 
-@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("width", [16, 32])
 def test_pack_layout(width):
-    """W^T's rows in quads, alternating chunks of `width` floats (the kernel's lanes), K padded to
-    a multiple of width and N to a multiple of 4 with zeros."""
-    K = width + 2
-    wt = torch.arange(5 * K, dtype=torch.float32).view(5, K)  # N 5, K: one whole chunk and a tail
-    p = cpu_kernel.pack(wt.t(), width=width)
-    zeros = [0.0] * (width - 2)
-    row = lambda n: wt[n].tolist() if n < 5 else [0.0] * K  # noqa: E731
-    for quad in range(2):
-        rows = [row(4 * quad + r) for r in range(4)]
-        assert p[quad].tolist() == sum((r[:width] for r in rows), []) + sum((r[width:] + zeros for r in rows), [])
-    assert p.shape == (2, 8 * width)
+    """W [K, N] in panels of `width` output columns (the kernel's panel()), each [K, width], N
+    padded to a multiple of width with zero columns."""
+    K, N = 3, width + 5  # one whole panel and a part of one
+    w = torch.arange(K * N, dtype=torch.float32).view(K, N)
+    p = cpu_kernel.pack(w, width=width)
+    assert p.shape == (2, K, width)
+    for k in range(K):
+        assert p[0, k].tolist() == w[k, :width].tolist()
+        assert p[1, k].tolist() == w[k, width:].tolist() + [0.0] * (width - 5)
 
 
 def product64(x, wt, bias=None, residual=None):
@@ -55,9 +53,9 @@ def product64(x, wt, bias=None, residual=None):
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 25, 128])
 @pytest.mark.parametrize("K,N", [(64, 96), (72, 61), (576, 960), (9, 5), (16, 1), (44, 6), (27, 7)])
 def test_against_float64(M, K, N):
-    """Every row-count / tile shape (one pass of up to 6 or 12 rows, several passes of equal rows),
-    K with and without a tail past the 16-wide steps, N not a multiple of the tiles' widths nor of
-    the tasks' 16 rows (a last quad of 1, 2 and 3 real rows); with bias and residual (also one row
+    """Every row count (one pass of up to 6 or 12 rows, several passes of equal rows), N not a
+    multiple of the panels' 16 or 32 columns (a last panel of 1-31 real columns), K small and large;
+    with bias and residual (also one row
     broadcast to every row, which the kernel reads from a copy it must keep alive)."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     x, wt = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
@@ -75,14 +73,14 @@ def test_against_float64(M, K, N):
 @pytest.mark.parametrize("K,N", [(72, 61), (576, 960), (9, 5)])
 def test_bf16_weights_are_the_rounded_weights_widened_exactly(M, K, N):
     """A bf16-packed weight (a drafter's) gives the product of the same weight rounded to bf16, as
-    exactly as an fp32 product (against float64; its chunks may be wider than fp32's, so its sums
-    run in another order), at half the bytes; K and N with and without tails."""
+    exactly as an fp32 product (against float64), at half the bytes; N with and without a part
+    panel."""
     g = torch.Generator().manual_seed(K + N + M)
     x, w = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
     bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     half = Weights.of(w, bias, cpu_copy=True, bf16=True)
     assert half.packed.dtype == torch.bfloat16
-    assert half.packed.shape == cpu_kernel.pack(w, width=cpu_kernel.lanes(bf16=True)).shape
+    assert half.packed.shape == cpu_kernel.pack(w).shape
     rounded = w.bfloat16().float()
     with torch.inference_mode():
         y = cpu_kernel.matmul(x, half, residual).double()
@@ -187,8 +185,9 @@ def test_stream_sum_is_the_sum():
 
 @needs_kernel
 def test_its_row_limit_is_the_builds():
-    """fp32 tiles in 512-bit registers are built exactly where the compiler targets AVX-512 (VL);
-    with them the kernel takes steps (prefills) of up to WIDE_MAX_ROWS rows, without them MAX_ROWS."""
+    """Passes of up to 12 rows in 512-bit registers are built exactly where the compiler targets
+    AVX-512; with them the kernel takes steps (prefills) of up to WIDE_MAX_ROWS rows, without them
+    MAX_ROWS."""
     flags = Path("/proc/cpuinfo").read_text().partition("flags")[2].partition("\n")[0].split()
     wide = "avx512vl" in flags and os.environ.get(cpu_kernel.MARCH, "native") == "native"
     assert cpu_kernel.kernel().skinny_wide() == int(wide)
@@ -295,8 +294,8 @@ def test_built_once_per_cache(monkeypatch, tmp_path):
     "avx512vl" not in Path("/proc/cpuinfo").read_text(), reason="this CPU's own build is already its AVX2 path"
 )
 def test_the_avx2_build_passes_the_same_checks(tmp_path):
-    """CPUs without AVX-512 run the kernel's other path (16 vector registers: 12 accumulators, not
-    24). Built here for x86-64-v3 (SPECDEC_CPU_MARCH), it passes this file's checks against float64
+    """CPUs without AVX-512 run the kernel's other path (16 vector registers: panels of 16 columns,
+    passes of up to 6 rows). Built here for x86-64-v3 (SPECDEC_CPU_MARCH), it passes this file's checks against float64
     and of rows, threads and stacks bitwise, in a process of its own (the kernel loads once)."""
     env = os.environ | {"SPECDEC_CPU_MARCH": "x86-64-v3", "SPECDEC_CACHE": str(tmp_path)}
     checks = "float64 or rounded or other_rows or accurate or bitwise or argmax"
