@@ -4,10 +4,11 @@ A decode step multiplies one row by every weight matrix, so it is bound by readi
 MKL computes a one-row fp32 product on one core (16.6 GB/s on the developers' 2-core EPYC, with 1
 thread or 2, where two cores stream 28-34 GB/s), and its products of 2-16 rows re-read the weight
 for every few rows. `csrc/skinny.c` streams each weight once, split over torch's own OpenMP threads,
-for 1 to max_rows() rows, from a copy packed in quads of rows (pack(): one load of x feeds four
-independent sums; fp32, or bf16 for a drafter's weights), up to 12 rows a pass from registers, the stream
-prefetched far ahead while the rows' multiply-adds run, so up to ~9 rows cost about what one row
-costs and a prompt's prefill of up to max_rows() rows runs faster than MKL's GEMM. It sums every output
+for 1 to max_rows() rows, from a copy packed in panels of output columns (pack(): for each k, the
+panel's columns of W side by side, multiplied by x[k] broadcast: an outer product; fp32, or bf16 for
+a drafter's weights), up to 12 rows a pass from registers, the stream prefetched ahead while the
+rows' multiply-adds run, so up to ~12 rows cost about what one row costs and a prompt's prefill of
+up to max_rows() rows runs 2-4x faster than MKL's GEMM. It sums every output
 in one fixed order whatever the row count: row for row, a verify step's products (and a prefill's)
 are bitwise those of a decode step. scripts/bench_cost.py measures it against torch's products.
 
@@ -49,10 +50,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-# The most rows a call takes. Built with 8-lane fp32 tiles only (AVX2), MKL's GEMM was faster from
-# ~256 rows on; with 512-bit tiles (AVX-512) the kernel's whole prefill ran in 0.58 / 0.69 / 0.82 /
+# The most rows a call takes. With the quads of an earlier kernel, built for AVX2, MKL's GEMM was
+# faster from ~256 rows on, and with AVX-512 the kernel's whole prefill ran in 0.58 / 0.69 / 0.82 /
 # 0.95 / 1.12x the time of torch's at 129 / 256 / 512 / 1024 / 2048 tokens (its attention reads
-# every slot up to the last row's, masked or not: SDPA skips them). scripts/bench_cost.py --rows.
+# every slot up to the last row's, masked or not: SDPA skips them). The panels' products of 64 /
+# 128 / 256 / 512 rows take 0.34 / 0.39 / 0.51 / 0.52x MKL's time (AVX-512; scripts/bench_cost.py --rows).
 # max_rows() is this build's. A longer prompt runs in chunks of model.PREFILL_CHUNK rows, each
 # attending only to the slots up to its own last row (0.51-0.62x torch's time at 768-3000 tokens).
 MAX_ROWS, WIDE_MAX_ROWS = 128, 512

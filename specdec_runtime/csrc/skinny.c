@@ -15,16 +15,16 @@
    behind: their stream is prefetched 6 KiB ahead into L1.
 
    This layout replaced quads of W^T's rows read in chunks of K (one vector of sums an output, folded
-   at the end). In a C harness over the bundled target's step weights (547 MB, 2 threads, 2-core
-   EPYC, Zen 5), panels took 0.82-0.95x the quads' time for 6-12 rows, 0.94-0.98x for 3, and
-   0.9-1.02x for one; with the weights in cache they ran 6-12 rows at 370-460 GFLOP/s against
-   220-360 (README).
+   at the end by horizontal sums, ~15% of a 12-row pass). scripts/bench_cost.py on the bundled target
+   (2-core EPYC, Zen 5, ~50 GB/s; the two kernels alternated, twice): a verify step of 6 / 9 / 12
+   rows went from 1.15 / 1.21-1.23 / 1.21-1.22 to 1.07-1.09 / 1.12-1.13 / 1.15 decode steps, a
+   decode step no slower; products of 64-128 rows run at ~415 GFLOP/s on the 2 cores.
 
    Every output is summed in one fixed order: its products x[k] W[k, n] fused into one sum in order
    of k for each block of KB k's, the blocks' sums added in order, then bias, then res; whatever M,
    the passes and the thread split. A row's result does not depend on which other rows were
    computed with it. (One sum over all of K was 2.4x as far from the float64 product as torch's fp32
-   on a test decoder; blocks of 64 bring it back to the quads' accuracy.) */
+   on a test decoder; blocks of 64 keep it within twice torch's, the tests' bound.) */
 #pragma STDC FP_CONTRACT OFF            /* fused only where fmaw says so (vec.h) */
 #pragma GCC optimize("fp-contract=off") /* GCC ignores the former */
 #include <math.h>
