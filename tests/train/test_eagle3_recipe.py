@@ -315,8 +315,8 @@ def test_thread_choices_are_one_line_when_nothing_was_timed_and_untouched_under_
 
 def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
     """experiment=eagle3_gpu composes on eagle3_quickstart: its own data and training settings win,
-    the quickstart's drafting and validation are kept (what the CPU bench measures) but for the
-    trees' depth: 3, the steps its drafter trains."""
+    the quickstart's validation is kept (what the CPU bench measures) but for the trees: 3 deep (the
+    steps its drafter trains), 8 nodes, the top 4 of each expanded node."""
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         gpu = compose("eagle3", overrides=["experiment=eagle3_gpu"])
         quick = compose("eagle3", overrides=["experiment=eagle3_quickstart"])
@@ -326,8 +326,9 @@ def test_the_gpu_preset_is_the_quickstarts_validation_with_gpu_sized_data():
     e = gpu.eagle3
     assert (gpu.model.dtype, gpu.data.max_samples, e.cache_hidden, e.ttt_steps) == ("float32", 2048, False, 3)
     assert (t.micro_batch, t.mixed_precision, t.max_minutes) == (64, "bf16", None)
-    assert (gpu.validate.gamma, quick.validate.gamma) == (e.ttt_steps, 2)
-    assert dict(gpu.validate, gamma=2) == dict(quick.validate) and e.draft_vocab_size == quick.eagle3.draft_vocab_size
+    v, q = gpu.validate, quick.validate
+    assert (v.gamma, v.tree_budget, v.top_k, q.gamma, q.tree_budget, q.top_k) == (e.ttt_steps, 8, 4, 2, 5, 3)
+    assert dict(v, gamma=2, tree_budget=5, top_k=3) == dict(q) and e.draft_vocab_size == quick.eagle3.draft_vocab_size
 
 
 def test_the_phrase_table_is_built_once_from_at_most_phrase_tokens(monkeypatch):
