@@ -113,7 +113,7 @@ class Tree:
         if depth >= self.depth:
             return self
         if depth not in self._truncations:
-            self._truncations[depth] = Tree(tuple(p for p in self.paths if len(p) <= depth))
+            self._truncations[depth] = Tree._interned(tuple(p for p in self.paths if len(p) <= depth))
         return self._truncations[depth]
 
     @cached_property

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from specdec_runtime.drafter_spec import LOOKUP
 from specdec_runtime.loading import DRAFT_VOCAB_FILE
 from specdec_runtime.phrases import PhraseTable
 from train.draft_model import full_state_dict
@@ -368,7 +369,7 @@ def export_eagle3(
     k, tree = drafting["gamma"], drafting["tree_budget"]
     topk, draft_tokens = (drafting["top_k"], tree + 1) if tree else (1, k + 1)  # SGLang: a chain is top-k 1
     drafts = f"a tree of {tree} nodes up to {k} deep" if tree else f"chains of {k} tokens"
-    lookup, first = ("+lookup", ", prompt lookup and the phrase table first") if phrases is not None else ("", "")
+    lookup, first = (LOOKUP, ", prompt lookup and the phrase table first") if phrases is not None else ("", "")
     usage = f"""With specdec's runtime ({drafts}{first}; greedy output identical to the target's):
 
 ```bash
