@@ -140,7 +140,7 @@ def kernel() -> ctypes.CDLL | None:
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
         "decoder_layers": [P, N, N, N, N, P, Int, P, F, N, N, N, N, P, N, P, P, N, N, P, P, N, N, P, P, N, Int],
-        "eagle3_rows": [P, N, P, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
+        "eagle3_rows": [P, N, P, N, N, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -524,7 +524,8 @@ def eagle3_rows(
 ) -> tuple[Tensor, Tensor]:
     """An EAGLE-3 drafter's step for rows of one sequence in one call (eagle3.Eagle3Drafter._run):
     (prenorm [M, H], draft logits [M - head_from, N] of rows head_from..). tokens [M] (ids);
-    embed: the target's embedding [V, H] (any strides); inputs: the target's taps [M, Kt] to project
+    embed: the target's embedding in panels [V / P, H, P], token t at [t // P, :, t % P] (any
+    strides; model.Decoder.embedding_panels); inputs: the target's taps [M, Kt] to project
     with fc (project) or the previous step's prenorm [M, H]; dims: (H, heads, kv heads, head dim,
     intermediate); rope [S, 2, D] (model.rope_table), row m at position first + m * step; kv the
     drafter's cache [1, 2Hkv, S, D]; slots, mask, bound as attention()."""
@@ -539,7 +540,7 @@ def eagle3_rows(
     taps, feature = (inputs, None) if project else (None, inputs)
     # fmt: off
     _ran(kernel().eagle3_rows(
-        tokens.data_ptr(), M, embed.data_ptr(), embed.stride(0), embed.stride(1), _ptr(taps), inputs.shape[1],
+        tokens.data_ptr(), M, embed.data_ptr(), embed.shape[2], *embed.stride(), _ptr(taps), inputs.shape[1],
         _ptr(feature), w.pointers, w.bf16, int(norm_before_residual), eps, H, Hq, Hkv, D, intermediate, N, head_from,
         cos.data_ptr(), sin.data_ptr(), step * rope.stride(0), kv.data_ptr(), kv.shape[-2], slots.data_ptr(),
         _ptr(mask), 0 if mask is None else mask.stride(0), bound, prenorm.data_ptr(), logits.data_ptr(), _threads(),

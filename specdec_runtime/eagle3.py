@@ -371,7 +371,7 @@ class Eagle3Drafter(Drafter):
         if self.kernel_w is not None and cpu_kernel.stack_usable(inputs):
             dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
             return cpu_kernel.eagle3_rows(
-                self.kernel_w, tokens, self.target.embedding, inputs, project, dims, cfg.rms_norm_eps,
+                self.kernel_w, tokens, self.target.embedding_panels(), inputs, project, dims, cfg.rms_norm_eps,
                 self.model.config.norm_before_residual, head_from, self.rope, first, step, self.kv, slots, mask, bound,
             )  # fmt: skip
         T = tokens.shape[0]

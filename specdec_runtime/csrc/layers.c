@@ -539,10 +539,12 @@ enum { E3_FC, E3_INPUT_NORM, E3_HIDDEN_NORM, E3_QKV, E3_QKV_BIAS, E3_O, E3_O_BIA
      prenorm = mlp_part(attention_part(x, residual = feature, or hidden_norm(feature) where
                norm_before_residual is set))                                      [M, H]
      logits  = head(norm(prenorm)) of rows head_from..M-1                          [M - head_from, N]
-   embed: the target's embedding, token t's element k at embed[t * es0 + k * es1] (a tied one is
-   the lm_head's transpose). The weights packed (skinny.c), all in bf16 where is_bf16 is set; the
-   rest as attention_block. Returns 0, or -1 when out of memory. */
-int eagle3_rows(const int64_t *tokens, long M, const float *embed, long es0, long es1, const float *taps, long Kt,
+   embed: the target's embedding in panels of ep tokens (model.Decoder.embedding_panels: a tied
+   one is the lm_head's packed copy), token t's element k at embed[t / ep * es0 + k * es1 + t % ep *
+   es2]. The weights packed (skinny.c), all in bf16 where is_bf16 is set; the rest as
+   attention_block. Returns 0, or -1 when out of memory. */
+int eagle3_rows(const int64_t *tokens, long M, const float *embed, long ep, long es0, long es1, long es2,
+                const float *taps, long Kt,
                 const float *feature, const void *const *w, int is_bf16, int norm_before_residual, float eps, long H,
                 long Hq, long Hkv, long D, long I, long N, long head_from, const float *cos, const float *sin,
                 long rope_stride, float *kv, long S, const int64_t *slots, const uint8_t *mask, long mask_stride,
@@ -560,7 +562,8 @@ int eagle3_rows(const int64_t *tokens, long M, const float *embed, long es0, lon
 #pragma omp for schedule(static)
         for (long m = 0; m < M; m++) {
             float *row = x + m * 2 * H, *e = row + H; /* the embedding, gathered into place, then normed */
-            for (long k = 0; k < H; k++) e[k] = embed[tokens[m] * es0 + k * es1];
+            const float *column = embed + tokens[m] / ep * es0 + tokens[m] % ep * es2;
+            for (long k = 0; k < H; k++) e[k] = column[k * es1];
             norm_row(e, H, w[E3_INPUT_NORM], eps, row);
             norm_row(f + m * H, H, w[E3_HIDDEN_NORM], eps, e);
             memcpy(res + m * H, norm_before_residual ? e : f + m * H, H * sizeof(float));
