@@ -131,6 +131,7 @@ def kernel() -> ctypes.CDLL | None:
         print(f"specdec: CPU kernel not used ({e}); torch's ops instead ({OFF}=0 hides this)", file=sys.stderr)
         return None
     P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+    head = [P, P, Int, N, N, P]  # decoder_layers' norm, head, head_bf16, V, keep, logits
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
@@ -139,7 +140,8 @@ def kernel() -> ctypes.CDLL | None:
         "skinny_wide": [],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
-        "decoder_layers": [P, N, N, N, N, P, Int, P, F, N, N, N, N, P, N, P, P, N, N, P, P, N, N, P, P, N, Int],
+        "decoder_layers": [P, *[N] * 4, P, Int, P, F, *[N] * 4, P, N, P, P, N, N, P, P, N, N, P, P, N, *head, Int],
+        "head_rows": [P, N, N, P, F, P, Int, N, P, Int],
         "eagle3_rows": [P, N, P, N, N, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
     }
     for name, args in signatures.items():
@@ -454,11 +456,15 @@ def decoder_layers(
     slots: Tensor,
     mask: Tensor | None,
     bound: int,
-) -> tuple[Tensor, Tensor | None]:
+    head: tuple[Tensor, tuple] | None = None,
+    keep: int = 0,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Layers [first, last) of a decoder (model.Decoder._forward) on rows x [T, Hd] of one sequence
     (sublayer_usable), in one call: (x after them, the taps' residual streams side by side [T,
-    taps * Hd] or None). skip: (attention, MLP) layer sets skipped; dims: (H, Hkv, D, intermediate);
-    kv: the whole cache [L, 1, 2Hkv, S, D]; the rest as attention()."""
+    taps * Hd] or None, the logits or None). skip: (attention, MLP) layer sets skipped; dims: (H,
+    Hkv, D, intermediate); kv: the whole cache [L, 1, 2Hkv, S, D]; the rest as attention(). head:
+    (the final norm's doubled weight, the lm_head's Weights, packed) to also compute the logits
+    [R, V] of the last R = keep rows (all where keep is 0) in the same call."""
     x = x.contiguous().clone()
     M, Hd = x.shape
     H, Hkv, D, intermediate = dims
@@ -468,15 +474,32 @@ def decoder_layers(
     tapped = sorted(set(taps))
     tap_at = (ctypes.c_long * len(layers))(*(tapped.index(i) if i in tapped else -1 for i in layers))
     out = _out(M, len(tapped) * Hd) if tapped else None
+    norm, lm_head = head if head is not None else (None, None)
+    V, keep = (0 if lm_head is None else lm_head.w.shape[1]), (keep if 0 < keep < M else 0)
+    logits = None if lm_head is None else _out(keep or M, V)
     # fmt: off
     _ran(kernel().decoder_layers(
         x.data_ptr(), M, Hd, first, last, s.pointers, s.bf16, flags, eps, H, Hkv, D, intermediate,
         kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.shape[-2],
         slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
-        len(tapped), _threads(),
+        len(tapped), _ptr(norm), None if lm_head is None else lm_head.packed.data_ptr(),
+        0 if lm_head is None else _bf16(lm_head), V, keep, _ptr(logits), _threads(),
     ))
     # fmt: on
-    return x, out
+    return x, out, logits
+
+
+def head_rows(x: Tensor, norm: Tensor, eps: float, head: tuple) -> Tensor:
+    """The logits [M, V] of rows x [M, H] (usable(x)): head(norm(x)) as decoder_layers computes them
+    with its head, so that a forward whose layers ran apart (a batch's, sublayer by sublayer) gets
+    bitwise the logits of one whose head ran in the stack's call. norm: the doubled weight [2H];
+    head: the lm_head's packed Weights."""
+    x = x.contiguous()
+    M, H = x.shape
+    logits = _out(M, head.w.shape[1])
+    _ran(kernel().head_rows(x.data_ptr(), M, H, norm.data_ptr(), eps, head.packed.data_ptr(), _bf16(head),
+                            head.w.shape[1], logits.data_ptr(), _threads()))  # fmt: skip
+    return logits
 
 
 class Eagle3Weights(NamedTuple):

@@ -630,12 +630,17 @@ class Decoder(nn.Module):
         skip_mlp = skip.mlp if skip is not None else ()
         h, tapped = x.reshape(B * T, -1), []  # the layers work on [B*T, H]
         if layer_fns == (attention, mlp) and self._stack_in_kernel(h, B):
-            c = self.config  # the CPU kernel runs the layers in one call
+            c = self.config  # the CPU kernel runs the layers, and the head where it is packed, in one call
             dims = (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
-            h, hidden = cpu_kernel.decoder_layers(
+            lm_head = self.lm_head.params
+            fused = (self.norm, lm_head) if head and lm_head.packed is not None else None
+            h, hidden, logits = cpu_kernel.decoder_layers(
                 self._stack, h, first_layer, last, (set(skip_attn), set(skip_mlp)), taps, dims,
-                c.rms_norm_eps, a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound,
+                c.rms_norm_eps, a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound, fused, logits_to_keep,
             )  # fmt: skip
+            if logits is not None:
+                hidden = hidden.view(B, T, -1) if hidden is not None else None
+                return DecoderOutput(logits.view(B, -1, logits.shape[-1]), hidden)
             return self._head_out(h, hidden, B, T, logits_to_keep, head)
         for i in range(first_layer, last):
             if i in taps:
@@ -660,7 +665,11 @@ class Decoder(nn.Module):
         h = h.view(B, T, -1)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return DecoderOutput(self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps)), hidden)
+        lm_head, eps = self.lm_head.params, self.config.rms_norm_eps
+        rows = h.reshape(-1, h.shape[-1])
+        if lm_head.packed is not None and cpu_kernel.usable(rows):  # as the stack's call computes them
+            return DecoderOutput(cpu_kernel.head_rows(rows, self.norm, eps, lm_head).view(B, h.shape[1], -1), hidden)
+        return DecoderOutput(self.lm_head(rms_norm(h, self.norm, eps)), hidden)
 
     @classmethod
     @torch.no_grad()

@@ -497,31 +497,54 @@ enum { ATTN_NORM, QKV, QKV_BIAS, O, O_BIAS, MLP_NORM, GATE_UP, GATE_UP_BIAS, DOW
    weights packed (in bf16 where is_bf16 is set); kv: layer 0's cache [2 Hkv, S, D], the next
    layer's kv_stride floats further. flags[i - first]: 1 skips layer i's attention, 2 its MLP.
    tap_at[i - first], i in [first, last]: which of the ntaps blocks of taps [M, ntaps * Hd] gets x
-   as it enters layer i (as it leaves the last layer at i = last), or -1. Returns 0, or -1 when
-   out of memory. */
+   as it enters layer i (as it leaves the last layer at i = last), or -1.
+   head (packed, in bf16 where head_bf16 is set; NULL: none): then the last R rows' logits
+   [R, V] = head(norm(x)) (R = keep, or M where keep is 0), in the same call: the Python and torch
+   ops of a separate norm and product ran cold after the layers' stream (~0.1 ms a decode step,
+   ~0.3 ms a verify step of 9 rows on the 2-core EPYC). Returns 0, or -1 when out of memory. */
 int decoder_layers(float *x, long M, long Hd, long first, long last, const void *const *w, int is_bf16,
                    const int *flags, float eps, long H, long Hkv, long D, long I, float *kv, long kv_stride,
                    const float *cos, const float *sin, long rope_stride, long S, const int64_t *slots,
                    const uint8_t *mask, long mask_stride, long bound, const long *tap_at, float *taps, long ntaps,
+                   const float *norm, const void *head, int head_bf16, long V, long keep, float *logits,
                    int threads) {
     size_t a = attention_floats(M, Hd, H, Hkv, D, bound, threads), b = mlp_floats(M, Hd, I, threads);
     float *buf = scratch(a > b ? a : b);
     if (!buf) return -1;
 #pragma omp parallel num_threads(threads) /* one region for all the layers: no fork and join a sublayer */
-    for (long i = first; i <= last; i++) {
-        long t = tap_at[i - first];
-        if (t >= 0) {
+    {
+        for (long i = first; i <= last; i++) {
+            long t = tap_at[i - first];
+            if (t >= 0) {
 #pragma omp for schedule(static)
-            for (long m = 0; m < M; m++) memcpy(taps + (m * ntaps + t) * Hd, x + m * Hd, Hd * sizeof(float));
+                for (long m = 0; m < M; m++) memcpy(taps + (m * ntaps + t) * Hd, x + m * Hd, Hd * sizeof(float));
+            }
+            if (i == last) break;
+            const void *const *l = w + i * PER_LAYER;
+            if (!(flags[i - first] & 1))
+                attention_part(x, M, Hd, l[ATTN_NORM], eps, x, l[QKV], is_bf16, l[QKV_BIAS], H, Hkv, D, l[O],
+                               l[O_BIAS], Hd, cos, sin, rope_stride, kv + i * kv_stride, S, slots, mask, mask_stride,
+                               bound, x, buf);
+            if (!(flags[i - first] & 2))
+                mlp_part(x, M, Hd, l[MLP_NORM], eps, l[GATE_UP], is_bf16, l[GATE_UP_BIAS], I, l[DOWN], l[DOWN_BIAS], x,
+                         buf);
         }
-        if (i == last) break;
-        const void *const *l = w + i * PER_LAYER;
-        if (!(flags[i - first] & 1))
-            attention_part(x, M, Hd, l[ATTN_NORM], eps, x, l[QKV], is_bf16, l[QKV_BIAS], H, Hkv, D, l[O], l[O_BIAS], Hd,
-                           cos, sin, rope_stride, kv + i * kv_stride, S, slots, mask, mask_stride, bound, x, buf);
-        if (!(flags[i - first] & 2))
-            mlp_part(x, M, Hd, l[MLP_NORM], eps, l[GATE_UP], is_bf16, l[GATE_UP_BIAS], I, l[DOWN], l[DOWN_BIAS], x, buf);
+        if (head) { /* x is final: no thread writes it after the layers' last barrier */
+            long R = keep ? keep : M;
+            skinny_part(normed(x + (M - R) * Hd, R, Hd, norm, eps, buf), R, Hd, head, head_bf16, V, 0, 0, logits);
+        }
     }
+    return 0;
+}
+
+/* logits [M, V] = head(norm(x)) for rows x [M, Hd], as decoder_layers' head computes them (the rows
+   of a forward whose layers ran apart from it: a batch's, a prompt's past the kernel's rows). */
+int head_rows(const float *x, long M, long Hd, const float *norm, float eps, const void *head, int head_bf16, long V,
+              float *logits, int threads) {
+    float *buf = scratch((size_t)(threads + 1) * M * Hd); /* normed's copies, or its rows */
+    if (!buf) return -1;
+#pragma omp parallel num_threads(threads)
+    skinny_part(normed(x, M, Hd, norm, eps, buf), M, Hd, head, head_bf16, V, 0, 0, logits);
     return 0;
 }
 
