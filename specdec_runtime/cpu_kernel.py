@@ -131,7 +131,7 @@ def kernel() -> ctypes.CDLL | None:
         print(f"specdec: CPU kernel not used ({e}); torch's ops instead ({OFF}=0 hides this)", file=sys.stderr)
         return None
     P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-    head = [P, P, Int, N, N, P]  # decoder_layers' norm, head, head_bf16, V, keep, logits
+    head = [P, P, Int, N, N, P, P]  # decoder_layers' norm, head, head_bf16, V, keep, logits, best
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
@@ -458,13 +458,14 @@ def decoder_layers(
     bound: int,
     head: tuple[Tensor, tuple] | None = None,
     keep: int = 0,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Layers [first, last) of a decoder (model.Decoder._forward) on rows x [T, Hd] of one sequence
     (sublayer_usable), in one call: (x after them, the taps' residual streams side by side [T,
-    taps * Hd] or None, the logits or None). skip: (attention, MLP) layer sets skipped; dims: (H,
-    Hkv, D, intermediate); kv: the whole cache [L, 1, 2Hkv, S, D]; the rest as attention(). head:
-    (the final norm's doubled weight, the lm_head's Weights, packed) to also compute the logits
-    [R, V] of the last R = keep rows (all where keep is 0) in the same call."""
+    taps * Hd] or None, the logits or None, their argmax or None). skip: (attention, MLP) layer
+    sets skipped; dims: (H, Hkv, D, intermediate); kv: the whole cache [L, 1, 2Hkv, S, D]; the rest
+    as attention(). head: (the final norm's doubled weight, the lm_head's Weights, packed) to also
+    compute the logits [R, V] of the last R = keep rows (all where keep is 0) and their argmax [R]
+    (argmax()'s) in the same call."""
     x = x.contiguous().clone()
     M, Hd = x.shape
     H, Hkv, D, intermediate = dims
@@ -477,16 +478,17 @@ def decoder_layers(
     norm, lm_head = head if head is not None else (None, None)
     V, keep = (0 if lm_head is None else lm_head.w.shape[1]), (keep if 0 < keep < M else 0)
     logits = None if lm_head is None else _out(keep or M, V)
+    best = None if lm_head is None else torch.empty(keep or M, dtype=torch.long)
     # fmt: off
     _ran(kernel().decoder_layers(
         x.data_ptr(), M, Hd, first, last, s.pointers, s.bf16, flags, eps, H, Hkv, D, intermediate,
         kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.shape[-2],
         slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
         len(tapped), _ptr(norm), None if lm_head is None else lm_head.packed.data_ptr(),
-        0 if lm_head is None else _bf16(lm_head), V, keep, _ptr(logits), _threads(),
+        0 if lm_head is None else _bf16(lm_head), V, keep, _ptr(logits), _ptr(best), _threads(),
     ))
     # fmt: on
-    return x, out, logits
+    return x, out, logits, best
 
 
 def head_rows(x: Tensor, norm: Tensor, eps: float, head: tuple) -> Tensor:

@@ -65,7 +65,7 @@ def verify_forward(target: Decoder, ids: Tensor, L: int, draft: Draft | None, ta
         out = target(draft.residual, L - 1, first_layer=draft.resume_layer, taps=taps)
     else:
         out = target(torch.cat([root, draft.tokens])[None], L - 1, taps=taps)
-    return DecoderOutput(out.logits[0], out.hidden[0] if taps else None)
+    return DecoderOutput(out.logits[0], out.hidden[0] if taps else None, None if out.greedy is None else out.greedy[0])
 
 
 def warm_up(
@@ -205,7 +205,7 @@ def generate(
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps)
         t2 = clock()
-        v = verify(draft, ids[L - 1], verified.logits, sampler, typical)
+        v = verify(draft, ids[L - 1], verified.logits, sampler, typical, verified.greedy)
         nodes = ids[L - 1 : L] if draft is None else torch.cat([ids[L - 1 : L], draft.tokens])
         branch = nodes[v.path]  # [D + 1] the drafted branch, root first
         host = torch.cat([v.accept_len.view(1), branch[1:], v.token.view(1)]).tolist()  # the round's one host sync

@@ -78,6 +78,9 @@ class DecoderOutput(NamedTuple):
     # With taps=(k1, k2, ...): the residual streams after the first k1, k2, ... layers at every
     # position, concatenated [B, T, len(taps) * H] (an MTP trunk's output, EAGLE-3's features).
     hidden: Tensor | None
+    # The logits' argmax [B, T'] where the forward computed it beside them (the CPU kernel's head:
+    # cpu_kernel.decoder_layers), the index argmax(logits) gives; None elsewhere.
+    greedy: Tensor | None = None
 
 
 class KVCache(nn.Module):
@@ -634,13 +637,13 @@ class Decoder(nn.Module):
             dims = (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
             lm_head = self.lm_head.params
             fused = (self.norm, lm_head) if head and lm_head.packed is not None else None
-            h, hidden, logits = cpu_kernel.decoder_layers(
+            h, hidden, logits, greedy = cpu_kernel.decoder_layers(
                 self._stack, h, first_layer, last, (set(skip_attn), set(skip_mlp)), taps, dims,
                 c.rms_norm_eps, a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound, fused, logits_to_keep,
             )  # fmt: skip
             if logits is not None:
                 hidden = hidden.view(B, T, -1) if hidden is not None else None
-                return DecoderOutput(logits.view(B, -1, logits.shape[-1]), hidden)
+                return DecoderOutput(logits.view(B, -1, logits.shape[-1]), hidden, greedy.view(B, -1))
             return self._head_out(h, hidden, B, T, logits_to_keep, head)
         for i in range(first_layer, last):
             if i in taps:

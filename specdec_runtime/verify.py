@@ -32,23 +32,30 @@ class Verdict(NamedTuple):
 
 
 def verify(
-    draft: Draft | None, root: Tensor, logits: Tensor, sampler: Sampler, typical: tuple[float, float] | None = None
+    draft: Draft | None,
+    root: Tensor,
+    logits: Tensor,
+    sampler: Sampler,
+    typical: tuple[float, float] | None = None,
+    greedy: Tensor | None = None,
 ) -> Verdict:
     """The rule for this draft and sampler. logits [N + 1, V]: the target's after the root and after
-    every draft token. typical=(posterior_threshold, alpha) selects Medusa's typical acceptance
-    for sampling, which is LOSSY."""
+    every draft token; greedy [N + 1]: their argmax where the forward computed it (DecoderOutput),
+    read instead of computing it again. typical=(posterior_threshold, alpha) selects Medusa's
+    typical acceptance for sampling, which is LOSSY."""
     if draft is None or not draft.tokens.numel():  # a plain decode step
         path = chain_path(0, logits.device)
-        return Verdict(path, path[0], sampler.next_token(logits[0]))
+        token = greedy[0] if sampler.greedy and greedy is not None else sampler.next_token(logits[0])
+        return Verdict(path, path[0], token)
     tree = draft.tree
     if tree is None and (sampler.greedy or typical is None):
         if sampler.greedy:
-            return verify_greedy(draft.tokens, logits)
+            return verify_greedy(draft.tokens, logits, greedy)
         return verify_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler)
     tree = tree or Tree.chain(draft.tokens.shape[0])
     nodes = torch.cat([root.view(1), draft.tokens])
     if sampler.greedy:
-        return verify_tree_greedy(tree, nodes, logits)
+        return verify_tree_greedy(tree, nodes, logits, greedy)
     probs = sampler.probs(logits)
     if typical is not None:
         return verify_tree_typical(tree, nodes, probs, sampler, threshold=typical[0], alpha=typical[1])
@@ -77,13 +84,13 @@ def accepted_prefix(ok: Tensor) -> Tensor:
     return ok.long().cumprod(dim=0).sum()
 
 
-def verify_greedy(draft: Tensor, target_logits: Tensor) -> Verdict:
+def verify_greedy(draft: Tensor, target_logits: Tensor, greedy: Tensor | None = None) -> Verdict:
     """Accept the longest draft prefix equal to the target's argmax; the target then adds one token.
 
-    draft [g] token ids; target_logits [g + 1, V]. The output equals the target's own greedy
-    decoding, token for token.
+    draft [g] token ids; target_logits [g + 1, V] (greedy: their argmax, where it is known). The
+    output equals the target's own greedy decoding, token for token.
     """
-    choice = argmax(target_logits)  # [g + 1]
+    choice = argmax(target_logits) if greedy is None else greedy  # [g + 1]
     n = accepted_prefix(choice[:-1] == draft)
     return Verdict(chain_path(draft.shape[0], draft.device), n, pick(choice, n))
 
@@ -152,13 +159,14 @@ def _walk_on_device(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tenso
     return by_depth.to(torch.uint8).argmax(dim=0), n  # [D+1]; entries past n point at the root
 
 
-def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor) -> Verdict:
+def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor, greedy: Tensor | None = None) -> Verdict:
     """Accept the branch the target's argmax follows; exact, so the output is the target's greedy output.
 
-    tokens [N+1] node tokens (root first); logits [N+1, V] the target's logits after each node.
+    tokens [N+1] node tokens (root first); logits [N+1, V] the target's logits after each node
+    (greedy: their argmax, where it is known).
     """
     t = tree.on(tokens.device)
-    choice = argmax(logits)  # [N+1]
+    choice = argmax(logits) if greedy is None else greedy  # [N+1]
     chosen = tokens == choice[t["parent"]]  # siblings are distinct, so at most one matches
     path, n = _walk(tree, t, chosen)
     return Verdict(path, n, pick(choice, pick(path, n)))

@@ -9,7 +9,7 @@
 /* The index of x [V]'s largest value as torch.argmax gives it: the first of equal maxima, and the
    first NaN where there is one (NaN counts as the largest). 4 x 8 lanes keep each the first maximum
    it sees (four chains of compares, not one), then the largest of them at its lowest index. */
-static int64_t argmax_row(const float *x, long V) {
+int64_t argmax_row(const float *x, long V) {
     v8 best[4];
     v8i at[4], nan = {0}, idx = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int c = 0; c < 4; c++) best[c] = (v8){0} - INFINITY, at[c] = (v8i){0};

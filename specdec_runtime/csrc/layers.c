@@ -26,6 +26,7 @@
 
 void skinny_part(const float *x, long M, long K, const void *w, int is_bf16, long N, const float *bias,
                  const float *res, float *y);
+int64_t argmax_row(const float *x, long V); /* argmax.c */
 
 /* A growing scratch buffer per calling thread (decode steps reuse it: no allocation per call). */
 static float *scratch(size_t n) {
@@ -499,18 +500,21 @@ enum { ATTN_NORM, QKV, QKV_BIAS, O, O_BIAS, MLP_NORM, GATE_UP, GATE_UP_BIAS, DOW
    tap_at[i - first], i in [first, last]: which of the ntaps blocks of taps [M, ntaps * Hd] gets x
    as it enters layer i (as it leaves the last layer at i = last), or -1.
    head (packed, in bf16 where head_bf16 is set; NULL: none): then the last R rows' logits
-   [R, V] = head(norm(x)) (R = keep, or M where keep is 0), in the same call: the Python and torch
-   ops of a separate norm and product ran cold after the layers' stream (~0.1 ms a decode step,
-   ~0.3 ms a verify step of 9 rows on the 2-core EPYC). Returns 0, or -1 when out of memory. */
+   [R, V] = head(norm(x)) (R = keep, or M where keep is 0), and their argmax best [R] as
+   torch.argmax gives it (argmax.c), in the same call: the Python and torch ops of a separate norm,
+   product and argmax ran cold after the layers' stream (~0.1 ms a decode step, ~0.4 ms a verify
+   step of 9 rows on the 2-core EPYC). Returns 0, or -1 when out of memory. */
 int decoder_layers(float *x, long M, long Hd, long first, long last, const void *const *w, int is_bf16,
                    const int *flags, float eps, long H, long Hkv, long D, long I, float *kv, long kv_stride,
                    const float *cos, const float *sin, long rope_stride, long S, const int64_t *slots,
                    const uint8_t *mask, long mask_stride, long bound, const long *tap_at, float *taps, long ntaps,
                    const float *norm, const void *head, int head_bf16, long V, long keep, float *logits,
-                   int threads) {
+                   int64_t *best, int threads) {
     size_t a = attention_floats(M, Hd, H, Hkv, D, bound, threads), b = mlp_floats(M, Hd, I, threads);
-    float *buf = scratch(a > b ? a : b);
+    size_t floats = ((a > b ? a : b) + 1) & ~(size_t)1; /* then the head's argmax: each thread's best of each row */
+    float *buf = scratch(floats + 2 * (size_t)threads * M);
     if (!buf) return -1;
+    int64_t *at = (int64_t *)(buf + floats);
 #pragma omp parallel num_threads(threads) /* one region for all the layers: no fork and join a sublayer */
     {
         for (long i = first; i <= last; i++) {
@@ -532,6 +536,20 @@ int decoder_layers(float *x, long M, long Hd, long first, long last, const void 
         if (head) { /* x is final: no thread writes it after the layers' last barrier */
             long R = keep ? keep : M;
             skinny_part(normed(x + (M - R) * Hd, R, Hd, norm, eps, buf), R, Hd, head, head_bf16, V, 0, 0, logits);
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            long lo = V * t / nt, hi = V * (t + 1) / nt; /* each thread's span of every row, then in order */
+            for (long r = 0; r < R; r++) at[r * nt + t] = lo + (hi > lo ? argmax_row(logits + r * V + lo, hi - lo) : 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (long r = 0; r < R; r++) { /* the first NaN, else the largest at its lowest index */
+                const float *row = logits + r * V;
+                int64_t choice = at[r * nt];
+                for (int s = 0; s < nt && row[choice] == row[choice]; s++) {
+                    int64_t i = at[r * nt + s];
+                    if (V * s / nt < V * (s + 1) / nt && (row[i] != row[i] || row[i] > row[choice])) choice = i;
+                }
+                best[r] = choice;
+            }
         }
     }
     return 0;

@@ -477,13 +477,14 @@ def test_the_stack_in_one_call_is_bitwise_the_sublayer_calls(monkeypatch, kind):
         out = [model(ids[:, 10:13], 10, taps=(0, 2, 4)), model(ids[:, 13:], 13, skip=skip)]
         early = model(ids[:, 10:12], 10, exit_layer=2, taps=(2,), head=False)
         out += [early, model(early.hidden, 10, first_layer=2)]
-        return [t for o in out for t in o if t is not None], model.cache.kv.clone()
+        fields = [o.logits for o in out] + [o.hidden for o in out] + [o.greedy for o in out]  # greedy last
+        return [t for t in fields if t is not None], model.cache.kv.clone()
 
     one_call = run()
     monkeypatch.setattr(cpu_kernel, "stack_usable", lambda x: False)
     by_sublayer = run()
-    assert len(one_call[0]) == 5  # 3 logits, 2 taps
-    assert all(torch.equal(a, b) for a, b in zip(one_call[0], by_sublayer[0]))
+    assert len(one_call[0]) == 8 and len(by_sublayer[0]) == 5  # 3 logits, 2 taps (+ 3 argmax in one call)
+    assert all(torch.equal(a, b) for a, b in zip(one_call[0][:5], by_sublayer[0]))
     assert torch.equal(one_call[1], by_sublayer[1])  # the caches
     monkeypatch.undo()
     stack = model.kernel_stack()
@@ -492,6 +493,47 @@ def test_the_stack_in_one_call_is_bitwise_the_sublayer_calls(monkeypatch, kind):
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("lm_head", ["random", "all equal", "a NaN late", "NaNs early and late"])
+def test_the_stacks_head_gives_head_rows_logits_and_torchs_argmax(monkeypatch, lm_head):
+    """The final norm and lm_head in the layer stack's call (decoder_layers' head): bitwise the
+    logits of head_rows (a forward whose layers ran apart), and beside them their argmax as
+    torch.argmax gives it: the first of equal maxima across the threads' spans of a row, the first
+    NaN (sampling.argmax's rules, test_argmax_is_torchs), with 1 and 2 threads."""
+    model = wide_decoder(64, num_hidden_layers=2)
+    V = model.config.vocab_size
+    with torch.no_grad():
+        w = model.lm_head.weight  # [H, V]
+        if lm_head != "random":
+            w.copy_(w[:, :1].expand_as(w))  # every logit of a row equal: the first index
+        if "NaN" in lm_head:
+            w[:, V - 3] = float("nan")
+        if "early" in lm_head:
+            w[:, 5] = float("nan")
+    model.keep_cpu_copies()
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            model.setup_cache(1, 16)
+            model(ids[:, :5], 0)
+            one_call = [model(ids[:, 5:8], 5), model(ids[:, 8:], 8)]  # a verify of 3 rows, a decode step
+            with monkeypatch.context() as m:
+                m.setattr(cpu_kernel, "stack_usable", lambda x: False)
+                model.setup_cache(1, 16)
+                model(ids[:, :5], 0)
+                apart = [model(ids[:, 5:8], 5), model(ids[:, 8:], 8)]
+            for a, b in zip(one_call, apart):
+                assert b.greedy is None
+                torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0, equal_nan=True)  # bitwise
+                assert torch.equal(a.greedy, a.logits.argmax(-1))
+    finally:
+        torch.set_num_threads(threads)
+    expected = {"random": None, "all equal": 0, "a NaN late": V - 3, "NaNs early and late": 5}[lm_head]
+    assert expected is None or (one_call[0].greedy == expected).all()
+
+
 def test_loading_new_weights_refreshes_what_the_kernel_reads():
     """load_state_dict copies new weights in: the packed copies and the stack follow, so a decode
     step gives bitwise what a model built with those weights gives."""
