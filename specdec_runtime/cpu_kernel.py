@@ -16,7 +16,7 @@ are bitwise those of a decode step. scripts/bench_cost.py measures it against to
 rope, cache write, attention, gated activation), where torch dispatches some twenty small ops whose
 overhead was a third of a decode step, and a one-sequence step's whole layer stack in one call
 (decoder_layers(), from a Stack of pointers the model builds once); it keeps the same row-for-row
-guarantee. model.Decoder hands a step's layers to it (stack_usable()); model.attention(),
+guarantee. model.Decoder hands a step's layers to it (stack_takes()); model.attention(),
 self_attention() and mlp() their rows otherwise (sublayer_usable()), and an EAGLE-3 drafter's whole
 draft step runs in one call too (eagle3_rows()). `csrc/argmax.c` takes greedy
 decoding's argmax of the logits (argmax(), sampling.argmax), ~4.5x torch's speed on a row.
@@ -131,7 +131,9 @@ def kernel() -> ctypes.CDLL | None:
         print(f"specdec: CPU kernel not used ({e}); torch's ops instead ({OFF}=0 hides this)", file=sys.stderr)
         return None
     P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-    head = [P, P, Int, N, N, P, P]  # decoder_layers' norm, head, head_bf16, V, keep, logits, best
+    gather = [P, P, *[N] * 4]  # decoder_layers' tokens, embed, ep, es0, es1, es2
+    attend = [P, N, P, P, N, N, P, P, N, N]  # kv .. bound
+    head = [P, P, Int, N, N, P, P]  # and norm, head, head_bf16, V, keep, logits, best
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
@@ -140,7 +142,7 @@ def kernel() -> ctypes.CDLL | None:
         "skinny_wide": [],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
-        "decoder_layers": [P, *[N] * 4, P, Int, P, F, *[N] * 4, P, N, P, P, N, N, P, P, N, N, P, P, N, *head, Int],
+        "decoder_layers": [P, *gather, *[N] * 4, P, Int, P, F, *[N] * 4, *attend, P, P, N, *head, Int],
         "head_rows": [P, N, N, P, F, P, Int, N, P, Int],
         "eagle3_rows": [P, N, P, N, N, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
     }
@@ -183,11 +185,16 @@ def _serves(device: torch.device, dtype: torch.dtype) -> bool:
 def usable(x: Tensor) -> bool:
     """Whether linear() hands x's product to the kernel: few rows it serves (_serves), no autograd,
     not under torch.compile (which traces torch's ops)."""
+    return _takes(x.device, x.dtype, x.shape[0])
+
+
+def _takes(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+    """usable() for rows of this device and dtype."""
     return (
         not torch.compiler.is_compiling()  # first: what follows asks the library (ctypes), which it cannot trace
         and not torch.is_grad_enabled()
-        and _serves(x.device, x.dtype)  # before max_rows(): a GPU's rows never load the library
-        and x.shape[0] <= max_rows()
+        and _serves(device, dtype)  # before max_rows(): a GPU's rows never load the library
+        and rows <= max_rows()
     )
 
 
@@ -357,7 +364,13 @@ def _ran(status: int) -> None:
 def stack_usable(x: Tensor) -> bool:
     """Whether rows x [T, H] of one sequence can run a whole layer stack in the kernel (with packed
     weights: model.Decoder.kernel_stack): usable(x) and sublayers on."""
-    return _sublayers and usable(x)
+    return stack_takes(x.device, x.dtype, x.shape[0])
+
+
+def stack_takes(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+    """stack_usable() for `rows` rows of this device and dtype (a forward's tokens, before their
+    embedding: the kernel gathers it)."""
+    return _sublayers and _takes(device, dtype, rows)
 
 
 def sublayer_usable(x: Tensor, B: int, *weights: tuple) -> bool:
@@ -441,12 +454,23 @@ def stack(layers: list[tuple]) -> Stack | None:
     return Stack(pointers, _bf16(*weights), [t.untyped_storage() for t in tensors if t is not None])
 
 
+@functools.lru_cache(maxsize=256)
+def _layer_arrays(first: int, last: int, skip: tuple, taps: tuple) -> tuple[ctypes.Array, ctypes.Array, int]:
+    """decoder_layers' flags and tap_at arrays (and the number of taps), built once per layer plan:
+    a decode step's Python runs cold after the weights' stream, each object it builds costs."""
+    layers = range(first, last + 1)
+    flags = (ctypes.c_int * len(layers))(*((i in skip[0]) + 2 * (i in skip[1]) for i in layers))
+    tapped = sorted(set(taps))
+    tap_at = (ctypes.c_long * len(layers))(*(tapped.index(i) if i in tapped else -1 for i in layers))
+    return flags, tap_at, len(tapped)
+
+
 def decoder_layers(
     s: Stack,
     x: Tensor,
     first: int,
     last: int,
-    skip: tuple[set[int], set[int]],
+    skip: tuple[frozenset[int], frozenset[int]],
     taps: tuple[int, ...],
     dims: tuple[int, int, int, int],
     eps: float,
@@ -458,33 +482,35 @@ def decoder_layers(
     bound: int,
     head: tuple[Tensor, tuple] | None = None,
     keep: int = 0,
+    embed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Layers [first, last) of a decoder (model.Decoder._forward) on rows x [T, Hd] of one sequence
-    (sublayer_usable), in one call: (x after them, the taps' residual streams side by side [T,
-    taps * Hd] or None, the logits or None, their argmax or None). skip: (attention, MLP) layer
-    sets skipped; dims: (H, Hkv, D, intermediate); kv: the whole cache [L, 1, 2Hkv, S, D]; the rest
-    as attention(). head: (the final norm's doubled weight, the lm_head's Weights, packed) to also
-    compute the logits [R, V] of the last R = keep rows (all where keep is 0) and their argmax [R]
-    (argmax()'s) in the same call."""
-    x = x.contiguous().clone()
-    M, Hd = x.shape
+    (stack_usable), in one call: (x after them, the taps' residual streams side by side [T, taps *
+    Hd] or None, the logits or None, their argmax or None). x may instead be token ids [T], with
+    embed the embedding table in panels [V / P, Hd, P] (model.Decoder.embedding_panels): the
+    kernel gathers their rows. skip: (attention, MLP) layer sets skipped; dims: (H, Hkv, D,
+    intermediate); kv: the whole cache [L, 1, 2Hkv, S, D]; the rest as attention(). head: (the
+    final norm's doubled weight, the lm_head's Weights, packed) to also compute the logits [R, V]
+    of the last R = keep rows (all where keep is 0) and their argmax [R] (argmax()'s) in the same
+    call."""
     H, Hkv, D, intermediate = dims
+    tokens = x.contiguous() if embed is not None else None
+    M, Hd = (tokens.shape[0], embed.shape[1]) if tokens is not None else x.shape
+    x = _out(M, Hd) if tokens is not None else x.contiguous().clone()
+    P, es0, es1, es2 = (embed.shape[2], *embed.stride()) if embed is not None else (1, 0, 0, 0)
     slots, mask = _attention_args("decoder_layers", kv, cos, sin, slots, mask)
-    layers = range(first, last + 1)
-    flags = (ctypes.c_int * len(layers))(*((i in skip[0]) + 2 * (i in skip[1]) for i in layers))
-    tapped = sorted(set(taps))
-    tap_at = (ctypes.c_long * len(layers))(*(tapped.index(i) if i in tapped else -1 for i in layers))
-    out = _out(M, len(tapped) * Hd) if tapped else None
+    flags, tap_at, ntaps = _layer_arrays(first, last, (frozenset(skip[0]), frozenset(skip[1])), tuple(taps))
+    out = _out(M, ntaps * Hd) if ntaps else None
     norm, lm_head = head if head is not None else (None, None)
     V, keep = (0 if lm_head is None else lm_head.w.shape[1]), (keep if 0 < keep < M else 0)
     logits = None if lm_head is None else _out(keep or M, V)
     best = None if lm_head is None else torch.empty(keep or M, dtype=torch.long)
     # fmt: off
     _ran(kernel().decoder_layers(
-        x.data_ptr(), M, Hd, first, last, s.pointers, s.bf16, flags, eps, H, Hkv, D, intermediate,
-        kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.shape[-2],
-        slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
-        len(tapped), _ptr(norm), None if lm_head is None else lm_head.packed.data_ptr(),
+        x.data_ptr(), _ptr(tokens), _ptr(embed), P, es0, es1, es2, M, Hd, first, last, s.pointers, s.bf16, flags,
+        eps, H, Hkv, D, intermediate, kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        kv.shape[-2], slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
+        ntaps, _ptr(norm), None if lm_head is None else lm_head.packed.data_ptr(),
         0 if lm_head is None else _bf16(lm_head), V, keep, _ptr(logits), _ptr(best), _threads(),
     ))
     # fmt: on

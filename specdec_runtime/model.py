@@ -526,9 +526,8 @@ class Decoder(nn.Module):
         the time on a 2-core EPYC (README)."""
         opts, (B, T) = self._options(ids, **kwargs), ids.shape[:2]
         chunked = T > PREFILL_CHUNK  # (one chunk or none: the same call)
-        if chunked:  # a chunk's rows as _forward sees them; then whether one call would not take them all
-            rows = torch.empty(B * PREFILL_CHUNK, self.config.hidden_size, device=self.device, dtype=self.dtype)
-            chunked = self._stack_in_kernel(rows, B) and T > cpu_kernel.max_rows()
+        if chunked:  # whether the kernel takes a chunk's rows, and one call would not take them all
+            chunked = self._stack_in_kernel(B * PREFILL_CHUNK, B) and T > cpu_kernel.max_rows()
         if not chunked:
             return self._forward(ids, self.slots[0], T, **opts)
         keep, head = opts.pop("logits_to_keep"), opts.pop("head")
@@ -543,10 +542,15 @@ class Decoder(nn.Module):
         logits = torch.cat(logits, dim=1) if logits else None
         return DecoderOutput(logits, torch.cat(hidden, dim=1) if hidden else None)
 
-    def _stack_in_kernel(self, h: Tensor, B: int) -> bool:
-        """Whether the CPU kernel runs rows h [B*T, H] through the whole layer stack in one call
+    def _stack_in_kernel(self, rows: int, B: int) -> bool:
+        """Whether the CPU kernel runs B * T = rows rows through the whole layer stack in one call
         (cpu_kernel.decoder_layers): one sequence, rows it takes, the layers' weights packed."""
-        return B == 1 and self.row_start is None and cpu_kernel.stack_usable(h) and self.kernel_stack() is not None
+        return (
+            B == 1
+            and self.row_start is None
+            and cpu_kernel.stack_takes(self.device, self.dtype, rows)
+            and self.kernel_stack() is not None
+        )
 
     @torch.inference_mode()  # inference only: training uses the transformers model
     def forward(self, x: Tensor, start: int, **kwargs) -> DecoderOutput:
@@ -624,22 +628,25 @@ class Decoder(nn.Module):
         layer_fns: tuple = (attention, mlp),
     ) -> DecoderOutput:
         """The forward itself, at 0-dim slot `start` (bound: see attention_inputs)."""
-        if first_layer == 0:
+        B, T = x.shape[:2]
+        in_kernel = layer_fns == (attention, mlp) and self._stack_in_kernel(B * T, B)
+        if first_layer == 0 and not in_kernel:
             x = self.embed_tokens(x)
-        B, T, _ = x.shape
         a = self.attention_inputs(start, T, bound, tree)
         attn, ffn = layer_fns
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()
-        h, tapped = x.reshape(B * T, -1), []  # the layers work on [B*T, H]
-        if layer_fns == (attention, mlp) and self._stack_in_kernel(h, B):
-            c = self.config  # the CPU kernel runs the layers, and the head where it is packed, in one call
+        h, tapped = x.reshape(B * T, -1), []  # the layers work on [B*T, H] (token ids [B*T] into the kernel)
+        if in_kernel:
+            c = self.config  # the CPU kernel runs the embedding, the layers and the head where it is packed in one call
             dims = (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
             lm_head = self.lm_head.params
             fused = (self.norm, lm_head) if head and lm_head.packed is not None else None
+            embed = self.embedding_panels() if first_layer == 0 else None
+            rows = h.view(-1) if embed is not None else h
             h, hidden, logits, greedy = cpu_kernel.decoder_layers(
-                self._stack, h, first_layer, last, (set(skip_attn), set(skip_mlp)), taps, dims,
-                c.rms_norm_eps, a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound, fused, logits_to_keep,
+                self._stack, rows, first_layer, last, (skip_attn, skip_mlp), taps, dims, c.rms_norm_eps,
+                a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound, fused, logits_to_keep, embed,
             )  # fmt: skip
             if logits is not None:
                 hidden = hidden.view(B, T, -1) if hidden is not None else None

@@ -61,6 +61,13 @@ static void norm_row(const float *x, long n, const float *w, float eps, float *o
     for (long k = 0; k < n; k++) out[k] = w[k] * (x[k] * r);
 }
 
+/* out [H] = token t's embedding from a table in panels of ep tokens (model.Decoder.embedding_panels):
+   element k at embed[t / ep * es0 + k * es1 + t % ep * es2]. */
+static void gather_row(const float *embed, long ep, long es0, long es1, long es2, int64_t t, long H, float *out) {
+    const float *column = embed + t / ep * es0 + t % ep * es2;
+    for (long k = 0; k < H; k++) out[k] = column[k * es1];
+}
+
 /* Rotate the adjacent pairs of a head v [D] (model.apply_rope_): (a, b) -> (a c - b s, b c + a s),
    cos holding c twice per pair and sin (-s, s); each product rounded before the sum. */
 static void rope(float *v, const float *cos, const float *sin, long D) {
@@ -492,7 +499,8 @@ int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, con
 /* A layer's weights in decoder_layers' pointer array, in this order (biases may be NULL). */
 enum { ATTN_NORM, QKV, QKV_BIAS, O, O_BIAS, MLP_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
 
-/* Layers [first, last) of a decoder for M rows of one sequence, x [M, Hd] updated in place: each
+/* Layers [first, last) of a decoder for M rows of one sequence, x [M, Hd] updated in place (where
+   tokens [M] is given, x is first their embedding rows, gathered as eagle3_rows does): each
    layer's attention_block, then its mlp_block, as model.Decoder._forward calls them one by one,
    without a trip through Python between them. w: PER_LAYER pointers a layer (the enum above), the
    weights packed (in bf16 where is_bf16 is set); kv: layer 0's cache [2 Hkv, S, D], the next
@@ -504,7 +512,8 @@ enum { ATTN_NORM, QKV, QKV_BIAS, O, O_BIAS, MLP_NORM, GATE_UP, GATE_UP_BIAS, DOW
    torch.argmax gives it (argmax.c), in the same call: the Python and torch ops of a separate norm,
    product and argmax ran cold after the layers' stream (~0.1 ms a decode step, ~0.4 ms a verify
    step of 9 rows on the 2-core EPYC). Returns 0, or -1 when out of memory. */
-int decoder_layers(float *x, long M, long Hd, long first, long last, const void *const *w, int is_bf16,
+int decoder_layers(float *x, const int64_t *tokens, const float *embed, long ep, long es0, long es1, long es2,
+                   long M, long Hd, long first, long last, const void *const *w, int is_bf16,
                    const int *flags, float eps, long H, long Hkv, long D, long I, float *kv, long kv_stride,
                    const float *cos, const float *sin, long rope_stride, long S, const int64_t *slots,
                    const uint8_t *mask, long mask_stride, long bound, const long *tap_at, float *taps, long ntaps,
@@ -517,6 +526,10 @@ int decoder_layers(float *x, long M, long Hd, long first, long last, const void 
     int64_t *at = (int64_t *)(buf + floats);
 #pragma omp parallel num_threads(threads) /* one region for all the layers: no fork and join a sublayer */
     {
+        if (tokens) {
+#pragma omp for schedule(static)
+            for (long m = 0; m < M; m++) gather_row(embed, ep, es0, es1, es2, tokens[m], Hd, x + m * Hd);
+        }
         for (long i = first; i <= last; i++) {
             long t = tap_at[i - first];
             if (t >= 0) {
@@ -603,8 +616,7 @@ int eagle3_rows(const int64_t *tokens, long M, const float *embed, long ep, long
 #pragma omp for schedule(static)
         for (long m = 0; m < M; m++) {
             float *row = x + m * 2 * H, *e = row + H; /* the embedding, gathered into place, then normed */
-            const float *column = embed + tokens[m] / ep * es0 + tokens[m] % ep * es2;
-            for (long k = 0; k < H; k++) e[k] = column[k * es1];
+            gather_row(embed, ep, es0, es1, es2, tokens[m], H, e);
             norm_row(e, H, w[E3_INPUT_NORM], eps, row);
             norm_row(f + m * H, H, w[E3_HIDDEN_NORM], eps, e);
             memcpy(res + m * H, norm_before_residual ? e : f + m * H, H * sizeof(float));

@@ -454,7 +454,7 @@ def test_sublayers_run_in_it_only_where_they_should(monkeypatch):
     model(torch.randint(0, 256, (1, 3)), rows + 1)
     assert calls == ["decoder_layers"]
     calls.clear()
-    monkeypatch.setattr(cpu_kernel, "stack_usable", lambda x: False)  # sublayer by sublayer
+    monkeypatch.setattr(cpu_kernel, "stack_takes", lambda *a: False)  # sublayer by sublayer
     model(torch.randint(0, 256, (1, 3)), rows + 1)
     assert calls == ["attention", "mlp"] * 2
 
@@ -481,7 +481,7 @@ def test_the_stack_in_one_call_is_bitwise_the_sublayer_calls(monkeypatch, kind):
         return [t for t in fields if t is not None], model.cache.kv.clone()
 
     one_call = run()
-    monkeypatch.setattr(cpu_kernel, "stack_usable", lambda x: False)
+    monkeypatch.setattr(cpu_kernel, "stack_takes", lambda *a: False)
     by_sublayer = run()
     assert len(one_call[0]) == 8 and len(by_sublayer[0]) == 5  # 3 logits, 2 taps (+ 3 argmax in one call)
     assert all(torch.equal(a, b) for a, b in zip(one_call[0][:5], by_sublayer[0]))
@@ -520,7 +520,7 @@ def test_the_stacks_head_gives_head_rows_logits_and_torchs_argmax(monkeypatch, l
             model(ids[:, :5], 0)
             one_call = [model(ids[:, 5:8], 5), model(ids[:, 8:], 8)]  # a verify of 3 rows, a decode step
             with monkeypatch.context() as m:
-                m.setattr(cpu_kernel, "stack_usable", lambda x: False)
+                m.setattr(cpu_kernel, "stack_takes", lambda *a: False)
                 model.setup_cache(1, 16)
                 model(ids[:, :5], 0)
                 apart = [model(ids[:, 5:8], 5), model(ids[:, 8:], 8)]
