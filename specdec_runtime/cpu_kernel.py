@@ -133,7 +133,7 @@ def kernel() -> ctypes.CDLL | None:
     P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     gather = [P, P, *[N] * 4]  # decoder_layers' tokens, embed, ep, es0, es1, es2
     attend = [P, N, P, P, N, N, P, P, N, N]  # kv .. bound
-    head = [P, P, Int, N, N, P, P]  # and norm, head, head_bf16, V, keep, logits, best
+    head = [P, P, Int, P, P, N, N, P, P]  # and norm, head, head_bf16, screen, norms, V, keep, logits, best
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
@@ -483,6 +483,7 @@ def decoder_layers(
     head: tuple[Tensor, tuple] | None = None,
     keep: int = 0,
     embed: Tensor | None = None,
+    screen: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Layers [first, last) of a decoder (model.Decoder._forward) on rows x [T, Hd] of one sequence
     (stack_usable), in one call: (x after them, the taps' residual streams side by side [T, taps *
@@ -492,11 +493,14 @@ def decoder_layers(
     intermediate); kv: the whole cache [L, 1, 2Hkv, S, D]; the rest as attention(). head: (the
     final norm's doubled weight, the lm_head's Weights, packed) to also compute the logits [R, V]
     of the last R = keep rows (all where keep is 0) and their argmax [R] (argmax()'s) in the same
-    call."""
+    call. screen: the head's screen (head_screen()) to compute only the argmax, exactly, reading
+    half the head's bytes; the logits are then None."""
     H, Hkv, D, intermediate = dims
     tokens = x.contiguous() if embed is not None else None
     M, Hd = (tokens.shape[0], embed.shape[1]) if tokens is not None else x.shape
     x = _out(M, Hd) if tokens is not None else x.contiguous().clone()
+    if screen is not None and (head is None or _bf16(head[1])):
+        raise ValueError("decoder_layers: a screen needs an fp32 head")
     P, es0, es1, es2 = (embed.shape[2], *embed.stride()) if embed is not None else (1, 0, 0, 0)
     slots, mask = _attention_args("decoder_layers", kv, cos, sin, slots, mask)
     flags, tap_at, ntaps = _layer_arrays(first, last, (frozenset(skip[0]), frozenset(skip[1])), tuple(taps))
@@ -511,10 +515,11 @@ def decoder_layers(
         eps, H, Hkv, D, intermediate, kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         kv.shape[-2], slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
         ntaps, _ptr(norm), None if lm_head is None else lm_head.packed.data_ptr(),
-        0 if lm_head is None else _bf16(lm_head), V, keep, _ptr(logits), _ptr(best), _threads(),
+        0 if lm_head is None else _bf16(lm_head), *((None, None) if screen is None else map(_ptr, screen)), V, keep,
+        _ptr(logits), _ptr(best), _threads(),
     ))
     # fmt: on
-    return x, out, logits, best
+    return x, out, None if screen is not None else logits, best
 
 
 def head_rows(x: Tensor, norm: Tensor, eps: float, head: tuple) -> Tensor:
@@ -528,6 +533,21 @@ def head_rows(x: Tensor, norm: Tensor, eps: float, head: tuple) -> Tensor:
     _ran(kernel().head_rows(x.data_ptr(), M, H, norm.data_ptr(), eps, head.packed.data_ptr(), _bf16(head),
                             head.w.shape[1], logits.data_ptr(), _threads()))  # fmt: skip
     return logits
+
+
+def head_screen(head: tuple) -> tuple[Tensor, Tensor]:
+    """What decoder_layers reads to find the argmax of an fp32 head's logits exactly from half its
+    bytes (layers.c: head_part): (the head packed in bf16, the norms [panels + 1]: the largest
+    2-norm of its outputs' weights in each panel, rounded up to the next float32, then the largest
+    of all). head: the lm_head's packed fp32 Weights."""
+    w = head.w.detach()
+    norms = w.double().norm(dim=0)  # [V] ||w_v||: the weights of output v are column v of W [H, V]
+    width = panel()
+    norms = torch.nn.functional.pad(norms, (0, -norms.numel() % width)).view(-1, width).amax(1)
+    norms = torch.cat([norms, norms.max().view(1)])
+    up = norms.float()
+    up = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
+    return pack(w, bf16=True), up
 
 
 class Eagle3Weights(NamedTuple):

@@ -52,20 +52,25 @@ def check_fits(prompt_len: int, max_new_tokens: int, context: int, name: str = "
         )
 
 
-def verify_forward(target: Decoder, ids: Tensor, L: int, draft: Draft | None, taps: tuple[int, ...]) -> DecoderOutput:
+def verify_forward(
+    target: Decoder, ids: Tensor, L: int, draft: Draft | None, taps: tuple[int, ...], argmax_only: bool = False
+) -> DecoderOutput:
     """The target's output (batch row 0) for the newest token ids[L-1] and the draft after it:
-    logits [g + 1, V] (hidden [g + 1, n * H] after the `taps` layers), for a chain or a tree."""
-    root = ids[L - 1 : L]
+    logits [g + 1, V] (hidden [g + 1, n * H] after the `taps` layers), for a chain or a tree.
+    argmax_only: greedy verification reads only their argmax (the forward's option: the logits may
+    then be None, with greedy set)."""
+    root, opts = ids[L - 1 : L], dict(taps=taps, argmax_only=argmax_only)
     if draft is None or not draft.tokens.numel():
-        out = target(root[None], L - 1, taps=taps)
+        out = target(root[None], L - 1, **opts)
     elif draft.tree is not None:
         t = draft.tree.on(ids.device)
-        out = target(torch.cat([root, draft.tokens])[None], L - 1, tree=(t["depth"], t["ancestor"]), taps=taps)
+        out = target(torch.cat([root, draft.tokens])[None], L - 1, tree=(t["depth"], t["ancestor"]), **opts)
     elif draft.residual is not None:  # resume where an early-exit drafter stopped
-        out = target(draft.residual, L - 1, first_layer=draft.resume_layer, taps=taps)
+        out = target(draft.residual, L - 1, first_layer=draft.resume_layer, **opts)
     else:
-        out = target(torch.cat([root, draft.tokens])[None], L - 1, taps=taps)
-    return DecoderOutput(out.logits[0], out.hidden[0] if taps else None, None if out.greedy is None else out.greedy[0])
+        out = target(torch.cat([root, draft.tokens])[None], L - 1, **opts)
+    logits, greedy = (None if x is None else x[0] for x in (out.logits, out.greedy))
+    return DecoderOutput(logits, out.hidden[0] if taps else None, greedy)
 
 
 def warm_up(
@@ -176,6 +181,7 @@ def generate(
     taps = drafter.hidden_layers if drafter is not None else ()
     stats = GenerationStats(calls=1)
     clock = Clock(device, timed)
+    argmax_only = sampler.greedy  # greedy verification reads only the target's argmax
     t_start = clock()
 
     # A token tree writes all its nodes' K/V past the sequence before the branch is kept.
@@ -203,7 +209,7 @@ def generate(
         if draft is not None and draft.tree is None and draft.tokens.shape[0] > room:  # a longer chain: cut
             draft = cut(draft, room)
         t1 = clock()
-        verified = verify_forward(target, ids, L, draft, taps)
+        verified = verify_forward(target, ids, L, draft, taps, argmax_only)
         t2 = clock()
         v = verify(draft, ids[L - 1], verified.logits, sampler, typical, verified.greedy)
         nodes = ids[L - 1 : L] if draft is None else torch.cat([ids[L - 1 : L], draft.tokens])

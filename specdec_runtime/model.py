@@ -345,6 +345,7 @@ class Decoder(nn.Module):
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
         self._stack: cpu_kernel.Stack | None = None  # the layers' weights for the CPU kernel (kernel_stack())
+        self._screen: tuple[Tensor, Tensor] | None = None  # the lm_head's screen for the kernel (head_screen())
         # A bf16 model on a CPU with the kernel: fp32 parameters holding bf16 values, packed in bf16
         # for the kernel (from_hf_state_dict). Activations, cache and logits are fp32.
         self.bf16_weights = False
@@ -416,7 +417,7 @@ class Decoder(nn.Module):
         packed = [m for m in linears if m.weight_packed is not None]
         for m, copy in zip(packed, cpu_kernel.on_huge_pages([m.weight_packed for m in packed])):
             m.weight_packed = copy
-        self._stack = None
+        self._stack = self._screen = None
 
     def kernel_stack(self) -> "cpu_kernel.Stack | None":
         """The layers as the CPU kernel runs them in one call (cpu_kernel.stack; None where their
@@ -426,17 +427,29 @@ class Decoder(nn.Module):
             self._stack = cpu_kernel.stack([(*b.attn_weights, *b.mlp_weights) for b in self.layers])
         return self._stack
 
-    def __getstate__(self):  # copies and pickles rebuild the stack (its pointers are this model's)
-        return {**super().__getstate__(), "_stack": None}
+    def head_screen(self) -> tuple[Tensor, Tensor] | None:
+        """The lm_head's screen (cpu_kernel.head_screen: the head again in bf16, half its bytes, and
+        its outputs' norms), with which the CPU kernel finds a greedy step's argmax exactly without
+        reading most of the fp32 head (argmax_only; a decode step of the bundled target reads 490
+        MB instead of 547). None where the kernel does not read an fp32 head. Built on first use
+        (~0.2 s and half the head's memory more) and again whenever the weights may have changed."""
+        head = self.lm_head.params
+        if self._screen is None and head.packed is not None and head.packed.dtype == torch.float32:
+            packed, norms = cpu_kernel.head_screen(head)
+            self._screen = (cpu_kernel.on_huge_pages([packed])[0], norms)
+        return self._screen
+
+    def __getstate__(self):  # copies and pickles rebuild the stack (its pointers are this model's) and the screen
+        return {**super().__getstate__(), "_stack": None, "_screen": None}
 
     def _apply(self, fn, *args, **kwargs):
-        self._stack = None
+        self._stack = self._screen = None
         return super()._apply(fn, *args, **kwargs)
 
     def load_state_dict(self, *args, **kwargs):
         """nn.Module's, and the CPU copies of the weights (Weights.of) made again where kept (a
         bf16_weights model rounds what it loads to bf16, as its weights are)."""
-        self._stack = None
+        self._stack = self._screen = None
         result = super().load_state_dict(*args, **kwargs)
         if self.bf16_weights:
             with torch.no_grad():
@@ -561,7 +574,10 @@ class Decoder(nn.Module):
         each token sees the prefix and its ancestors. exit_layer: stop after this many layers and
         apply the final norm + lm_head (early exit). skip: sublayers to bypass. logits_to_keep:
         only project the last n positions (0 = all). taps: return the residual streams after these
-        layer counts (see DecoderOutput). head=False: no norm / lm_head (logits None).
+        layer counts (see DecoderOutput). head=False: no norm / lm_head (logits None). argmax_only:
+        the caller reads only the logits' argmax (greedy decoding): where the CPU kernel runs the
+        head, it finds it exactly from the head's screen (head_screen()) and the logits are None;
+        elsewhere the output is as without it.
         """
         T = x.shape[1]
         if self.cache is None or start + T > self.cache.size:
@@ -570,6 +586,7 @@ class Decoder(nn.Module):
         if self.steps is None:
             return self._forward(x, self.slots[start], start + T, **opts)
         tree = opts.pop("tree")
+        opts.pop("argmax_only")  # the captured step's head is torch's: its logits are computed anyway
         key = (tuple(x.shape), x.dtype, tree is not None, *opts.values())
         inputs = {"x": x} | ({"depth": tree[0], "ancestor": tree[1]} if tree is not None else {})
         step = self.steps.get(key)
@@ -594,6 +611,7 @@ class Decoder(nn.Module):
         logits_to_keep: int = 0,
         taps: tuple[int, ...] = (),
         head: bool = True,
+        argmax_only: bool = False,
     ) -> dict:
         """The forward's keyword options, checked and normalized (also the captured step's key)."""
         last = self.config.num_layers if exit_layer is None else exit_layer
@@ -610,6 +628,7 @@ class Decoder(nn.Module):
             logits_to_keep=logits_to_keep,
             taps=taps,
             head=head,
+            argmax_only=argmax_only,
         )
 
     def _forward(
@@ -625,6 +644,7 @@ class Decoder(nn.Module):
         logits_to_keep: int,
         taps: tuple[int, ...],
         head: bool,
+        argmax_only: bool = False,
         layer_fns: tuple = (attention, mlp),
     ) -> DecoderOutput:
         """The forward itself, at 0-dim slot `start` (bound: see attention_inputs)."""
@@ -643,14 +663,16 @@ class Decoder(nn.Module):
             lm_head = self.lm_head.params
             fused = (self.norm, lm_head) if head and lm_head.packed is not None else None
             embed = self.embedding_panels() if first_layer == 0 else None
+            screen = self.head_screen() if fused is not None and argmax_only else None
             rows = h.view(-1) if embed is not None else h
             h, hidden, logits, greedy = cpu_kernel.decoder_layers(
                 self._stack, rows, first_layer, last, (skip_attn, skip_mlp), taps, dims, c.rms_norm_eps,
-                a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound, fused, logits_to_keep, embed,
+                a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound, fused, logits_to_keep, embed, screen,
             )  # fmt: skip
-            if logits is not None:
+            if greedy is not None:
                 hidden = hidden.view(B, T, -1) if hidden is not None else None
-                return DecoderOutput(logits.view(B, -1, logits.shape[-1]), hidden, greedy.view(B, -1))
+                logits = logits.view(B, -1, logits.shape[-1]) if logits is not None else None
+                return DecoderOutput(logits, hidden, greedy.view(B, -1))
             return self._head_out(h, hidden, B, T, logits_to_keep, head)
         for i in range(first_layer, last):
             if i in taps:

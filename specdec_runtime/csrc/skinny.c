@@ -111,29 +111,34 @@ PANELS(f32)
 PANELS(bf16)
 static const panel_fn panels[2][ROWS + 1] = {TABLE(f32), TABLE(bf16)};
 
+/* Panel j of the product (output columns j NR .. j NR + NR - 1) for all M rows: skinny_part's work
+   for one panel, in passes of equal rows (16 rows as 8 + 8, not 12 + 4). */
+void skinny_panel_rows(const float *x, long M, long K, const void *w, int is_bf16, long N, long j, const float *bias,
+                       const float *res, float *y) {
+    long passes = (M + ROWS - 1) / ROWS, per = (M + passes - 1) / passes, n0 = j * NR, width = N - n0 < NR ? N - n0 : NR;
+    size_t stride = (size_t)K * NR * (is_bf16 ? sizeof(bf16) : sizeof(float)); /* bytes a panel */
+    float acc[ROWS * NR];
+    for (long m = 0; m < M; m += per) {
+        long mr = M - m < per ? M - m : per;
+        panels[is_bf16 != 0][mr](x + m * K, K, (const char *)w + j * stride, acc);
+        for (long i = 0; i < mr; i++)
+            for (long c = 0; c < width; c++) {
+                float s = acc[i * NR + c];
+                if (bias) s += bias[n0 + c];
+                if (res) s += res[(m + i) * N + n0 + c];
+                y[(m + i) * N + n0 + c] = s;
+            }
+    }
+}
+
 /* The rows of w (packed fp32, or bf16 where is_bf16 is set) this thread computes, inside an enclosing
    parallel region (layers.c runs a whole sublayer in one region): an orphaned worksharing loop over
    the panels, so its split is skinny_matmul's; it ends on the loop's barrier. */
 void skinny_part(const float *x, long M, long K, const void *w, int is_bf16, long N, const float *bias,
                  const float *res, float *y) {
-    long count = (N + NR - 1) / NR, passes = (M + ROWS - 1) / ROWS, per = (M + passes - 1) / passes;
-    size_t stride = (size_t)K * NR * (is_bf16 ? sizeof(bf16) : sizeof(float)); /* bytes a panel */
-    float acc[ROWS * NR];
+    long count = (N + NR - 1) / NR;
 #pragma omp for schedule(static)
-    for (long j = 0; j < count; j++) {
-        long n0 = j * NR, width = N - n0 < NR ? N - n0 : NR;
-        for (long m = 0; m < M; m += per) { /* passes of equal rows: 16 rows as 8 + 8, not 12 + 4 */
-            long mr = M - m < per ? M - m : per;
-            panels[is_bf16 != 0][mr](x + m * K, K, (const char *)w + j * stride, acc);
-            for (long i = 0; i < mr; i++)
-                for (long c = 0; c < width; c++) {
-                    float s = acc[i * NR + c];
-                    if (bias) s += bias[n0 + c];
-                    if (res) s += res[(m + i) * N + n0 + c];
-                    y[(m + i) * N + n0 + c] = s;
-                }
-        }
-    }
+    for (long j = 0; j < count; j++) skinny_panel_rows(x, M, K, w, is_bf16, N, j, bias, res, y);
 }
 
 void skinny_matmul(const float *x, long M, long K, const void *w, int is_bf16, long N, const float *bias,

@@ -534,6 +534,53 @@ def test_the_stacks_head_gives_head_rows_logits_and_torchs_argmax(monkeypatch, l
     assert expected is None or (one_call[0].greedy == expected).all()
 
 
+@needs_kernel
+@pytest.mark.parametrize("case", ["bf16 flips the order", "a tie across panels", "a NaN in the rows", "random"])
+def test_the_screened_head_gives_torchs_argmax_of_the_exact_logits(case):
+    """argmax_only: the kernel reads the head in bf16 and only the panels that can hold a row's
+    largest logit in fp32 (layers.c: head_part), and still gives torch.argmax of the exact fp32
+    logits, with 1 and 2 threads. The oracle cases: two outputs whose order bf16 rounding flips
+    (A's weights round up, B's down, B's exact logit the larger: a bound of 0 would answer A); two
+    equal maxima in different panels (the first); a NaN in the rows (every panel computed, the
+    first NaN); random logits over several rows."""
+    from tests.conftest import tiny_decoder
+
+    model = tiny_decoder(hidden_size=64, head_dim=16, intermediate_size=96, vocab_size=160, tie_word_embeddings=False)
+    V, H, u = 160, 64, 2.0**-7  # u: bf16's spacing in [1, 2)
+    with torch.no_grad():
+        w, e = model.lm_head.weight, model.embed.weight  # [H, V], [V, H]
+        w.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
+        model.norm.fill_(1.0)
+        e[7] = 1.0  # token 7's row normalizes to ~1 everywhere: its logits are about its column's sum
+        if case == "bf16 flips the order":
+            w[:, 3] = torch.tensor([1 + 0.55 * u, 1.0]).repeat(H // 2)  # bf16: sum 64 + 32 u, exact 64 + 17.6 u
+            w[:, 70] = 1 + 0.3 * u  # bf16: sum 64, exact 64 + 19.2 u: the argmax
+        if case == "a tie across panels":
+            w[:, 10] = w[:, 100] = 1.0
+        if case == "a NaN in the rows":
+            e[7, 5] = float("nan")
+    model.keep_cpu_copies()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[7, 7, 7]]) if case != "random" else torch.randint(0, V, (1, 9), generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            model.setup_cache(1, 16)
+            full = model(ids, 0, exit_layer=0 if case != "random" else None)
+            model.setup_cache(1, 16)
+            screened = model(ids, 0, exit_layer=0 if case != "random" else None, argmax_only=True)
+            assert screened.logits is None and full.logits is not None
+            assert torch.equal(screened.greedy, full.logits.argmax(-1)), (n, screened.greedy, full.logits.argmax(-1))
+    finally:
+        torch.set_num_threads(threads)
+    expected = {"bf16 flips the order": 70, "a tie across panels": 10, "a NaN in the rows": 0, "random": None}[case]
+    assert expected is None or (screened.greedy == expected).all()
+    if case == "bf16 flips the order":  # the bf16 head alone would have answered 3
+        bf16 = model.lm_head.weight.bfloat16().float().sum(0)
+        assert bf16[3] > bf16[70] and bf16.argmax() == 3
+
+
 def test_loading_new_weights_refreshes_what_the_kernel_reads():
     """load_state_dict copies new weights in: the packed copies and the stack follow, so a decode
     step gives bitwise what a model built with those weights gives."""
