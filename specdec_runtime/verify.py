@@ -41,8 +41,9 @@ def verify(
 ) -> Verdict:
     """The rule for this draft and sampler. logits [N + 1, V]: the target's after the root and after
     every draft token; greedy [N + 1]: their argmax where the forward computed it (DecoderOutput),
-    read instead of computing it again (the logits may then be None, for a greedy sampler). typical=(posterior_threshold, alpha) selects Medusa's
-    typical acceptance for sampling, which is LOSSY."""
+    read instead of computing it again (for a greedy sampler the logits may then be None).
+    typical=(posterior_threshold, alpha) selects Medusa's typical acceptance for sampling, which is
+    LOSSY."""
     if draft is None or not draft.tokens.numel():  # a plain decode step
         path = chain_path(0, root.device)
         token = greedy[0] if sampler.greedy and greedy is not None else sampler.next_token(logits[0])
