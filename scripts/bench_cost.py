@@ -14,6 +14,10 @@ Speedup ~= tau / (verify(T) + gamma x draft step) tells which drafts can pay. Wi
 a table of products of 1 to 512 rows (--rows) against MKL's GEMM: where a step's rows stop
 costing what one row costs, and where MKL takes over (cpu_kernel.max_rows()). Random drafter
 weights of the shapes the recipes train (the cost does not depend on the values).
+
+--argmax-only times the steps as greedy decoding runs them: where the CPU kernel runs an fp32
+head, it reads the lm_head's bf16 screen and only the fp32 panels that can hold the argmax
+(model.Decoder.head_screen), ~57 MB less a step than the bound counts on the bundled target.
 """
 
 import argparse
@@ -152,7 +156,13 @@ def main() -> None:
     p.add_argument("--nodes", default="4,8,12,16,32", help="tree sizes verified ('' for none)")
     p.add_argument("--rows", default="1,8,16,32,64,128,256,512", help="the products table's row counts ('' for none)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument(
+        "--argmax-only",
+        action="store_true",
+        help="time greedy steps, which read only the argmax (the CPU kernel finds it from the lm_head's bf16 screen)",
+    )
     args = p.parse_args()
+    greedy = dict(argmax_only=args.argmax_only)
     cpu = torch.device("cpu")
     dtypes = (
         ["float32"] + (["bfloat16"] if fast_bf16(cpu).fast or cpu_kernel.reads_bf16_weights(cpu) else [])
@@ -179,10 +189,12 @@ def main() -> None:
                 m.prefill(torch.randint(0, V, (1, PREFIX)))
                 read = step_bytes(m, PREFIX)
                 x = torch.randint(0, V, (1, 1))
-                one, bw = step_and_bandwidth(lambda m=m, x=x: m(x, PREFIX), args.reps)
+                one, bw = step_and_bandwidth(lambda m=m, x=x: m(x, PREFIX, **greedy), args.reps)
                 bound = read / (bw * 1e9) * 1000
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
                 what = f"{dtype} weights, fp32 activations" if m.bf16_weights else dtype
+                if args.argmax_only and path == "kernel" and m.head_screen() is not None:
+                    what += " (greedy steps: the lm_head screened in bf16, its fp32 panels read where the argmax can be)"
                 print(
                     f"\n## {what}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; read "
                     f"bandwidth beside it {bw:.1f} GB/s, so the bound is {bound:.1f} ms ({read / 1e6:.0f} MB a "
@@ -193,15 +205,16 @@ def main() -> None:
                 )
                 if path == "kernel" and args.rows:
                     products_table(m, counts(args.rows), max(3, args.reps // 4))
-                step = lambda m=m, x=x: m(x, PREFIX)  # noqa: E731  (every cost below: paired with it)
+                step = lambda m=m, x=x: m(x, PREFIX, **greedy)  # noqa: E731  (every cost below: paired with it)
                 for T in counts(args.chains):
                     xs = torch.randint(0, V, (1, T))
-                    rows.setdefault(f"chain of {T}", []).append(paired(lambda m=m, x=xs: m(x, PREFIX), step, args.reps))
+                    chain = lambda m=m, x=xs: m(x, PREFIX, **greedy)  # noqa: E731
+                    rows.setdefault(f"chain of {T}", []).append(paired(chain, step, args.reps))
                 profile = torch.tensor([[0.6, 0.2, 0.1, 0.05]] * 4)
                 for n in counts(args.nodes):
                     t = Tree.from_accuracies(profile, n).tensors
                     xs = torch.randint(0, V, (1, n + 1))
-                    verify = lambda m=m, x=xs, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"]))  # noqa: E731
+                    verify = lambda m=m, x=xs, t=t: m(x, PREFIX, tree=(t["depth"], t["ancestor"]), **greedy)  # noqa: E731
                     rows.setdefault(f"tree of 1 + {n}", []).append(paired(verify, step, args.reps))
         print("\n| verified | " + " | ".join(f"{p} ms | {p}: decode steps" for p in paths) + " |")
         print("|---|" + "---:|---:|" * len(paths))
