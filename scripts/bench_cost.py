@@ -194,7 +194,7 @@ def main() -> None:
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
                 what = f"{dtype} weights, fp32 activations" if m.bf16_weights else dtype
                 if args.argmax_only and path == "kernel" and m.head_screen() is not None:
-                    what += " (greedy steps: the lm_head screened in bf16, its fp32 panels read where the argmax can be)"
+                    what += " (greedy steps: the lm_head screened in bf16, fp32 panels read where the argmax can be)"
                 print(
                     f"\n## {what}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; read "
                     f"bandwidth beside it {bw:.1f} GB/s, so the bound is {bound:.1f} ms ({read / 1e6:.0f} MB a "

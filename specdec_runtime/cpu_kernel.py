@@ -133,13 +133,14 @@ def kernel() -> ctypes.CDLL | None:
     P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     gather = [P, P, *[N] * 4]  # decoder_layers' tokens, embed, ep, es0, es1, es2
     attend = [P, N, P, P, N, N, P, P, N, N]  # kv .. bound
-    head = [P, P, Int, P, P, N, N, P, P]  # and norm, head, head_bf16, screen, norms, V, keep, logits, best
+    head = [P, P, Int, P, Int, P, N, N, P, P]  # norm, head, head_bf16, screen, pairs, norms, V, keep, logits, best
     signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
         "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
         "stream_sum": [P, N, Int],
         "argmax_rows": [P, N, N, N, P, Int],
         "skinny_panel": [],
         "skinny_wide": [],
+        "skinny_pairs": [],
         "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
         "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
         "decoder_layers": [P, *gather, *[N] * 4, P, Int, P, F, *[N] * 4, *attend, P, P, N, *head, Int],
@@ -483,7 +484,7 @@ def decoder_layers(
     head: tuple[Tensor, tuple] | None = None,
     keep: int = 0,
     embed: Tensor | None = None,
-    screen: tuple[Tensor, Tensor] | None = None,
+    screen: "Screen | None" = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Layers [first, last) of a decoder (model.Decoder._forward) on rows x [T, Hd] of one sequence
     (stack_usable), in one call: (x after them, the taps' residual streams side by side [T, taps *
@@ -515,7 +516,7 @@ def decoder_layers(
         eps, H, Hkv, D, intermediate, kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         kv.shape[-2], slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
         ntaps, _ptr(norm), None if lm_head is None else lm_head.packed.data_ptr(),
-        0 if lm_head is None else _bf16(lm_head), *((None, None) if screen is None else map(_ptr, screen)), V, keep,
+        0 if lm_head is None else _bf16(lm_head), *((None, 0, None) if screen is None else screen.args()), V, keep,
         _ptr(logits), _ptr(best), _threads(),
     ))
     # fmt: on
@@ -535,19 +536,34 @@ def head_rows(x: Tensor, norm: Tensor, eps: float, head: tuple) -> Tensor:
     return logits
 
 
-def head_screen(head: tuple) -> tuple[Tensor, Tensor]:
-    """What decoder_layers reads to find the argmax of an fp32 head's logits exactly from half its
-    bytes (layers.c: head_part): (the head packed in bf16, the norms [panels + 1]: the largest
-    2-norm of its outputs' weights in each panel, rounded up to the next float32, then the largest
-    of all). head: the lm_head's packed fp32 Weights."""
+class Screen(NamedTuple):
+    """An fp32 lm_head as decoder_layers reads it to find a row's argmax exactly from about half its
+    bytes (layers.c: head_part; head_screen())."""
+
+    packed: Tensor  # the head in bf16: pack()'s panels, or [panels, K / 2, panel, 2] where pairs
+    pairs: bool  # multiplied in bf16 pairs, the rows rounded to bf16 too (AVX512-BF16: skinny.c's screen_part)
+    norms: Tensor  # [V + 1] fp32: each output's weights' 2-norm, rounded up; then the largest
+
+    def args(self) -> tuple:
+        return self.packed.data_ptr(), int(self.pairs), self.norms.data_ptr()
+
+
+def head_screen(head: tuple) -> Screen:
+    """The Screen of an fp32 head (the lm_head's packed Weights): its weights rounded to bf16, in
+    pairs of k where the kernel multiplies them so (AVX512-BF16, an even K), and its outputs'
+    norms."""
     w = head.w.detach()
-    norms = w.double().norm(dim=0)  # [V] ||w_v||: the weights of output v are column v of W [H, V]
-    width = panel()
-    norms = torch.nn.functional.pad(norms, (0, -norms.numel() % width)).view(-1, width).amax(1)
+    K, width = w.shape[0], panel()
+    norms = w.double().norm(dim=0)  # [V] ||w_v||: the weights of output v are column v of W [K, V]
     norms = torch.cat([norms, norms.max().view(1)])
     up = norms.float()
     up = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
-    return pack(w, bf16=True), up
+    pairs = bool(kernel().skinny_pairs()) and K % 2 == 0
+    if not pairs:
+        return Screen(pack(w, bf16=True), False, up)
+    padded = torch.nn.functional.pad(w, (0, -w.shape[1] % width))  # [K, V'] -> [V' / P, K / 2, P, 2]
+    packed = padded.view(K // 2, 2, -1, width).permute(2, 0, 3, 1).contiguous().to(torch.bfloat16)
+    return Screen(packed, True, up)
 
 
 class Eagle3Weights(NamedTuple):

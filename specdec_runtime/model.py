@@ -345,7 +345,7 @@ class Decoder(nn.Module):
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
         self._stack: cpu_kernel.Stack | None = None  # the layers' weights for the CPU kernel (kernel_stack())
-        self._screen: tuple[Tensor, Tensor] | None = None  # the lm_head's screen for the kernel (head_screen())
+        self._screen: cpu_kernel.Screen | None = None  # the lm_head's screen for the kernel (head_screen())
         # A bf16 model on a CPU with the kernel: fp32 parameters holding bf16 values, packed in bf16
         # for the kernel (from_hf_state_dict). Activations, cache and logits are fp32.
         self.bf16_weights = False
@@ -427,7 +427,7 @@ class Decoder(nn.Module):
             self._stack = cpu_kernel.stack([(*b.attn_weights, *b.mlp_weights) for b in self.layers])
         return self._stack
 
-    def head_screen(self) -> tuple[Tensor, Tensor] | None:
+    def head_screen(self) -> "cpu_kernel.Screen | None":
         """The lm_head's screen (cpu_kernel.head_screen: the head again in bf16, half its bytes, and
         its outputs' norms), with which the CPU kernel finds a greedy step's argmax exactly without
         reading most of the fp32 head (argmax_only; a decode step of the bundled target reads 490
@@ -435,8 +435,8 @@ class Decoder(nn.Module):
         (~0.2 s and half the head's memory more) and again whenever the weights may have changed."""
         head = self.lm_head.params
         if self._screen is None and head.packed is not None and head.packed.dtype == torch.float32:
-            packed, norms = cpu_kernel.head_screen(head)
-            self._screen = (cpu_kernel.on_huge_pages([packed])[0], norms)
+            screen = cpu_kernel.head_screen(head)
+            self._screen = screen._replace(packed=cpu_kernel.on_huge_pages([screen.packed])[0])
         return self._screen
 
     def __getstate__(self):  # copies and pickles rebuild the stack (its pointers are this model's) and the screen

@@ -29,6 +29,7 @@ void skinny_part(const float *x, long M, long K, const void *w, int is_bf16, lon
 void skinny_panel_rows(const float *x, long M, long K, const void *w, int is_bf16, long N, long j, const float *bias,
                        const float *res, float *y);
 int skinny_panel(void);
+void screen_part(const float *x, long M, long K, const void *w, long N, float *y, uint32_t *xp);
 int64_t argmax_row(const float *x, long V); /* argmax.c */
 
 /* A growing scratch buffer per calling thread (decode steps reuse it: no allocation per call). */
@@ -502,28 +503,30 @@ int mlp_block(const float *x, long M, long Hd, const float *norm, float eps, con
 /* A layer's weights in decoder_layers' pointer array, in this order (biases may be NULL). */
 enum { ATTN_NORM, QKV, QKV_BIAS, O, O_BIAS, MLP_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
 
-/* How far a screened logit can be from the exact one: screen_c(K) ||h|| ||w_v|| + SCREEN_TINY(K) for
-   a row h of K floats. The exact logit sums h_k w_vk in skinny.c's order (runs of 64 fused
+/* How far a screened logit can be from the exact one: screen_c(K, pairs) ||h|| ||w_v|| + screen_tiny
+   for a row h of K floats. The exact logit sums h_k w_vk in skinny.c's order (runs of 64 fused
    multiply-adds, the runs' sums added): at most n = K + 2 roundings on any path, so within gamma_n
-   sum |h_k w_vk| of the real sum (gamma_n = n u / (1 - n u), u = 2^-24). The screen sums the same
-   with each w_vk rounded to the nearest bf16, within 2^-8 |w_vk|: within 2^-8 sum |h_k w_vk| of the
-   real sum, plus its own gamma_n (1 + 2^-8) sum |h_k w_vk|. Cauchy-Schwarz bounds sum |h_k w_vk| by
-   ||h|| ||w_v||. 2^-20 of slack covers the rounding of the bound itself (in double) and of the
-   comparisons; SCREEN_TINY what subnormal weights could add. No sum overflows: a row whose ||h||
-   times the largest ||w_v|| is not below 2^125 is computed exactly in full. */
-static double screen_c(long K) {
-    double n = (double)K + 2, u = 0x1p-24, g = n * u / (1 - n * u);
-    return (0x1p-8 + g * (2 + 0x1p-8)) * (1 + 0x1p-20);
+   sum |h_k w_vk| of the real sum (gamma_n = n u / (1 - n u), u = 2^-24). The screen rounds each
+   w_vk to the nearest bf16 (within uw = 2^-8 of it, relatively), and where it multiplies pairs
+   each h_k too (uh = 2^-8, else 0): each product within (uw + uh + uw uh) |h_k w_vk| of the exact
+   one. Its sums (at most K roundings, in whatever order) add gamma_n (1 + uw)(1 + uh) sum |h_k
+   w_vk|. Cauchy-Schwarz bounds sum |h_k w_vk| by ||h|| ||w_v||. 2^-20 of slack covers the
+   rounding of the bound itself (in double) and of the comparisons; screen_tiny what subnormal
+   values could add (flushed to zero by the pairs' instruction). No sum overflows: a row whose
+   ||h|| times the largest ||w_v|| is not below 2^125 is computed exactly in full. */
+static double screen_c(long K, int pairs) {
+    double n = (double)K + 2, u = 0x1p-24, g = n * u / (1 - n * u), uw = 0x1p-8, uh = pairs ? 0x1p-8 : 0;
+    return (uw + uh + uw * uh + g * (1 + (1 + uw) * (1 + uh))) * (1 + 0x1p-20);
 }
-#define SCREEN_TINY(K) ((double)((K) + 4) * 0x1p-118)
+static double screen_tiny(long K, double h_norm, double w_norm) { return (K + 4) * 0x1p-118 * (1 + h_norm + w_norm); }
 
 /* decoder_layers' head, run by every thread of its region: logits [R, V] = head(h) of the normed
    rows h [R, K] and their argmax best [R] (torch.argmax's: the first of equal maxima, the first
-   NaN); at: threads x R slots, lo: threads x R doubles of scratch.
+   NaN); at: threads x R slots, lo: threads x R doubles, xp: threads x R x K / 2 of scratch.
 
    screen (NULL: none), for greedy decoding, which reads only the argmax: the head again in bf16 (half
-   its bytes) and norms [panels + 1], the largest 2-norm of the fp32 head's outputs in each of its
-   panels (rounded up), then the largest of all. The whole head is read in bf16, and of the fp32
+   its bytes; packed in pairs where pairs is set, multiplied by the rows rounded to bf16: screen_part)
+   and norms [V + 1], the 2-norm of each output's fp32 weights (rounded up), then the largest. The whole head is read in bf16, and of the fp32
    head only the panels that can hold a row's largest logit. Every screened logit is within its
    bound (screen_c) of the exact one, so the largest exact logit is at least the floor: the
    largest screened logit less its bound. No output whose screened logit plus its bound is below
@@ -532,7 +535,8 @@ static double screen_c(long K) {
    a bound could overflow (or h holds a NaN), every panel is computed. The logits outside the
    computed panels are the screen's, not exact: the caller reads only best. */
 static void head_part(const float *h, long R, long K, const void *head, int head_bf16, const void *screen,
-                      const float *norms, long V, float *logits, int64_t *best, int64_t *at, double *lo) {
+                      int pairs, const float *norms, long V, float *logits, int64_t *best, int64_t *at, double *lo,
+                      uint32_t *xp) {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
     long NR = skinny_panel(), count = (V + NR - 1) / NR, p0 = count * t / nt, p1 = count * (t + 1) / nt;
     if (!screen) {
@@ -540,33 +544,42 @@ static void head_part(const float *h, long R, long K, const void *head, int head
         long a = V * t / nt, b = V * (t + 1) / nt; /* each thread's span of every row, then in order */
         for (long r = 0; r < R; r++) at[r * nt + t] = b > a ? a + argmax_row(logits + r * V + a, b - a) : -1;
     } else {
-        skinny_part(h, R, K, screen, 1, V, 0, 0, logits); /* the screen's logits (ends on a barrier) */
-        double c = screen_c(K), tiny = SCREEN_TINY(K), scale[R], floor_[R];
+        if (pairs) /* the screen's logits (ends on a barrier) */
+            screen_part(h, R, K, screen, V, logits, xp + (size_t)t * R * (K / 2));
+        else
+            skinny_part(h, R, K, screen, 1, V, 0, 0, logits);
+        double c = screen_c(K, pairs), tiny[R], scale[R];
+        float up[R], at_least[R];
         long a = p0 * NR < V ? p0 * NR : V, b = p1 * NR < V ? p1 * NR : V;
         int all = 0;
         for (long r = 0; r < R; r++) { /* a lower bound on the row's largest exact logit, from this thread's panels */
             double hh = 0;
             for (long k = 0; k < K; k++) hh += (double)h[r * K + k] * h[r * K + k];
-            scale[r] = c * sqrt(hh);
-            all |= !(sqrt(hh) * norms[count] < 0x1p125); /* (NaN too) */
+            scale[r] = c * sqrt(hh), tiny[r] = screen_tiny(K, sqrt(hh), norms[V]);
+            all |= !(sqrt(hh) * norms[V] < 0x1p125); /* (NaN too) */
             long v = b > a ? a + argmax_row(logits + r * V + a, b - a) : -1;
-            lo[r * nt + t] = v < 0 ? -INFINITY : logits[r * V + v] - (scale[r] * norms[v / NR] + tiny);
+            lo[r * nt + t] = v < 0 ? -INFINITY : logits[r * V + v] - (scale[r] * norms[v] + tiny[r]);
         }
 #pragma omp barrier
-        for (long r = 0; r < R; r++) { /* the largest lower bound of all the threads' */
-            floor_[r] = -INFINITY;
-            for (int s = 0; s < nt; s++) floor_[r] = lo[r * nt + s] > floor_[r] ? lo[r * nt + s] : floor_[r];
+        for (long r = 0; r < R; r++) { /* the floor: the largest lower bound of all the threads' */
+            double floor = -INFINITY;
+            for (int s = 0; s < nt; s++) floor = lo[r * nt + s] > floor ? lo[r * nt + s] : floor;
+            /* An output is a candidate where its screened logit plus its bound reaches the floor; tested
+               in float as fmaf(up, norm, logit) >= at_least, with up >= the scale by 2^-12 (more than
+               fmaf's rounding: |logit| < 2^9 bound / 2, as c >= 2^-8) and at_least <= floor - tiny. */
+            up[r] = (float)(scale[r] * (1 + 0x1p-12));
+            if (up[r] < scale[r] * (1 + 0x1p-12)) up[r] = nextafterf(up[r], INFINITY);
+            at_least[r] = (float)(floor - tiny[r]);
+            if (at_least[r] > floor - tiny[r]) at_least[r] = nextafterf(at_least[r], -INFINITY);
             at[r * nt + t] = -1;
         }
         for (long j = p0; j < p1; j++) {
             long v0 = j * NR, v1 = v0 + NR < V ? v0 + NR : V;
             int need = all;
-            for (long r = 0; r < R && !need; r++) { /* an output here within its bound of the floor? */
-                double at_least = floor_[r] - (scale[r] * norms[j] + tiny);
-                float f = (float)at_least; /* the largest float not above it: l >= at_least implies l >= f */
-                if (f > at_least) f = nextafterf(f, -INFINITY);
+            for (long r = 0; r < R && !need; r++) {
                 const float *l = logits + r * V;
-                for (long v = v0; v < v1; v++) need |= l[v] >= f;
+                float u = up[r], f = at_least[r];
+                for (long v = v0; v < v1; v++) need |= fmaf(u, norms[v], l[v]) >= f;
             }
             if (!need) continue;
             skinny_panel_rows(h, R, K, head, head_bf16, V, j, 0, 0, logits); /* exact, bitwise the unscreened */
@@ -609,14 +622,16 @@ int decoder_layers(float *x, const int64_t *tokens, const float *embed, long ep,
                    const int *flags, float eps, long H, long Hkv, long D, long I, float *kv, long kv_stride,
                    const float *cos, const float *sin, long rope_stride, long S, const int64_t *slots,
                    const uint8_t *mask, long mask_stride, long bound, const long *tap_at, float *taps, long ntaps,
-                   const float *norm, const void *head, int head_bf16, const void *screen, const float *screen_norms,
-                   long V, long keep, float *logits, int64_t *best, int threads) {
+                   const float *norm, const void *head, int head_bf16, const void *screen, int screen_pairs,
+                   const float *screen_norms, long V, long keep, float *logits, int64_t *best, int threads) {
     size_t a = attention_floats(M, Hd, H, Hkv, D, bound, threads), b = mlp_floats(M, Hd, I, threads);
     size_t floats = ((a > b ? a : b) + 1) & ~(size_t)1; /* then the head's argmax: each thread's best of each row */
-    float *buf = scratch(floats + 4 * (size_t)threads * M);    /* and its screen's lower bounds */
+    size_t pairs = screen_pairs ? (size_t)threads * M * (Hd / 2) : 0; /* and its screen's bounds and rows in pairs */
+    float *buf = scratch(floats + 4 * (size_t)threads * M + pairs);
     if (!buf) return -1;
     int64_t *at = (int64_t *)(buf + floats);
     double *lo = (double *)(at + (size_t)threads * M);
+    uint32_t *xp = (uint32_t *)(lo + (size_t)threads * M);
 #pragma omp parallel num_threads(threads) /* one region for all the layers: no fork and join a sublayer */
     {
         if (tokens) {
@@ -641,8 +656,8 @@ int decoder_layers(float *x, const int64_t *tokens, const float *embed, long ep,
         }
         if (head) { /* x is final: no thread writes it after the layers' last barrier */
             long R = keep ? keep : M;
-            head_part(normed(x + (M - R) * Hd, R, Hd, norm, eps, buf), R, Hd, head, head_bf16, screen, screen_norms, V,
-                      logits, best, at, lo);
+            head_part(normed(x + (M - R) * Hd, R, Hd, norm, eps, buf), R, Hd, head, head_bf16, screen, screen_pairs,
+                      screen_norms, V, logits, best, at, lo, xp);
         }
     }
     return 0;

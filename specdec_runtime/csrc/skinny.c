@@ -28,6 +28,7 @@
 #pragma STDC FP_CONTRACT OFF            /* fused only where fmaw says so (vec.h) */
 #pragma GCC optimize("fp-contract=off") /* GCC ignores the former */
 #include <math.h>
+#include <stdint.h>
 
 #include "vec.h"
 
@@ -145,6 +146,77 @@ void skinny_matmul(const float *x, long M, long K, const void *w, int is_bf16, l
                    const float *res, float *y, int threads) {
 #pragma omp parallel num_threads(threads)
     skinny_part(x, M, K, w, is_bf16, N, bias, res, y);
+}
+
+/* Products of bf16 pairs (AVX512-BF16's VDPBF16PS: 32 multiply-adds an instruction, twice an fp32
+   FMA's), for the lm_head's screen (layers.c: head_part), which only bounds the logits: x rounded
+   to bf16 too, the products exact, the sums in fp32 in no order that matters. W packed in pairs
+   (cpu_kernel.head_screen): panel j is [K / 2, NR, 2], the weights of k = 2i and 2i + 1 of an
+   output side by side; x as pairs xp [M, K / 2] (x[2i] in the low half). */
+#if defined(__AVX512BF16__) && LANES == 16
+#define PAIRS 1
+#define PAIR_PANEL(MR)                                                                                            \
+    static void pairs_##MR(const uint32_t *xp, long K2, const bf16 *w, float *acc) {                              \
+        __m512 a[MR][2];                                                                                          \
+        for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();                                    \
+        for (long i = 0; i < K2; i++) {                                                                           \
+            const bf16 *wi = w + i * 2 * NR;                                                                      \
+            __builtin_prefetch((const char *)wi + NEAR, 0, MR == 1 ? 0 : 3);                                    \
+            __builtin_prefetch((const char *)wi + 64 + NEAR, 0, MR == 1 ? 0 : 3);                               \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + NR);         \
+            for (int m = 0; m < MR; m++) {                                                                        \
+                __m512bh xm = (__m512bh)_mm512_set1_epi32((int)xp[m * K2 + i]);                                   \
+                a[m][0] = _mm512_dpbf16_ps(a[m][0], w0, xm);                                                      \
+                a[m][1] = _mm512_dpbf16_ps(a[m][1], w1, xm);                                                      \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < MR; m++) {                                                                            \
+            _mm512_storeu_ps(acc + m * NR, a[m][0]);                                                              \
+            _mm512_storeu_ps(acc + m * NR + LANES, a[m][1]);                                                      \
+        }                                                                                                         \
+    }
+PAIR_PANEL(1) PAIR_PANEL(2) PAIR_PANEL(3) PAIR_PANEL(4) PAIR_PANEL(5) PAIR_PANEL(6) PAIR_PANEL(7) PAIR_PANEL(8)
+PAIR_PANEL(9) PAIR_PANEL(10) PAIR_PANEL(11) PAIR_PANEL(12)
+typedef void (*pair_fn)(const uint32_t *, long, const bf16 *, float *);
+static const pair_fn pair_panels[ROWS + 1] = {0,        pairs_1,  pairs_2, pairs_3, pairs_4,  pairs_5, pairs_6,
+                                              pairs_7,  pairs_8,  pairs_9, pairs_10, pairs_11, pairs_12};
+#else
+#define PAIRS 0
+#endif
+
+/* 1 where screen_part multiplies bf16 pairs (and cpu_kernel.head_screen packs them so). */
+int skinny_pairs(void) { return PAIRS; }
+
+/* y [M, N] = x [M, K] @ W^T from a screen packed in pairs (K even), inside an enclosing parallel
+   region, ending on the panels' barrier; xp: this thread's scratch of M K / 2 uint32 for x's pairs,
+   each float rounded to the nearest bf16 (ties to even). Built without pairs: never called. */
+void screen_part(const float *x, long M, long K, const void *w, long N, float *y, uint32_t *xp) {
+#if PAIRS
+    long K2 = K / 2, count = (N + NR - 1) / NR, passes = (M + ROWS - 1) / ROWS, per = (M + passes - 1) / passes;
+    for (long m = 0; m < M; m++)
+        for (long i = 0; i < K2; i++) {
+            uint32_t h[2];
+            for (int e = 0; e < 2; e++) {
+                uint32_t u;
+                __builtin_memcpy(&u, x + m * K + 2 * i + e, 4);
+                h[e] = (u + 0x7fff + ((u >> 16) & 1)) >> 16; /* (a NaN's row is computed exactly: head_part) */
+            }
+            xp[m * K2 + i] = h[0] | h[1] << 16;
+        }
+    float acc[ROWS * NR];
+#pragma omp for schedule(static)
+    for (long j = 0; j < count; j++) {
+        long n0 = j * NR, width = N - n0 < NR ? N - n0 : NR;
+        for (long m = 0; m < M; m += per) {
+            long mr = M - m < per ? M - m : per;
+            pair_panels[mr](xp + m * K2, K2, (const bf16 *)w + j * K * NR, acc);
+            for (long i = 0; i < mr; i++)
+                for (long c = 0; c < width; c++) y[(m + i) * N + n0 + c] = acc[i * NR + c];
+        }
+    }
+#else
+    (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)xp;
+#endif
 }
 
 /* The columns of a panel (cpu_kernel.pack). */
