@@ -235,16 +235,28 @@ def panel() -> int:
     return 16 if lib is None else lib.skinny_panel()
 
 
-def pack(w: Tensor, bf16: bool = False, width: int | None = None) -> Tensor:
+def pack(w: Tensor, bf16: bool = False, width: int | None = None, pairs: bool = False) -> Tensor:
     """W [K, N] (in, out) as skinny.c reads it: in panels of `width` output columns (default: the
     kernel's panel()), each [K, width], N padded to a multiple of width with zero columns: [ceil(N /
     width), K, width], streamed once in order by a product. fp32, or rounded to bf16 (half the bytes,
-    widened exactly in the kernel: for a drafter, whose weights need not be exact)."""
+    widened exactly in the kernel: for a drafter, whose weights need not be exact). pairs (bf16, K
+    even, where the kernel multiplies them: pairs()): each panel [K / 2, width, 2], k = 2i and 2i + 1
+    of an output side by side, multiplied by rows rounded to bf16 (a drafter's, the lm_head's screen)."""
     width = width or panel()
     K, N = w.shape
     padded = torch.nn.functional.pad(w.detach(), (0, -N % width))
+    if pairs:
+        if not bf16 or K % 2:
+            raise ValueError(f"pack: pairs need bf16 and an even K, got bf16={bf16}, K={K}")
+        return padded.view(K // 2, 2, -1, width).permute(2, 0, 3, 1).contiguous().to(torch.bfloat16)
     packed = padded.view(K, -1, width).permute(1, 0, 2).contiguous()
     return packed.to(torch.bfloat16) if bf16 else packed
+
+
+def pairs() -> bool:
+    """Whether the kernel multiplies bf16 pairs (built for a CPU with AVX512-BF16: pack(pairs=True))."""
+    lib = kernel()
+    return lib is not None and bool(lib.skinny_pairs())
 
 
 def on_huge_pages(tensors: list[Tensor]) -> list[Tensor]:
@@ -330,11 +342,12 @@ def _threads() -> int:
 
 
 def _bf16(*weights: tuple) -> int:
-    """1 where these Weights (of one call) are packed in bf16, 0 in fp32."""
-    kinds = {w.packed.dtype for w in weights}
+    """How these Weights (of one call) are packed: 0 in fp32, 1 in bf16, 2 in bf16 pairs (pack())."""
+    kinds = {(w.packed.dtype, w.packed.dim()) for w in weights}
     if len(kinds) != 1:
-        raise ValueError(f"the CPU kernel needs one packed dtype per call, got {sorted(map(str, kinds))}")
-    return int(kinds == {torch.bfloat16})
+        raise ValueError(f"the CPU kernel needs one packed layout per call, got {sorted(map(str, kinds))}")
+    dtype, dim = kinds.pop()
+    return 0 if dtype != torch.bfloat16 else 2 if dim == 4 else 1
 
 
 def _out(*shape: int) -> Tensor:
@@ -550,20 +563,14 @@ class Screen(NamedTuple):
 
 def head_screen(head: tuple) -> Screen:
     """The Screen of an fp32 head (the lm_head's packed Weights): its weights rounded to bf16, in
-    pairs of k where the kernel multiplies them so (AVX512-BF16, an even K), and its outputs'
-    norms."""
+    pairs where the kernel multiplies them (pairs(), an even K), and its outputs' norms."""
     w = head.w.detach()
-    K, width = w.shape[0], panel()
     norms = w.double().norm(dim=0)  # [V] ||w_v||: the weights of output v are column v of W [K, V]
     norms = torch.cat([norms, norms.max().view(1)])
     up = norms.float()
     up = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
-    pairs = bool(kernel().skinny_pairs()) and K % 2 == 0
-    if not pairs:
-        return Screen(pack(w, bf16=True), False, up)
-    padded = torch.nn.functional.pad(w, (0, -w.shape[1] % width))  # [K, V'] -> [V' / P, K / 2, P, 2]
-    packed = padded.view(K // 2, 2, -1, width).permute(2, 0, 3, 1).contiguous().to(torch.bfloat16)
-    return Screen(packed, True, up)
+    in_pairs = pairs() and w.shape[0] % 2 == 0
+    return Screen(pack(w, bf16=True, pairs=in_pairs), in_pairs, up)
 
 
 class Eagle3Weights(NamedTuple):

@@ -158,13 +158,16 @@ class Weights(NamedTuple):
     packed: Tensor | None = None  # W^T in cpu_kernel.pack's layout
 
     @classmethod
-    def of(cls, w: Tensor, bias: Tensor | None = None, cpu_copy: bool = False, bf16: bool = False) -> "Weights":
+    def of(
+        cls, w: Tensor, bias: Tensor | None = None, cpu_copy: bool = False, bf16: bool = False, pairs: bool = False
+    ) -> "Weights":
         """W (+ bias), with its CPU copy when cpu_copy; bf16: the kernel's copy rounded to bf16 (half
-        the bytes a product reads; a drafter's weights, see cpu_kernel.pack)."""
+        the bytes a product reads; a drafter's weights, see cpu_kernel.pack); pairs: in bf16 pairs,
+        multiplied by rows rounded to bf16 too (a drafter's, where cpu_kernel.pairs())."""
         if not cpu_copy:
             return cls(w, None, bias)
         if cpu_kernel.packs(w):
-            return cls(w, None, bias, cpu_kernel.pack(w, bf16))
+            return cls(w, None, bias, cpu_kernel.pack(w, bf16, pairs=pairs))
         return cls(w, w.detach().t().contiguous(), bias)
 
 

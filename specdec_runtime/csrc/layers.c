@@ -29,7 +29,6 @@ void skinny_part(const float *x, long M, long K, const void *w, int is_bf16, lon
 void skinny_panel_rows(const float *x, long M, long K, const void *w, int is_bf16, long N, long j, const float *bias,
                        const float *res, float *y);
 int skinny_panel(void);
-void screen_part(const float *x, long M, long K, const void *w, long N, float *y, uint32_t *xp);
 int64_t argmax_row(const float *x, long V); /* argmax.c */
 
 /* A growing scratch buffer per calling thread (decode steps reuse it: no allocation per call). */
@@ -522,10 +521,10 @@ static double screen_tiny(long K, double h_norm, double w_norm) { return (K + 4)
 
 /* decoder_layers' head, run by every thread of its region: logits [R, V] = head(h) of the normed
    rows h [R, K] and their argmax best [R] (torch.argmax's: the first of equal maxima, the first
-   NaN); at: threads x R slots, lo: threads x R doubles, xp: threads x R x K / 2 of scratch.
+   NaN); at: threads x R slots, lo: threads x R doubles of scratch.
 
    screen (NULL: none), for greedy decoding, which reads only the argmax: the head again in bf16 (half
-   its bytes; packed in pairs where pairs is set, multiplied by the rows rounded to bf16: screen_part)
+   its bytes; packed in pairs where pairs is set, multiplied by the rows rounded to bf16: skinny.c)
    and norms [V + 1], the 2-norm of each output's fp32 weights (rounded up), then the largest. The whole head is read in bf16, and of the fp32
    head only the panels that can hold a row's largest logit. Every screened logit is within its
    bound (screen_c) of the exact one, so the largest exact logit is at least the floor: the
@@ -535,8 +534,7 @@ static double screen_tiny(long K, double h_norm, double w_norm) { return (K + 4)
    a bound could overflow (or h holds a NaN), every panel is computed. The logits outside the
    computed panels are the screen's, not exact: the caller reads only best. */
 static void head_part(const float *h, long R, long K, const void *head, int head_bf16, const void *screen,
-                      int pairs, const float *norms, long V, float *logits, int64_t *best, int64_t *at, double *lo,
-                      uint32_t *xp) {
+                      int pairs, const float *norms, long V, float *logits, int64_t *best, int64_t *at, double *lo) {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
     long NR = skinny_panel(), count = (V + NR - 1) / NR, p0 = count * t / nt, p1 = count * (t + 1) / nt;
     if (!screen) {
@@ -544,10 +542,7 @@ static void head_part(const float *h, long R, long K, const void *head, int head
         long a = V * t / nt, b = V * (t + 1) / nt; /* each thread's span of every row, then in order */
         for (long r = 0; r < R; r++) at[r * nt + t] = b > a ? a + argmax_row(logits + r * V + a, b - a) : -1;
     } else {
-        if (pairs) /* the screen's logits (ends on a barrier) */
-            screen_part(h, R, K, screen, V, logits, xp + (size_t)t * R * (K / 2));
-        else
-            skinny_part(h, R, K, screen, 1, V, 0, 0, logits);
+        skinny_part(h, R, K, screen, pairs ? 2 : 1, V, 0, 0, logits); /* the screen's logits (ends on a barrier) */
         double c = screen_c(K, pairs), tiny[R], scale[R];
         float up[R], at_least[R];
         long a = p0 * NR < V ? p0 * NR : V, b = p1 * NR < V ? p1 * NR : V;
@@ -626,12 +621,10 @@ int decoder_layers(float *x, const int64_t *tokens, const float *embed, long ep,
                    const float *screen_norms, long V, long keep, float *logits, int64_t *best, int threads) {
     size_t a = attention_floats(M, Hd, H, Hkv, D, bound, threads), b = mlp_floats(M, Hd, I, threads);
     size_t floats = ((a > b ? a : b) + 1) & ~(size_t)1; /* then the head's argmax: each thread's best of each row */
-    size_t pairs = screen_pairs ? (size_t)threads * M * (Hd / 2) : 0; /* and its screen's bounds and rows in pairs */
-    float *buf = scratch(floats + 4 * (size_t)threads * M + pairs);
+    float *buf = scratch(floats + 4 * (size_t)threads * M); /* and its screen's bounds */
     if (!buf) return -1;
     int64_t *at = (int64_t *)(buf + floats);
     double *lo = (double *)(at + (size_t)threads * M);
-    uint32_t *xp = (uint32_t *)(lo + (size_t)threads * M);
 #pragma omp parallel num_threads(threads) /* one region for all the layers: no fork and join a sublayer */
     {
         if (tokens) {
@@ -657,7 +650,7 @@ int decoder_layers(float *x, const int64_t *tokens, const float *embed, long ep,
         if (head) { /* x is final: no thread writes it after the layers' last barrier */
             long R = keep ? keep : M;
             head_part(normed(x + (M - R) * Hd, R, Hd, norm, eps, buf), R, Hd, head, head_bf16, screen, screen_pairs,
-                      screen_norms, V, logits, best, at, lo, xp);
+                      screen_norms, V, logits, best, at, lo);
         }
     }
     return 0;

@@ -138,13 +138,29 @@ def test_runtime_drafter_logits_equal_the_training_modules(norm_before_residual)
         assert int(draft.tokens[k]) == int(model.draft_ids[naive[(k, P - 1)].argmax()])
 
 
+def float64_products(monkeypatch, bf16_rows: bool) -> None:
+    """The drafter's torch ops with every product computed in float64 from its fp32 weights (an
+    oracle), each row rounded to bf16 first where bf16_rows (as the kernel's bf16 pairs do)."""
+    import specdec_runtime.eagle3 as eagle3
+    import specdec_runtime.model as model
+
+    def linear(x, w, residual=None):
+        rows = x.bfloat16() if bf16_rows else x
+        y = rows.double() @ w.w.double() + (w.bias.double() if w.bias is not None else 0)
+        return (y + (residual.double() if residual is not None else 0)).to(x.dtype)
+
+    for module in (eagle3, model):
+        monkeypatch.setattr(module, "linear", linear)
+
+
 @pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
 @torch.no_grad()
-def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16():
+def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16(monkeypatch):
     """cpu_bf16 (the default on a CPU with the kernel) drafts as the same drafter whose weight
-    matrices were rounded to bf16 beforehand and kept in fp32, to fp32 rounding (the kernel widens
-    bf16 exactly; its bf16 chunks may be wider than fp32's, so its sums run in another order), from
-    half the bytes; its logits are not the unrounded drafter's: they differ by the rounding."""
+    matrices were rounded to bf16 beforehand, from half the bytes: to fp32 rounding of float64
+    products, where the kernel widens bf16 to fp32; where it multiplies bf16 pairs (AVX512-BF16),
+    with each product's rows rounded to bf16 too (the products exact, their sums in fp32). Its
+    logits are not the unrounded drafter's: they differ by the rounding."""
     hf, target, model = tiny()
     rounded = copy.deepcopy(model)
     for p in rounded.parameters():
@@ -153,13 +169,20 @@ def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16()
     prompt = torch.arange(7, 19)
     bf16 = Eagle3Drafter(model, target)
     assert bf16.w.head.packed.dtype == torch.bfloat16 and bf16.w.qkv.packed.dtype == torch.bfloat16
-    runs = [drafted_logits(d, target, prompt)[0] for d in (bf16, Eagle3Drafter(rounded, target, cpu_bf16=False))]
+    assert (bf16.w.qkv.packed.dim() == 4) == cpu_kernel.pairs()  # [panels, K / 2, panel, 2]: pairs
+    ours = drafted_logits(bf16, target, prompt)[0]
     exact = drafted_logits(Eagle3Drafter(model, target, cpu_bf16=False), target, prompt)[0]
-    assert len(runs[0]) == 3
-    for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert (runs[0][0] - exact[0]).abs().max() > 1e-4  # the weights' rounding (logits ~0.1): far above fp32's
-    torch.testing.assert_close(runs[0][0], exact[0], rtol=0.05, atol=0.05)
+    with monkeypatch.context() as m:
+        float64_products(m, bf16_rows=cpu_kernel.pairs())
+        oracle = Eagle3Drafter(rounded, target, cpu_bf16=False)
+        oracle.kernel_w = None  # its torch ops, with the float64 products
+        expected = drafted_logits(oracle, target, prompt)[0]
+    assert len(ours) == 3
+    tol = dict(rtol=1e-4, atol=1e-4) if cpu_kernel.pairs() else dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours, expected):  # (with pairs, a row's rounding to bf16 flips where fp32 sums differ)
+        torch.testing.assert_close(a, b, **tol)
+    assert (ours[0] - exact[0]).abs().max() > 1e-4  # the weights' rounding (logits ~0.1): far above fp32's
+    torch.testing.assert_close(ours[0], exact[0], rtol=0.05, atol=0.05)
 
 
 @pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
