@@ -146,10 +146,13 @@ def kernel() -> ctypes.CDLL | None:
         "decoder_layers": [P, *gather, *[N] * 4, P, Int, P, F, *[N] * 4, *attend, P, P, N, *head, Int],
         "head_rows": [P, N, N, P, F, P, Int, N, P, Int],
         "eagle3_rows": [P, N, P, N, N, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
+        "eagle3_tree": [P, P, P, N, Int, Int, P, *[N] * 4, P, Int, Int, F, *[N] * 6, P, P, N, P, N, P, P, P, P, Int],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
-        restype = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float}.get(name, Int)
+        restype = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float, "eagle3_tree": N}.get(
+            name, Int
+        )
         fn.argtypes, fn.restype = args, restype
     return lib
 
@@ -641,3 +644,44 @@ def eagle3_rows(
     ))
     # fmt: on
     return prenorm, logits
+
+
+def eagle3_tree(
+    w: Eagle3Weights,
+    prenorm: Tensor,
+    logits: Tensor,
+    draft_ids: Tensor,
+    L: int,
+    levels: int,
+    K: int,
+    embed: Tensor,
+    dims: tuple[int, int, int, int, int],
+    eps: float,
+    norm_before_residual: bool,
+    rope: Tensor,
+    kv: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """An EAGLE-2 tree's levels in one call (eagle3.Eagle3Drafter._tree on a CPU): from the newest
+    row's prenorm [H] and draft logits [N], its nodes in the order the torch ops make them: (path
+    log-probability [n], draft id [n], parent [n] (-1 for the root's children), rank among its
+    siblings [n]). draft_ids [N]: each draft id's target id; embed, dims, rope and kv as
+    eagle3_rows (rows attend to the prefix's L - 1 slots and their ancestors' rows)."""
+    H, Hq, Hkv, D, intermediate = dims
+    if prenorm.dtype != torch.float32 or logits.dtype != torch.float32 or embed.dtype != torch.float32:
+        raise ValueError("eagle3_tree: need float32 rows and embedding")
+    most = K + (levels - 1) * K * K
+    score, tok = _out(most), torch.empty(most, dtype=torch.long)
+    parent, rank = torch.empty(most, dtype=torch.long), torch.empty(most, dtype=torch.long)
+    prenorm, logits, draft_ids = prenorm.contiguous(), logits.contiguous(), draft_ids.contiguous()
+    if not kv.is_contiguous() or rope.stride(-1) != 1:
+        raise ValueError("eagle3_tree: kv and rope must be contiguous")
+    # fmt: off
+    n = kernel().eagle3_tree(
+        prenorm.data_ptr(), logits.data_ptr(), draft_ids.data_ptr(), L, levels, K, embed.data_ptr(), embed.shape[2],
+        *embed.stride(), w.pointers, w.bf16, int(norm_before_residual), eps, H, Hq, Hkv, D, intermediate, w.vocab,
+        rope[0, 0].data_ptr(), rope[0, 1].data_ptr(), rope.stride(0), kv.data_ptr(), kv.shape[-2], score.data_ptr(),
+        tok.data_ptr(), parent.data_ptr(), rank.data_ptr(), _threads(),
+    )
+    # fmt: on
+    _ran(0 if n >= 0 else -1)
+    return score[:n], tok[:n], parent[:n], rank[:n]

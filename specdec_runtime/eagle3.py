@@ -428,8 +428,19 @@ class Eagle3Drafter(Drafter):
     def _tree(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int) -> Draft:
         """EAGLE-2's dynamic tree: level by level, the top_k children of each expanded node; the
         top_k of them (by path log-probability) are expanded next; the tree_budget best nodes of
-        all are drafted. One host sync per level (the chosen nodes' structure)."""
-        K, dev = self.top_k, prenorm.device
+        all are drafted. One host sync per level (the chosen nodes' structure). On a CPU with the
+        runtime's kernel, its levels run in one call (cpu_kernel.eagle3_tree: the same nodes, where
+        ~30 torch ops and two kernel calls cost ~0.3 ms of Python a round on the 2-core EPYC)."""
+        K, dev, levels = self.top_k, prenorm.device, min(gamma, MAX_DEPTH)
+        if self.kernel_w is not None and cpu_kernel.stack_usable(prenorm[None]):
+            cfg = self.model.config
+            dims = (cfg.layer.hidden_size, cfg.layer.num_heads, cfg.layer.num_kv_heads, cfg.layer.head_dim,
+                    cfg.layer.intermediate_size)  # fmt: skip
+            scores, tok, parent, rank = cpu_kernel.eagle3_tree(
+                self.kernel_w, prenorm, logits, self.draft_ids, L, levels, K, self.target.embedding_panels(), dims,
+                cfg.layer.rms_norm_eps, cfg.norm_before_residual, self.rope, self.kv,
+            )  # fmt: skip
+            return self._best(scores.tolist(), tok, parent.tolist(), rank.tolist())
         logp = logits.float().log_softmax(-1)
         top = logp.topk(K)
         # Every node: (score, draft id, parent node index or -1, rank among its siblings, row slot or -1).
@@ -438,7 +449,7 @@ class Eagle3Drafter(Drafter):
         ancestors: dict[int, list[int]] = {i: [] for i in range(K)}  # row slots of a node's ancestors
         features = prenorm[None].expand(K, -1)  # the feature each frontier node's row reads
         slot = L - 1
-        for depth in range(1, min(gamma, MAX_DEPTH)):  # nodes of depth `depth` get rows; their children depth + 1
+        for depth in range(1, levels):  # nodes of depth `depth` get rows; their children depth + 1
             F_ = len(frontier)
             slots = self.slots[slot : slot + F_]
             tree_rows = [[False] * (slot + F_ - (L - 1)) for _ in range(F_)]  # slots L-1..: the tree's own rows
@@ -464,9 +475,13 @@ class Eagle3Drafter(Drafter):
             frontier = [base + j for j in keep_list]
             features = rows_prenorm[[j // K for j in keep_list]]
             slot += F_
-        score_list = scores.tolist()  # host sync
-        paths: dict[int, tuple[int, ...]] = {}  # the tree_budget best nodes, parents before children
-        for i in sorted(range(len(parent)), key=lambda i: (-score_list[i], i)):
+        return self._best(scores.tolist(), tok, parent, rank)  # host sync
+
+    def _best(self, scores: list[float], tok: Tensor, parent: list[int], rank: list[int]) -> Draft:
+        """The tree_budget best nodes (scores, draft ids, parents and ranks of _tree's nodes), parents
+        before children, as the draft."""
+        paths: dict[int, tuple[int, ...]] = {}
+        for i in sorted(range(len(parent)), key=lambda i: (-scores[i], i)):
             if len(paths) == self.tree_budget:
                 break
             if parent[i] < 0 or parent[i] in paths:  # a child never scores above its parent

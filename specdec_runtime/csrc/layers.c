@@ -720,3 +720,91 @@ int eagle3_rows(const int64_t *tokens, long M, const float *embed, long ep, long
     }
     return 0;
 }
+
+/* The K largest of x [n] (K <= n), largest first, the lower index first among equal values: their
+   indices into top [K] (torch.topk's order where the values differ). */
+static void top_k(const float *x, long n, int K, long *top) {
+    int have = 0;
+    for (long i = 0; i < n; i++) {
+        if (have == K && !(x[i] > x[top[K - 1]])) continue;
+        int at = have < K ? have++ : K - 1; /* insert i, keeping the order */
+        while (at > 0 && x[i] > x[top[at - 1]]) top[at] = top[at - 1], at--;
+        top[at] = i;
+    }
+}
+
+/* row [n] -> its log-softmax's K largest: values [K] and draft ids [K] (max + log of the sum of
+   exp(x - max), LANES at a time). */
+static void top_logp(const float *row, long n, int K, float *values, int64_t *ids, long *scratch_top) {
+    float top = row[argmax_row(row, n)];
+    vw sums = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) sums += expw(loadw(row + i) - top);
+    float sum = hsumw(sums);
+    for (; i < n; i++) sum += expf(row[i] - top);
+    float lse = top + logf(sum);
+    top_k(row, n, K, scratch_top);
+    for (int k = 0; k < K; k++) values[k] = row[scratch_top[k]] - lse, ids[k] = scratch_top[k];
+}
+
+/* An EAGLE-2 tree's levels (specdec_runtime/eagle3.py: Eagle3Drafter._tree, whose torch ops this
+   is on a CPU, in one call instead of ~30 ops and two kernel calls a round): from the newest row's
+   prenorm0 [H] and draft logits0 [N], the top K children of each expanded node, level by level;
+   the K best by path log-probability are expanded next (a row each, at rope position L - 2 + depth,
+   attending to the prefix's L - 1 slots, its ancestors' rows and its own, its row slot L - 1 + the
+   rows run before it). levels: the depth the tree may reach. Writes the nodes in the order the
+   torch ops make them: score (the path's log-probability), tok (draft id), parent (node index or
+   -1), rank (among its siblings) [K + (levels - 1) K K]; returns their count, or -1 when out of
+   memory. draft_ids [N]: each draft id's target id; cos / sin: rope row 0, rows rope_stride apart;
+   the rest as eagle3_rows. */
+long eagle3_tree(const float *prenorm0, const float *logits0, const int64_t *draft_ids, long L, int levels, int K,
+                 const float *embed, long ep, long es0, long es1, long es2, const void *const *w, int is_bf16,
+                 int norm_before_residual, float eps, long H, long Hq, long Hkv, long D, long I, long N,
+                 const float *cos, const float *sin, long rope_stride, float *kv, long S, float *score, int64_t *tok,
+                 int64_t *parent, int64_t *rank, int threads) {
+    long most = K + (long)(levels - 1) * K * K, bound_most = L - 1 + (long)(levels - 1) * K;
+    size_t floats = (size_t)K * H * 2 + (size_t)K * N + (size_t)K * K; /* features, prenorm, logits, candidates */
+    float *mem = malloc(floats * sizeof(float) + (size_t)K * bound_most + most * sizeof(long) * 2 + 64 * sizeof(long));
+    if (!mem) return -1;
+    float *features = mem, *prenorm = features + K * H, *logits = prenorm + K * H, *cand = logits + K * N;
+    long *slot_of = (long *)(cand + K * K), *order = slot_of + most; /* a node's row slot (-1: none) */
+    uint8_t *mask = (uint8_t *)(order + most + 64);
+    int64_t frontier[K], rows[K], slots[K], child_ids[K * K];
+    float child_values[K * K];
+    long keep[K], top[K];
+    top_logp(logits0, N, K, score, tok, top);
+    for (int k = 0; k < K; k++) parent[k] = -1, rank[k] = k, frontier[k] = k, slot_of[k] = -1;
+    for (int k = 0; k < K; k++) memcpy(features + k * H, prenorm0, H * sizeof(float));
+    long n = K, slot = L - 1, F = K;
+    for (int depth = 1; depth < levels; depth++) {
+        long bound = slot + F;
+        for (long r = 0; r < F; r++) {
+            uint8_t *m = mask + r * bound;
+            memset(m, 1, L - 1);
+            memset(m + L - 1, 0, bound - (L - 1));
+            slot_of[frontier[r]] = slot + r;
+            for (long a = frontier[r]; a >= 0; a = parent[a]) m[slot_of[a]] = 1; /* itself and its ancestors */
+            rows[r] = draft_ids[tok[frontier[r]]], slots[r] = slot + r;
+        }
+        long first = L - 2 + depth;
+        int status = eagle3_rows(rows, F, embed, ep, es0, es1, es2, 0, 0, features, w, is_bf16, norm_before_residual,
+                                 eps, H, Hq, Hkv, D, I, N, 0, cos + first * rope_stride, sin + first * rope_stride, 0,
+                                 kv, S, slots, mask, bound, bound, prenorm, logits, threads);
+        if (status) return free(mem), -1;
+        for (long r = 0; r < F; r++) top_logp(logits + r * N, N, K, child_values + r * K, child_ids + r * K, top);
+        for (long j = 0; j < F * K; j++) cand[j] = score[frontier[j / K]] + child_values[j];
+        int kept = F * K < K ? (int)(F * K) : K;
+        top_k(cand, F * K, kept, keep);
+        for (long j = 0; j < F * K; j++) {
+            score[n + j] = cand[j], tok[n + j] = child_ids[j], parent[n + j] = frontier[j / K], rank[n + j] = j % K;
+            slot_of[n + j] = -1;
+        }
+        for (int i = 0; i < kept; i++) { /* the next level's rows read the prenorm of their parent's row */
+            frontier[i] = n + keep[i];
+            memcpy(features + i * H, prenorm + keep[i] / K * H, H * sizeof(float));
+        }
+        n += F * K, slot += F, F = kept;
+    }
+    free(mem);
+    return n;
+}

@@ -209,12 +209,20 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
     for a, b in zip(runs[0][0], runs[1][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert torch.equal(runs[0][2].tokens, runs[1][2].tokens)
-    trees = []
-    for d in (fused, ops):
+    trees, nodes = [], []
+    for d in (fused, ops):  # the tree's levels: one kernel call (eagle3_tree), or the torch ops
         d.tree_budget = d.tree_nodes = 8
+        real_best = d._best
+        d._best = lambda *a, real_best=real_best: nodes.append(a) or real_best(*a)  # every node, before the choice
         trees.append(drafted_logits(d, target, prompt, gamma=3)[2])
+        del d._best
     assert trees[0].tree == trees[1].tree and torch.equal(trees[0].tokens, trees[1].tokens)
     assert len(trees[0].tree) == 8
+    (scores, tok, parent, rank), (scores_ops, tok_ops, parent_ops, rank_ops) = nodes
+    K = fused.top_k  # 3 levels: K children of the root, then K for each of the K best, twice
+    assert len(parent) == K + 2 * K * K and parent == parent_ops and rank == rank_ops
+    assert torch.equal(tok, tok_ops)
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(scores_ops), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
