@@ -193,8 +193,13 @@ def main() -> None:
                 bound = read / (bw * 1e9) * 1000
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
                 what = f"{dtype} weights, fp32 activations" if m.bf16_weights else dtype
-                if args.argmax_only and path == "kernel" and m.head_screen() is not None:
-                    what += " (greedy steps: the lm_head screened in bf16, fp32 panels read where the argmax can be)"
+                screen = m.head_screen() if args.argmax_only and path == "kernel" else None
+                if screen is not None:  # it reads the screen instead of the fp32 head (and 1-2 panels a row)
+                    fewer = read - m.lm_head.weight.numel() * 4 + screen.packed.numel() * 2
+                    what += (
+                        " (greedy steps: the lm_head screened in bf16, fp32 panels read where the argmax can be: "
+                        f"~{fewer / 1e6:.0f} MB a step, {fewer / (bw * 1e9) * 1000 / one:.0%} of their own bound)"
+                    )
                 print(
                     f"\n## {what}, {path} path: decode step {one:.1f} ms = {1000 / one:.1f} tok/s; read "
                     f"bandwidth beside it {bw:.1f} GB/s, so the bound is {bound:.1f} ms ({read / 1e6:.0f} MB a "
