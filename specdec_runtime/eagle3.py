@@ -299,8 +299,11 @@ class Eagle3Drafter(Drafter):
             raise SpecdecError(
                 f"EAGLE-3 aux layers {list(cfg.aux_layers)} do not fit a {target.config.num_layers}-layer target"
             )
-        if tree_budget < 0 or top_k < 1:
-            raise SpecdecError(f"eagle3 tree: need tree_budget >= 0 and top_k >= 1 (got {tree_budget}, {top_k})")
+        if tree_budget < 0 or not 1 <= top_k <= cfg.draft_vocab_size:
+            raise SpecdecError(
+                f"eagle3 tree: need tree_budget >= 0 and 1 <= top_k <= the draft vocabulary "
+                f"({cfg.draft_vocab_size}); got {tree_budget}, {top_k}"
+            )
         if confidence and tree_budget:
             raise SpecdecError(
                 "eagle3: a draft-exit confidence applies to chains (tree_budget 0; --tree chain), not to trees"

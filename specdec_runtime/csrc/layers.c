@@ -525,8 +525,9 @@ static double screen_tiny(long K, double h_norm, double w_norm) { return (K + 4)
 
    screen (NULL: none), for greedy decoding, which reads only the argmax: the head again in bf16 (half
    its bytes; packed in pairs where pairs is set, multiplied by the rows rounded to bf16: skinny.c)
-   and norms [V + 1], the 2-norm of each output's fp32 weights (rounded up), then the largest. The whole head is read in bf16, and of the fp32
-   head only the panels that can hold a row's largest logit. Every screened logit is within its
+   and norms [V + 1], the 2-norm of each output's fp32 weights (rounded up), then the largest. The
+   whole head is read in bf16, and of the fp32 head only the panels that can hold a row's largest
+   logit. Every screened logit is within its
    bound (screen_c) of the exact one, so the largest exact logit is at least the floor: the
    largest screened logit less its bound. No output whose screened logit plus its bound is below
    the floor can be the argmax or tie it. The panels that hold any other output (the candidates)
@@ -561,7 +562,8 @@ static void head_part(const float *h, long R, long K, const void *head, int head
             for (int s = 0; s < nt; s++) floor = lo[r * nt + s] > floor ? lo[r * nt + s] : floor;
             /* An output is a candidate where its screened logit plus its bound reaches the floor; tested
                in float as fmaf(up, norm, logit) >= at_least, with up >= the scale by 2^-12 (more than
-               fmaf's rounding: |logit| < 2^9 bound / 2, as c >= 2^-8) and at_least <= floor - tiny. */
+               fmaf's one rounding: a screened logit is at most ~257 times its bound, as c >= 2^-8)
+               and at_least <= floor - tiny. */
             up[r] = (float)(scale[r] * (1 + 0x1p-12));
             if (up[r] < scale[r] * (1 + 0x1p-12)) up[r] = nextafterf(up[r], INFINITY);
             at_least[r] = (float)(floor - tiny[r]);
@@ -763,12 +765,12 @@ long eagle3_tree(const float *prenorm0, const float *logits0, const int64_t *dra
                  const float *cos, const float *sin, long rope_stride, float *kv, long S, float *score, int64_t *tok,
                  int64_t *parent, int64_t *rank, int threads) {
     long most = K + (long)(levels - 1) * K * K, bound_most = L - 1 + (long)(levels - 1) * K;
-    size_t floats = (size_t)K * H * 2 + (size_t)K * N + (size_t)K * K; /* features, prenorm, logits, candidates */
-    float *mem = malloc(floats * sizeof(float) + (size_t)K * bound_most + most * sizeof(long) * 2 + 64 * sizeof(long));
+    size_t floats = ((size_t)K * H * 2 + (size_t)K * N + (size_t)K * K + 1) & ~(size_t)1; /* (then longs) */
+    float *mem = malloc(floats * sizeof(float) + most * sizeof(long) + (size_t)K * bound_most);
     if (!mem) return -1;
     float *features = mem, *prenorm = features + K * H, *logits = prenorm + K * H, *cand = logits + K * N;
-    long *slot_of = (long *)(cand + K * K), *order = slot_of + most; /* a node's row slot (-1: none) */
-    uint8_t *mask = (uint8_t *)(order + most + 64);
+    long *slot_of = (long *)(mem + floats); /* a node's row slot (-1: none) */
+    uint8_t *mask = (uint8_t *)(slot_of + most);
     int64_t frontier[K], rows[K], slots[K], child_ids[K * K];
     float child_values[K * K];
     long keep[K], top[K];

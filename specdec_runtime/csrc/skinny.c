@@ -164,8 +164,10 @@ static const uint32_t *pairs_of(const float *x, long M, long K) {
         const float *r = x + m * K;
         uint32_t *o = buf + m * (K / 2);
         long k = 0;
-        for (; k + 32 <= K; k += 32) /* 32 floats -> 16 pairs, x[k] in the low half of the first */
-            _mm512_storeu_si512(o + k / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + k + 16), _mm512_loadu_ps(r + k)));
+        for (; k + 32 <= K; k += 32) { /* 32 floats -> 16 pairs, x[k] in the low half of the first */
+            __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + k + 16), _mm512_loadu_ps(r + k));
+            _mm512_storeu_si512(o + k / 2, (__m512i)h);
+        }
         for (; k < K; k += 2) {
             __m128bh h = _mm_cvtneps_pbh(_mm_set_ps(0, 0, r[k + 1], r[k]));
             uint32_t u;

@@ -399,6 +399,10 @@ def test_bad_aux_layers_and_draft_vocabularies_are_refused():
         Eagle3Config.for_target(replace(target.config, num_layers=3), aux_layers=None, draft_vocab_size=10)
     with pytest.raises(SpecdecError, match=r"draft vocabulary of 300 tokens: need 1..256"):
         Eagle3Config.for_target(target.config, aux_layers=AUX, draft_vocab_size=300)
+    _, _, model = tiny()
+    vocab = model.config.draft_vocab_size
+    with pytest.raises(SpecdecError, match=rf"1 <= top_k <= the draft vocabulary \({vocab}\); got 8, {vocab + 1}"):
+        Eagle3Drafter(model, target, tree_budget=8, top_k=vocab + 1)  # a tree can try no more children
 
 
 class Recording(Eagle3Drafter):
