@@ -435,7 +435,7 @@ class Decoder(nn.Module):
         its outputs' norms), with which the CPU kernel finds a greedy step's argmax exactly without
         reading most of the fp32 head (argmax_only; a decode step of the bundled target reads 490
         MB instead of 547). None where the kernel does not read an fp32 head. Built on first use
-        (~0.2 s and half the head's memory more) and again whenever the weights may have changed."""
+        (~0.3 s and half the head's memory more) and again whenever the weights may have changed."""
         head = self.lm_head.params
         if self._screen is None and head.packed is not None and head.packed.dtype == torch.float32:
             screen = cpu_kernel.head_screen(head)
