@@ -321,7 +321,9 @@ def run_bench(args: argparse.Namespace) -> None:
         tree=args.tree,
         device=m.device.type,
         dtype=str(m.weight_dtype).removeprefix("torch."),
-        products=cpu_kernel.products(m.device, m.dtype) + " (bf16 weights, fp32 activations)" * m.bf16_weights,
+        products=cpu_kernel.products(m.device, m.dtype)
+        + " (bf16 weights, fp32 activations)" * m.bf16_weights
+        + "; greedy steps read the lm_head's bf16 screen" * (m.head_screen() is not None),
         chat=not args.no_chat_template,
         reference=not args.no_reference,
         paired=args.paired,
