@@ -186,11 +186,14 @@ def test_stream_sum_is_the_sum():
 @needs_kernel
 def test_its_row_limit_is_the_builds():
     """Passes of up to 12 rows in 512-bit registers are built exactly where the compiler targets
-    AVX-512; with them the kernel takes steps (prefills) of up to WIDE_MAX_ROWS rows, without them
-    MAX_ROWS."""
-    flags = Path("/proc/cpuinfo").read_text().partition("flags")[2].partition("\n")[0].split()
-    wide = "avx512vl" in flags and os.environ.get(cpu_kernel.MARCH, "native") == "native"
-    assert cpu_kernel.kernel().skinny_wide() == int(wide)
+    AVX-512, and products of bf16 pairs where it targets AVX512-BF16 too (the compiler's own macros
+    for the build's -march); with the passes the kernel takes steps (prefills) of up to
+    WIDE_MAX_ROWS rows, without them MAX_ROWS."""
+    march = os.environ.get(cpu_kernel.MARCH) or "native"
+    cmd = [os.environ.get("CC", "cc"), f"-march={march}", "-dM", "-E", "-x", "c", "/dev/null"]
+    macros = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    wide, pairs = "__AVX512F__" in macros, "__AVX512F__" in macros and "__AVX512BF16__" in macros
+    assert cpu_kernel.kernel().skinny_wide() == int(wide) and cpu_kernel.pairs() == pairs
     assert cpu_kernel.max_rows() == (cpu_kernel.WIDE_MAX_ROWS if wide else cpu_kernel.MAX_ROWS)
 
 
