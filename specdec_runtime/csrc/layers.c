@@ -519,6 +519,12 @@ static double screen_c(long K, int pairs) {
 }
 static double screen_tiny(long K, double h_norm, double w_norm) { return (K + 4) * 0x1p-118 * (1 + h_norm + w_norm); }
 
+/* Whether index i (after best in the row's order) is the argmax instead of best (-1: none yet), as
+   torch.argmax chooses: the first NaN, else the first of equal maxima. */
+static inline int replaces(const float *row, int64_t best, int64_t i) {
+    return best < 0 || (row[best] == row[best] && (row[i] != row[i] || row[i] > row[best]));
+}
+
 /* decoder_layers' head, run by every thread of its region: logits [R, V] = head(h) of the normed
    rows h [R, K] and their argmax best [R] (torch.argmax's: the first of equal maxima, the first
    NaN); at: threads x R slots, lo: threads x R doubles of scratch.
@@ -582,8 +588,8 @@ static void head_part(const float *h, long R, long K, const void *head, int head
             skinny_panel_rows(h, R, K, head, head_bf16, V, j, 0, 0, logits); /* exact, bitwise the unscreened */
             for (long r = 0; r < R; r++) { /* the panels in order: the first maximum, the first NaN */
                 const float *row = logits + r * V;
-                int64_t i = v0 + argmax_row(row + v0, v1 - v0), was = at[r * nt + t];
-                if (was < 0 || (row[was] == row[was] && (row[i] != row[i] || row[i] > row[was]))) at[r * nt + t] = i;
+                int64_t i = v0 + argmax_row(row + v0, v1 - v0);
+                if (replaces(row, at[r * nt + t], i)) at[r * nt + t] = i;
             }
         }
     }
@@ -594,8 +600,7 @@ static void head_part(const float *h, long R, long K, const void *head, int head
         int64_t choice = -1;
         for (int s = 0; s < nt; s++) {
             int64_t i = at[r * nt + s];
-            if (i >= 0 && (choice < 0 || (row[choice] == row[choice] && (row[i] != row[i] || row[i] > row[choice]))))
-                choice = i;
+            if (i >= 0 && replaces(row, choice, i)) choice = i;
         }
         best[r] = choice;
     }

@@ -113,6 +113,19 @@ PANELS(f32)
 PANELS(bf16)
 static const panel_fn panels[2][ROWS + 1] = {TABLE(f32), TABLE(bf16)};
 
+/* A pass's sums acc [mr, NR] (rows m.., columns n0..n0 + width - 1 of y [M, N]) + bias + res, in that
+   order, into y. */
+static inline void store_pass(const float *acc, long m, long mr, long N, long n0, long width,
+                              const float *bias, const float *res, float *y) {
+    for (long i = 0; i < mr; i++)
+        for (long c = 0; c < width; c++) {
+            float s = acc[i * NR + c];
+            if (bias) s += bias[n0 + c];
+            if (res) s += res[(m + i) * N + n0 + c];
+            y[(m + i) * N + n0 + c] = s;
+        }
+}
+
 /* Products of bf16 pairs (AVX512-BF16's VDPBF16PS: 32 multiply-adds an instruction, twice an fp32
    FMA's), is_bf16 = 2: W packed in pairs (cpu_kernel.pack(pairs=True)), panel j [K / 2, NR, 2] with
    the weights of k = 2i and 2i + 1 of an output side by side, and x rounded to bf16 too (to
@@ -191,13 +204,7 @@ static void pairs_part(const float *x, long M, long K, const void *w, long N, co
         for (long m = 0; m < M; m += per) {
             long mr = M - m < per ? M - m : per;
             pair_panels[mr](xp + m * K2, K2, (const bf16 *)w + j * K * NR, acc);
-            for (long i = 0; i < mr; i++)
-                for (long c = 0; c < width; c++) {
-                    float s = acc[i * NR + c];
-                    if (bias) s += bias[n0 + c];
-                    if (res) s += res[(m + i) * N + n0 + c];
-                    y[(m + i) * N + n0 + c] = s;
-                }
+            store_pass(acc, m, mr, N, n0, width, bias, res, y);
         }
     }
 }
@@ -214,19 +221,14 @@ static void pairs_part(const float *x, long M, long K, const void *w, long N, co
    for one panel, in passes of equal rows (16 rows as 8 + 8, not 12 + 4). */
 void skinny_panel_rows(const float *x, long M, long K, const void *w, int is_bf16, long N, long j, const float *bias,
                        const float *res, float *y) {
-    long passes = (M + ROWS - 1) / ROWS, per = (M + passes - 1) / passes, n0 = j * NR, width = N - n0 < NR ? N - n0 : NR;
+    long passes = (M + ROWS - 1) / ROWS, per = (M + passes - 1) / passes;
+    long n0 = j * NR, width = N - n0 < NR ? N - n0 : NR;
     size_t stride = (size_t)K * NR * (is_bf16 ? sizeof(bf16) : sizeof(float)); /* bytes a panel */
     float acc[ROWS * NR];
     for (long m = 0; m < M; m += per) {
         long mr = M - m < per ? M - m : per;
         panels[is_bf16 != 0][mr](x + m * K, K, (const char *)w + j * stride, acc);
-        for (long i = 0; i < mr; i++)
-            for (long c = 0; c < width; c++) {
-                float s = acc[i * NR + c];
-                if (bias) s += bias[n0 + c];
-                if (res) s += res[(m + i) * N + n0 + c];
-                y[(m + i) * N + n0 + c] = s;
-            }
+        store_pass(acc, m, mr, N, n0, width, bias, res, y);
     }
 }
 
