@@ -31,7 +31,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.verify import verify
+from specdec_runtime.verify import greedy_on_host, verify
 
 
 class Generation(NamedTuple):
@@ -211,18 +211,25 @@ def generate(
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps, argmax_only)
         t2 = clock()
-        v = verify(draft, ids[L - 1], verified.logits, sampler, typical, verified.greedy)
-        nodes = ids[L - 1 : L] if draft is None else torch.cat([ids[L - 1 : L], draft.tokens])
-        branch = nodes[v.path]  # [D + 1] the drafted branch, root first
-        host = torch.cat([v.accept_len.view(1), branch[1:], v.token.view(1)]).tolist()  # the round's one host sync
-        n = host[0]
-        new = host[1 : 1 + n] + host[-1:]
-        ids[L : L + n] = branch[1 : n + 1]
-        ids[L + n] = v.token
+        if argmax_only and device.type == "cpu" and verified.greedy is not None:  # decided on the host
+            g = 0 if draft is None else draft.tokens.shape[0]
+            host = torch.cat([verified.greedy, draft.tokens]).tolist() if g else verified.greedy.tolist()  # one sync
+            path, new = greedy_on_host(draft.tree if g else None, host[g + 1 :], host[: g + 1])
+            n = len(new) - 1
+            ids[L : L + n + 1] = torch.tensor(new)
+        else:
+            v = verify(draft, ids[L - 1], verified.logits, sampler, typical, verified.greedy)
+            nodes = ids[L - 1 : L] if draft is None else torch.cat([ids[L - 1 : L], draft.tokens])
+            branch = nodes[v.path]  # [D + 1] the drafted branch, root first
+            host = torch.cat([v.accept_len.view(1), branch[1:], v.token.view(1)]).tolist()  # the round's one host sync
+            n, path = host[0], v.path
+            new = host[1 : 1 + n] + host[-1:]
+            ids[L : L + n] = branch[1 : n + 1]
+            ids[L + n] = v.token
         if draft is not None and draft.tree is not None and n:  # the accepted nodes' K/V move into place
-            target.cache.move(v.path[1 : n + 1] + (L - 1), L)
+            target.cache.move(torch.as_tensor(path[1 : n + 1], device=device) + (L - 1), L)
         if taps:
-            drafter.observe(verified.hidden[v.path[: n + 1]])
+            drafter.observe(verified.hidden[path[: n + 1]])
         for i, t in enumerate(new):
             if t in stop_ids:
                 new, stop = new[: i + 1], True

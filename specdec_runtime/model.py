@@ -492,27 +492,28 @@ class Decoder(nn.Module):
         return self.embedding[:, :, None]
 
     def attention_inputs(
-        self, start: Tensor, T: int, bound: int | None, tree: tuple[Tensor, Tensor] | None = None
+        self, start: Tensor, T: int, bound: int | None, tree: tuple[Tensor, Tensor] | None = None, fold: bool = True
     ) -> AttentionInputs:
         """Rope rows, slots and mask of T new tokens at slot `start` (0-dim). bound: the live slots
         (start + T, known on the host) or None for the whole cache (the fast path). tree = (depth [T],
-        ancestor [T, T]) for a token tree (positions start + depth)."""
+        ancestor [T, T]) for a token tree (positions start + depth). fold=False: the mask's rows
+        once, not repeated per folded query head (the CPU kernel reads row t for every head)."""
         slots = start + self.slots[:T]  # [T]
         positions = slots if tree is None else start + tree[0]
         cs = self.rope[positions]  # [T, 2, D]
         live = bound is not None
         bound = bound if live else self.slots.shape[0]
         return AttentionInputs(
-            cs[:, None, 0], cs[:, None, 1], slots, self._mask(slots, positions, tree, bound, live), bound
+            cs[:, None, 0], cs[:, None, 1], slots, self._mask(slots, positions, tree, bound, live, fold), bound
         )
 
     def _mask(
-        self, slots: Tensor, positions: Tensor, tree: tuple[Tensor, Tensor] | None, bound: int, live: bool
+        self, slots: Tensor, positions: Tensor, tree: tuple[Tensor, Tensor] | None, bound: int, live: bool, fold: bool
     ) -> Tensor | None:
-        """[group * T, bound] bool (rows repeat per folded query head), or None when every slot is
-        seen (one new token after `live` slots only). Slots past the newest are stale (rejected
-        drafts, earlier prompts) and masked out. Under left_pad, [B, 1, group * T, bound]: each row
-        also masks the slots before its start."""
+        """[group * T, bound] bool (rows repeat per folded query head; [T, bound] unless fold), or
+        None when every slot is seen (one new token after `live` slots only). Slots past the newest
+        are stale (rejected drafts, earlier prompts) and masked out. Under left_pad, [B, 1, group *
+        T, bound]: each row also masks the slots before its start."""
         T, window, padded = slots.shape[0], self.config.sliding_window, self.row_start is not None
         if live and T == 1 and tree is None and (window is None or bound <= window) and not padded:
             return None
@@ -529,7 +530,7 @@ class Decoder(nn.Module):
         if padded:  # [B, T, bound] -> [B, 1 (kv heads), group * T, bound]
             mask = mask[None] & (k_slot[None, None, :] >= self.row_start[:, None, None])
             return mask.repeat(1, group, 1)[:, None]
-        return mask.repeat(group, 1) if group > 1 else mask
+        return mask.repeat(group, 1) if group > 1 and fold else mask
 
     @torch.inference_mode()
     def prefill(self, ids: Tensor, **kwargs) -> DecoderOutput:
@@ -655,7 +656,7 @@ class Decoder(nn.Module):
         in_kernel = layer_fns == (attention, mlp) and self._stack_in_kernel(B * T, B)
         if first_layer == 0 and not in_kernel:
             x = self.embed_tokens(x)
-        a = self.attention_inputs(start, T, bound, tree)
+        a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel)
         attn, ffn = layer_fns
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()

@@ -213,9 +213,10 @@ SYNCS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "
 @pytest.mark.parametrize("compiled", [False, True])
 def test_one_host_sync_per_round(monkeypatch, compiled):
     """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
-    token, then one per round), for autoregressive and speculative decoding. A token tree is
-    walked on the device as on a GPU (on a CPU, where the host is the device, verify walks it in
-    Python lists instead: test_tree checks the two walks agree)."""
+    token, then one per round), for autoregressive and speculative decoding. Eager, greedy rounds
+    read the CPU kernel's argmax and the draft at once and decide on the host (greedy_on_host);
+    compiled, as on a GPU, they verify on the device, and a token tree is walked there too (on a
+    CPU verify walks it in Python lists instead: test_tree checks the two walks agree)."""
     from specdec_runtime import verify
 
     monkeypatch.setattr(verify, "_walk", lambda tree, t, chosen: verify._walk_on_device(t, chosen))

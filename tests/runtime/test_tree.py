@@ -10,7 +10,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
-from specdec_runtime.verify import verify_tree_greedy, verify_tree_sample, verify_tree_typical
+from specdec_runtime.verify import greedy_on_host, verify_tree_greedy, verify_tree_sample, verify_tree_typical
 from tests.conftest import (
     BigramStub,
     assert_follows,
@@ -103,6 +103,9 @@ def test_tree_greedy_verification_equals_naive_per_path_verification(seed):
     branch, nxt = naive_greedy(tree, nodes, logits)
     assert int(n) == len(branch) - 1
     assert path[: int(n) + 1].tolist() == branch and int(token) == nxt
+    # the rule on host lists (a CPU's greedy rounds): the same path, the branch's tokens and the target's
+    host_path, new = greedy_on_host(tree, nodes[1:].tolist(), logits.argmax(-1).tolist())
+    assert host_path == path.tolist() and new == nodes[branch[1:]].tolist() + [nxt]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -7,6 +7,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.sampling import Sampler, warp
 from specdec_runtime.tree import Tree
 from specdec_runtime.verify import (
+    greedy_on_host,
     verify_greedy,
     verify_sample,
     verify_tree_greedy,
@@ -67,14 +68,21 @@ def one_hot_logits(tokens: list[int], V: int = 10) -> torch.Tensor:
     ],
 )
 def test_verify_greedy(draft, target_choice, n, bonus):
-    _, got_n, got_token = verify_greedy(torch.tensor(draft), one_hot_logits(target_choice))
+    path, got_n, got_token = verify_greedy(torch.tensor(draft), one_hot_logits(target_choice))
     assert (int(got_n), int(got_token)) == (n, bonus)
+    # the rule on host lists (a CPU's greedy rounds): the same path, the accepted tokens and the target's
+    assert greedy_on_host(None, draft, target_choice) == (path.tolist(), draft[:n] + [bonus])
 
 
 def test_verify_greedy_accepts_only_a_prefix():
     """A later match after a mismatch must not count (the output would not be the target's)."""
     _, n, token = verify_greedy(torch.tensor([1, 9, 3]), one_hot_logits([1, 2, 3, 4]))
     assert (int(n), int(token)) == (1, 2)
+    assert greedy_on_host(None, [1, 9, 3], [1, 2, 3, 4]) == ([0, 1, 2, 3], [1, 2])
+
+
+def test_greedy_on_host_without_a_draft_takes_the_targets_token():
+    assert greedy_on_host(None, [], [7]) == ([0], [7])
 
 
 def speculative_first_token(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int) -> tuple[list[int], float]:
