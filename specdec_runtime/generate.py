@@ -211,7 +211,7 @@ def generate(
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps, argmax_only)
         t2 = clock()
-        if argmax_only and device.type == "cpu" and verified.greedy is not None:  # decided on the host
+        if argmax_only and device.type == "cpu" and verified.greedy is not None:  # greedy on a CPU: on the host
             g = 0 if draft is None else draft.tokens.shape[0]
             host = torch.cat([verified.greedy, draft.tokens]).tolist() if g else verified.greedy.tolist()  # one sync
             path, new = greedy_on_host(draft.tree if g else None, host[g + 1 :], host[: g + 1])
