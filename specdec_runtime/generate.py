@@ -31,7 +31,12 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.verify import greedy_on_host, verify
+from specdec_runtime.verify import greedy_on_host, sample_on_host, verify
+
+# Verification over host lists where the target runs on a CPU (decide_on_host): there the device
+# rules' dozen tensor ops a round cost more than the rules themselves. False: the device rules
+# everywhere, as on a GPU (the tests run both).
+HOST_RULES = True
 
 
 class Generation(NamedTuple):
@@ -71,6 +76,22 @@ def verify_forward(
         out = target(torch.cat([root, draft.tokens])[None], L - 1, **opts)
     logits, greedy = (None if x is None else x[0] for x in (out.logits, out.greedy))
     return DecoderOutput(logits, out.hidden[0] if taps else None, greedy)
+
+
+def decide_on_host(
+    draft: Draft | None, verified: DecoderOutput, sampler: Sampler, typical: tuple[float, float] | None
+) -> tuple[list[int], list[int]] | None:
+    """A round's verification over host lists, for a target on a CPU (HOST_RULES): (path, new) as
+    verify.greedy_on_host gives them, or None where the device rule applies (sampled drafts that
+    carry their distributions, typical acceptance, a greedy round without the kernel's argmax)."""
+    g = 0 if draft is None else draft.tokens.shape[0]
+    tree = draft.tree if g else None
+    if sampler.greedy and verified.greedy is not None:  # the argmax the forward computed, with the draft: one read
+        host = torch.cat([verified.greedy, draft.tokens]).tolist() if g else verified.greedy.tolist()
+        return greedy_on_host(tree, host[g + 1 :], host[: g + 1])
+    if not sampler.greedy and typical is None and (draft is None or draft.probs is None):
+        return sample_on_host(tree, draft.tokens.tolist() if g else [], verified.logits, sampler)
+    return None
 
 
 def warm_up(
@@ -182,6 +203,7 @@ def generate(
     stats = GenerationStats(calls=1)
     clock = Clock(device, timed)
     argmax_only = sampler.greedy  # greedy verification reads only the target's argmax
+    on_host = HOST_RULES and device.type == "cpu"  # on a CPU the device is the host: rounds decide there
     t_start = clock()
 
     # A token tree writes all its nodes' K/V past the sequence before the branch is kept.
@@ -211,10 +233,9 @@ def generate(
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps, argmax_only)
         t2 = clock()
-        if argmax_only and device.type == "cpu" and verified.greedy is not None:  # greedy on a CPU: on the host
-            g = 0 if draft is None else draft.tokens.shape[0]
-            host = torch.cat([verified.greedy, draft.tokens]).tolist() if g else verified.greedy.tolist()  # one sync
-            path, new = greedy_on_host(draft.tree if g else None, host[g + 1 :], host[: g + 1])
+        decided = decide_on_host(draft, verified, sampler, typical) if on_host else None
+        if decided is not None:
+            path, new = decided
             n = len(new) - 1
             ids[L : L + n + 1] = torch.tensor(new)
         else:

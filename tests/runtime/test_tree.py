@@ -1,6 +1,7 @@
 """Token trees: construction, the tree-attention forward, and tree verification (greedy, sampled, typical)."""
 
 import itertools
+import sys
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from tests.conftest import (
     runtime_from_hf,
     tiny_hf_model,
 )
+
+generate_module = sys.modules["specdec_runtime.generate"]  # the package exports the function under its name
 
 PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]
 
@@ -153,10 +156,14 @@ def test_tree_drafts_are_lossless_greedy_and_accept_more_than_a_chain():
     assert chain.tokens == out.tokens and out.stats.tau > chain.stats.tau
 
 
+@pytest.mark.parametrize("host_rules", [True, False], ids=["host", "device"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_tree_rejection_sampling_follows_the_target_distribution(temperature, top_p):
+def test_tree_rejection_sampling_follows_the_target_distribution(monkeypatch, temperature, top_p, host_rules):
     """Four tokens from a bigram target with a branching tree (siblings tried in turn): the joint
-    distribution of the output is the target's (chi-square over all 81 sequences)."""
+    distribution of the output is the target's (chi-square over all 81 sequences), whether the
+    rule walks host lists (verify.sample_on_host, a CPU's rounds) or runs on the device
+    (verify_tree_sample, a GPU's)."""
+    monkeypatch.setattr(generate_module, "HOST_RULES", host_rules)
     V = 3
     t_table, d_table = bigram_table(V, seed=10, scale=1.5), bigram_table(V, seed=11, scale=1.5)
     tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0)])
@@ -170,6 +177,36 @@ def test_tree_rejection_sampling_follows_the_target_distribution(temperature, to
     w = dict(temperature=temperature, top_p=top_p)
     assert_follows(samples, exact_joint(t_table, 0, 4, **w))
     assert_not_follows(samples, exact_joint(d_table, 0, 4, **w))
+
+
+class ChainStubDrafter(TreeStubDrafter):
+    """The stub's top-1 chain as a plain chain draft (no tree), as prompt lookup drafts."""
+
+    def draft(self, ids, gamma, sampler):
+        return super().draft(ids, gamma, sampler)._replace(tree=None)
+
+
+@pytest.mark.parametrize("kind", ["tree", "chain"])
+def test_sampled_rounds_decided_on_the_host_sample_the_device_rules_tokens(monkeypatch, kind):
+    """sample_on_host (a CPU's sampled rounds) draws from the sampler's stream as verify_tree_sample
+    and verify_sample do: a seed samples the same tokens either way, draft after draft, rejections
+    and residual draws included (a rule that differed anywhere would part them within a few seeds)."""
+    table = bigram_table(30, seed=4)
+    noisy = table + torch.randn(30, 30, generator=torch.Generator().manual_seed(1)) * 1.5
+    drafter = (
+        TreeStubDrafter([noisy] * 3, Tree.from_paths(PATHS))
+        if kind == "tree"
+        else ChainStubDrafter([noisy] * 3, Tree.chain(3))
+    )
+    target, accepted = BigramStub(table), 0
+    for seed in range(20):
+        runs = []
+        for host_rules in (True, False):
+            monkeypatch.setattr(generate_module, "HOST_RULES", host_rules)
+            runs.append(generate(target, [3], drafter, Sampler(0.8, seed=seed), max_new_tokens=40, gamma=3))
+        assert runs[0].tokens == runs[1].tokens
+        accepted += runs[0].stats.accepted
+    assert 0 < accepted < 20 * 39  # drafts were accepted and rejected
 
 
 def test_typical_acceptance_accepts_above_the_entropy_scaled_threshold():
