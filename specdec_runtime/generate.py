@@ -81,9 +81,11 @@ def verify_forward(
 def decide_on_host(
     draft: Draft | None, verified: DecoderOutput, sampler: Sampler, typical: tuple[float, float] | None
 ) -> tuple[list[int], list[int]] | None:
-    """A round's verification over host lists, for a target on a CPU (HOST_RULES): (path, new) as
-    verify.greedy_on_host gives them, or None where the device rule applies (sampled drafts that
-    carry their distributions, typical acceptance, a greedy round without the kernel's argmax)."""
+    """A round's verification over host lists, for a target on a CPU (HOST_RULES): (path, new), new
+    the n accepted tokens and the target's own after them, path[:n + 1] the accepted nodes, root
+    first (verify.greedy_on_host, sample_on_host); or None where the device rule applies (sampled
+    drafts that carry their distributions, typical acceptance, a greedy round without the kernel's
+    argmax)."""
     g = 0 if draft is None else draft.tokens.shape[0]
     tree = draft.tree if g else None
     if sampler.greedy and verified.greedy is not None:  # the argmax the forward computed, with the draft: one read
