@@ -12,7 +12,8 @@ adds one token of the target's own, and the target's KV cache is rolled back by 
 slots are overwritten next round; a tree's accepted nodes move to the slots after the prefix). With
 no drafter, or an empty draft, a round is a plain decode step, through the same code. There is one
 host sync per round: the accepted length and the new tokens come back together (drafters that sync
-themselves say so: n-gram lookup, a draft exit's confidence test).
+themselves say so: n-gram lookup, a draft exit's confidence test). On a CPU, where the host is the
+device, a round decides over host lists instead (decide_on_host).
 
 generate_batch decodes many prompts at once, autoregressively, for throughput (self-distillation
 data): the prompts are left-padded to one length (Decoder.left_pad), and every step runs all rows
