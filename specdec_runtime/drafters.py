@@ -54,6 +54,7 @@ class Drafter(Protocol):
     gamma: int | None = None  # the draft length it was tuned for (a CLI default), if any
     tree_nodes: int = 0  # KV slots a tree draft writes past the sequence (the loop reserves them)
     hidden_layers: tuple[int, ...] = ()  # the target's residual streams it reads (see observe)
+    lookup_merge: int = 0  # nodes of its own a lookup round merges by default (LookupFirst: cheap drafters)
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         """Reset for a new prompt [P]; sequences will not exceed `capacity` tokens."""
@@ -66,6 +67,12 @@ class Drafter(Protocol):
     def longest(self, gamma: int) -> int:
         """The longest chain draft asks for gamma tokens can return (warm_up captures up to it)."""
         return gamma
+
+    def draft_best(self, ids: Tensor, gamma: int, sampler: Sampler, nodes: int) -> Draft:
+        """At most `nodes` of the draft's likeliest nodes, at most gamma deep (LookupFirst merges them
+        with a lookup's chain). Drafters that rank a tree's nodes keep their best; by default, a
+        chain of that many tokens."""
+        return self.draft(ids, min(gamma, nodes), sampler)
 
     def observe(self, hidden: Tensor) -> None:
         """The target's residual streams after `hidden_layers` layers, concatenated [k, n * H], at
@@ -317,6 +324,13 @@ class LookupFirst(Drafter):
 
     The model drafter still observes every accepted position; its next draft runs the rows it
     missed (a stand-alone model catches up on the tokens, EAGLE-3 on the pending features).
+
+    merge > 0 (default: the drafter's lookup_merge, 3 for EAGLE-3, else 0): a round that a lookup
+    drafts asks the model too, for its `merge` likeliest nodes
+    (Drafter.draft_best), and verifies both in one tree (merged()): the lookup's chain where the
+    output copies, the model's guess where the copy breaks off at once, which it does in ~30% of
+    lookup rounds. Drafts that carry distributions (sampled chains) or residual streams are not
+    merged: the lookup's chain goes alone.
     """
 
     def __init__(
@@ -326,13 +340,17 @@ class LookupFirst(Drafter):
         min_ngram: int = 2,
         tokens: int = 8,
         table: PhraseTable | None = None,
+        merge: int | None = None,
     ):
-        if tokens < 1:
-            raise ValueError(f"LookupFirst needs tokens >= 1, got {tokens}")
+        merge = drafter.lookup_merge if merge is None else merge
+        if tokens < 1 or merge < 0:
+            raise ValueError(f"LookupFirst needs tokens >= 1 and merge >= 0, got {tokens} and {merge}")
         self.drafter, self.lookup, self.tokens = drafter, NgramDrafter(max_ngram, min_ngram), tokens
-        self.table = table
+        self.table, self.merge = table, merge
         self.name = f"{drafter.name}+lookup" + ("+phrases" if table is not None else "")
-        self.gamma, self.tree_nodes = drafter.gamma, drafter.tree_nodes
+        self.gamma = drafter.gamma
+        # A merged tree: the lookup's chain and the model's nodes, each written past the sequence.
+        self.tree_nodes = max(drafter.tree_nodes, tokens + merge) if merge else drafter.tree_nodes
         self.hidden_layers = drafter.hidden_layers
         self.lookups = 0  # rounds drafted by lookup
 
@@ -352,8 +370,43 @@ class LookupFirst(Drafter):
         if not found.tokens.numel() and self.table is not None:  # the lookup indexed ids: its host copy serves
             chain = self.table.get(self.lookup.seq, longest)
             found = found if chain is None else Draft(chain, None)
-        if found.tokens.numel():
-            self.lookups += 1
-            self.drafter.pass_round()
-            return found._replace(lookup=True)
-        return self.drafter.draft(ids, gamma, sampler)
+        if not found.tokens.numel():
+            return self.drafter.draft(ids, gamma, sampler)
+        self.lookups += 1
+        found = found._replace(lookup=True)
+        chain = found.tokens
+        best = None
+        if self.merge and chain.shape[0] <= self.tokens:  # (a longer chain, at a gamma above tokens: no slots for more)
+            best = self.drafter.draft_best(ids, gamma, sampler, self.merge)
+        self.drafter.pass_round()  # (a draft exit learns only from rounds its drafter drafted alone)
+        if best is None or best.probs is not None or best.residual is not None or not best.tokens.numel():
+            return found
+        return merged(chain, best)._replace(lookup=True)
+
+
+def merged(chain: Tensor, other: Draft) -> Draft:
+    """One tree of a chain and another deterministic draft (a chain or a tree): nodes with the same
+    tokens from the root are one node, and `chain` is every node's first child (rank 0), the other
+    draft's nodes after it in their own order. Greedy verification accepts the longer of the two
+    matches; sampled verification (a deterministic tree's rule) stays lossless."""
+    host = torch.cat([chain, other.tokens]).tolist()
+    c, tokens = host[: chain.shape[0]], host[chain.shape[0] :]
+    if other.tree is None:
+        parents = list(range(len(tokens)))  # node i + 1's parent is node i (0: the root)
+    else:
+        parents = other.tree.structure[0][1:]
+    ranks: dict[tuple[int, ...], tuple[int, ...]] = {(): ()}  # token path -> rank path
+    children: dict[tuple[int, ...], int] = {}  # rank path -> children so far
+    token_paths: list[tuple[int, ...]] = [tuple(c[: d + 1]) for d in range(len(c))]
+    by_node: list[tuple[int, ...]] = [()]
+    for t, parent in zip(tokens, parents):
+        by_node.append(by_node[parent] + (t,))
+    for path in token_paths + by_node[1:]:
+        if path not in ranks:
+            up = ranks[path[:-1]]
+            ranks[path] = up + (children.get(up, 0),)
+            children[up] = children.get(up, 0) + 1
+    token_of = {r: p[-1] for p, r in ranks.items() if p}
+    tree = Tree.from_paths(list(token_of))
+    ids = torch.tensor([token_of[r] for r in tree.paths], device=chain.device)
+    return Draft(ids, None, tree=tree)

@@ -313,6 +313,9 @@ class Eagle3Drafter(Drafter):
         self.target, self.name, self.gamma = target, name, gamma
         self.tree_budget, self.top_k = tree_budget, top_k
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
+        # Its best 3 nodes beside each lookup (LookupFirst.merge; a draft of ~0.5 ms on a CPU): tau
+        # 2.66 -> 2.76 and +1.9-2.1% tokens/s with the best drafter, greedy (README).
+        self.lookup_merge = 3
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
         self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
@@ -389,8 +392,16 @@ class Eagle3Drafter(Drafter):
         prenorm = self._rows(tokens, feature, positions, slots, mask, bound)
         return prenorm, self._head(prenorm[head_from:])
 
-    @torch.inference_mode()
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
+        return self._draft(ids, gamma, sampler, self.tree_budget)
+
+    def draft_best(self, ids: Tensor, gamma: int, sampler: Sampler, nodes: int) -> Draft:
+        """A tree's `nodes` best nodes (its levels stop at that depth, which they cannot pass); chains:
+        that many tokens."""
+        return self._draft(ids, min(gamma, nodes), sampler, min(nodes, self.tree_budget))
+
+    @torch.inference_mode()
+    def _draft(self, ids: Tensor, gamma: int, sampler: Sampler, budget: int) -> Draft:
         if not self.pending:
             raise RuntimeError("Eagle3Drafter.draft before observe(): the generate loop feeds it hidden states")
         L = ids.shape[0]
@@ -402,8 +413,8 @@ class Eagle3Drafter(Drafter):
         mask = self.slots[: L - 1][None, :] <= pos[:, None] if k > 1 else None
         prenorm, logits = self._run(ids[L - k : L], taps, True, L - 1 - k, 1, pos, mask, L - 1, head_from=k - 1)
         last = prenorm[-1:]  # the newest row drafts the next token; logits [1, N] are its
-        if self.tree_budget:
-            return self._tree(last[0], logits[0], L, gamma)
+        if budget:
+            return self._tree(last[0], logits[0], L, gamma, budget)
         return self._chain(last, logits, L, gamma, sampler)
 
     def _chain(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int, sampler: Sampler) -> Draft:
@@ -428,12 +439,13 @@ class Eagle3Drafter(Drafter):
                 prenorm, logits = self._run(token.view(1), prenorm, False, L - 1 + i, 1, pos, None, L + i, 0)
         return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
 
-    def _tree(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int) -> Draft:
+    def _tree(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int, budget: int) -> Draft:
         """EAGLE-2's dynamic tree: level by level, the top_k children of each expanded node; the
-        top_k of them (by path log-probability) are expanded next; the tree_budget best nodes of
-        all are drafted. One host sync per level (the chosen nodes' structure). On a CPU with the
-        runtime's kernel, its levels run in one call (cpu_kernel.eagle3_tree: the same nodes, where
-        ~30 torch ops and two kernel calls cost ~0.3 ms of Python a round on the 2-core EPYC)."""
+        top_k of them (by path log-probability) are expanded next; the `budget` best nodes of all
+        (tree_budget, or fewer for draft_best) are drafted. One host sync per level (the chosen
+        nodes' structure). On a CPU with the runtime's kernel, its levels run in one call
+        (cpu_kernel.eagle3_tree: the same nodes, where ~30 torch ops and two kernel calls cost ~0.3
+        ms of Python a round on the 2-core EPYC)."""
         K, dev, levels = self.top_k, prenorm.device, min(gamma, MAX_DEPTH)
         if self.kernel_w is not None and cpu_kernel.stack_usable(prenorm[None]):
             cfg = self.model.config
@@ -443,7 +455,7 @@ class Eagle3Drafter(Drafter):
                 self.kernel_w, prenorm, logits, self.draft_ids, L, levels, K, self.target.embedding_panels(), dims,
                 cfg.layer.rms_norm_eps, cfg.norm_before_residual, self.rope, self.kv,
             )  # fmt: skip
-            return self._best(scores.tolist(), tok, parent.tolist(), rank.tolist())
+            return self._best(scores.tolist(), tok, parent.tolist(), rank.tolist(), budget)
         logp = logits.float().log_softmax(-1)
         top = logp.topk(K)
         # Every node: (score, draft id, parent node index or -1, rank among its siblings, row slot or -1).
@@ -478,14 +490,14 @@ class Eagle3Drafter(Drafter):
             frontier = [base + j for j in keep_list]
             features = rows_prenorm[[j // K for j in keep_list]]
             slot += F_
-        return self._best(scores.tolist(), tok, parent, rank)  # host sync
+        return self._best(scores.tolist(), tok, parent, rank, budget)  # host sync
 
-    def _best(self, scores: list[float], tok: Tensor, parent: list[int], rank: list[int]) -> Draft:
-        """The tree_budget best nodes (scores, draft ids, parents and ranks of _tree's nodes), parents
+    def _best(self, scores: list[float], tok: Tensor, parent: list[int], rank: list[int], budget: int) -> Draft:
+        """The `budget` best nodes (scores, draft ids, parents and ranks of _tree's nodes), parents
         before children, as the draft."""
         paths: dict[int, tuple[int, ...]] = {}
         for i in sorted(range(len(parent)), key=lambda i: (-scores[i], i)):
-            if len(paths) == self.tree_budget:
+            if len(paths) == budget:
                 break
             if parent[i] < 0 or parent[i] in paths:  # a child never scores above its parent
                 paths[i] = (paths[parent[i]] if parent[i] >= 0 else ()) + (rank[i],)

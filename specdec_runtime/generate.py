@@ -32,6 +32,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
+from specdec_runtime.tree import Tree
 from specdec_runtime.verify import greedy_on_host, sample_on_host, verify
 
 # Verification over host lists where the target runs on a CPU (decide_on_host): there the device
@@ -123,28 +124,39 @@ def warm_up(
         generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)
         return
     longest = drafter.longest(max_gamma if adaptive_gamma else gamma)
-    short = min(max_new_tokens, max(8, longest + 2))  # room for a full draft of every length
-    for g in range(1, longest + 1):
-        generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
-        if isinstance(drafter, LookupFirst):
+    merged = drafter.tokens + drafter.merge if isinstance(drafter, LookupFirst) and drafter.merge else 0
+    short = min(max_new_tokens, max(8, longest + 2, merged + 2))  # room for a full draft of every length
+    for g in range(1, max(longest, merged) + 1):
+        if g <= longest:
+            generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
+        if isinstance(drafter, LookupFirst) and g <= longest:
             generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
+        if g <= merged:  # merged trees of g nodes (the shape of a chain's tree: a step's key is its rows)
+            generate(target, prompt, _Chains(drafter, tree=True), sampler(), max_new_tokens=short, gamma=g, **kw)
 
 
 class _Chains(Drafter):
     """Drafts gamma copies of the newest token, reading what `drafter` reads from the target (its
-    taps and tree slots): warm_up's way to verify a chain of each length as that drafter's would be."""
+    taps and tree slots): warm_up's way to verify a chain of each length as that drafter's would be
+    (tree: as a tree of that many nodes, LookupFirst's merged trees)."""
 
     name = "warm-up chains"
 
-    def __init__(self, drafter: Drafter):
-        self.hidden_layers, self.tree_nodes = drafter.hidden_layers, drafter.tree_nodes
+    def __init__(self, drafter: Drafter, tree: bool = False):
+        self.hidden_layers, self.tree_nodes, self.tree = drafter.hidden_layers, drafter.tree_nodes, tree
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
-        return Draft(ids[-1:].repeat(gamma), None)
+        return Draft(ids[-1:].repeat(gamma), None, tree=Tree.chain(gamma) if self.tree else None)
 
 
 def cut(draft: Draft, g: int) -> Draft:
-    """A chain draft's first g tokens (with their distributions and, resuming drafts, residual rows)."""
+    """A draft up to g tokens deep: a chain's first g tokens (with their distributions and, resuming
+    drafts, residual rows), a tree's nodes up to depth g (which come first: nodes are in order of
+    depth)."""
+    if draft.tree is not None:
+        tree = draft.tree.truncated(g)
+        probs = draft.probs[: len(tree)] if draft.probs is not None else None
+        return draft._replace(tokens=draft.tokens[: len(tree)], probs=probs, tree=tree)
     residual = draft.residual[:, : g + 1] if draft.residual is not None else None
     probs = draft.probs[:g] if draft.probs is not None else None
     return draft._replace(tokens=draft.tokens[:g], probs=probs, residual=residual)
@@ -231,8 +243,8 @@ def generate(
         room = max_new_tokens - len(out) - 1  # never verify past the budget
         g_max = min(gamma, room)
         draft = drafter.draft(ids[:L], g_max, sampler) if drafter is not None and g_max > 0 else None
-        if draft is not None and draft.tree is None and draft.tokens.shape[0] > room:  # a longer chain: cut
-            draft = cut(draft, room)
+        if draft is not None and (draft.tree.depth if draft.tree is not None else draft.tokens.shape[0]) > room:
+            draft = cut(draft, room)  # a longer lookup (a chain, or merged with the model's nodes)
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps, argmax_only)
         t2 = clock()

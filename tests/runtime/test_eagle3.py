@@ -97,9 +97,10 @@ def test_training_time_test_loss_equals_the_naive_step_by_step_loss():
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
 
 
-def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: int = 3):
+def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: int = 3, best: int = 0):
     """(the draft logits of each step, the greedy ids they drafted from, the draft) of a chain drafted
-    after a prefill of prompt, the drafter fed the target's taps as the generate loop feeds them."""
+    after a prefill of prompt, the drafter fed the target's taps as the generate loop feeds them
+    (best > 0: its draft_best of that many nodes)."""
     seen, real_run = [], drafter._run
 
     def recording(*args, **kwargs):
@@ -113,7 +114,7 @@ def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: 
     ids = torch.cat([prompt, prefill.logits[0, -1].argmax().view(1)])
     drafter.start(prompt, 64)
     drafter.observe(prefill.hidden[0])
-    draft = drafter.draft(ids, gamma, Sampler())
+    draft = drafter.draft_best(ids, gamma, Sampler(), best) if best else drafter.draft(ids, gamma, Sampler())
     del drafter._run  # the class's own again
     return seen, ids, draft
 
@@ -218,11 +219,33 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
         del d._best
     assert trees[0].tree == trees[1].tree and torch.equal(trees[0].tokens, trees[1].tokens)
     assert len(trees[0].tree) == 8
-    (scores, tok, parent, rank), (scores_ops, tok_ops, parent_ops, rank_ops) = nodes
+    (scores, tok, parent, rank, _), (scores_ops, tok_ops, parent_ops, rank_ops, _) = nodes
     K = fused.top_k  # 3 levels: K children of the root, then K for each of the K best, twice
     assert len(parent) == K + 2 * K * K and parent == parent_ops and rank == rank_ops
     assert torch.equal(tok, tok_ops)
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(scores_ops), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [0, 8])
+@torch.no_grad()
+def test_draft_best_is_the_best_nodes_of_the_whole_tree(budget):
+    """draft_best(k), what LookupFirst merges: the k nodes of highest path score among all the full
+    tree's candidates (its levels stop at depth k, which the best k cannot pass), as the full tree's
+    own choice of k would be; for a chain drafter, the chain's first k tokens."""
+    _, target, model = tiny(warm=True, initializer_range=0.05)
+    prompt = torch.arange(7, 19)
+    drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
+    nodes, real_best = [], drafter._best
+    drafter._best = lambda *a: nodes.append(a) or real_best(*a)
+    full = drafted_logits(drafter, target, prompt, gamma=3)[2]
+    for k in (1, 2, 3, 5):
+        best = drafted_logits(drafter, target, prompt, gamma=3, best=k)[2]
+        if not budget:
+            assert torch.equal(best.tokens, full.tokens[: min(k, 3)]) and best.tree is None
+            continue
+        want = real_best(*nodes[0][:4], k)  # the full tree's candidates, k of them kept
+        assert best.tree == want.tree and torch.equal(best.tokens, want.tokens) and len(best.tree) == k
+        assert best.tree.depth <= k
 
 
 @torch.no_grad()
@@ -429,7 +452,7 @@ def test_lookup_first_is_lossless_and_the_drafter_catches_up_on_the_rounds_it_mi
     prompt = [5, 9, 11, 2, 7, 3, 9, 11, 2, 7, 5, 9, 11]
     ar = generate(target, prompt, None, max_new_tokens=40)
     inner = Recording(model, target)
-    drafter = LookupFirst(inner)
+    drafter = LookupFirst(inner, merge=0)  # (merged rounds draft too: below)
     spec = generate(target, prompt, drafter, max_new_tokens=40, gamma=3)
     assert spec.tokens == ar.tokens
     assert drafter.lookups > 0 and drafter.name == "eagle3+lookup"
@@ -445,3 +468,22 @@ def test_lookup_first_is_lossless_and_the_drafter_catches_up_on_the_rounds_it_mi
         assert fresh.draft(ids, gamma, Sampler()).tokens.tolist() == tokens.tolist()
         caught_up += 1
     assert caught_up == len(inner.calls)
+
+
+@pytest.mark.parametrize("budget", [0, 6])
+def test_lookups_merged_with_the_drafters_best_nodes_are_lossless(budget):
+    """LookupFirst over EAGLE-3 trees and chains (merge: 3 by default): every lookup round also verifies the
+    drafter's 3 best nodes in one tree with the lookup's chain; greedy output equals the target's."""
+    from specdec_runtime.drafters import LookupFirst
+
+    hf, target, model = tiny(warm=True, vocab=24, draft_vocab=20)
+    prompt = [5, 9, 11, 2, 7, 3, 9, 11, 2, 7, 5, 9, 11]
+    ar = generate(target, prompt, None, max_new_tokens=40)
+    inner = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
+    merged = []
+    real = inner.draft_best
+    inner.draft_best = lambda *a: merged.append(real(*a)) or merged[-1]
+    drafter = LookupFirst(inner)  # merge: the drafter's lookup_merge
+    spec = generate(target, prompt, drafter, max_new_tokens=40, gamma=3)
+    assert spec.tokens == ar.tokens
+    assert drafter.lookups == len(merged) > 0 and all(len(d.tokens) == 3 for d in merged)

@@ -63,8 +63,13 @@ DRAFTERS = {
     "medusa tree": lambda m, hf: MedusaDrafter(random_heads(64, 256).to(m.device), m, Tree.from_paths(PATHS)),
     "mtp": mtp_drafter,
     "eagle3 tree": eagle3_tree,
-    "eagle3 tree + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf)),  # lookups verify chains, the model trees
-    "eagle3 tree + lookup + phrases": lambda m, hf: LookupFirst(eagle3_tree(m, hf), table=phrases(m, hf)),
+    "eagle3 tree + lookup": lambda m, hf: LookupFirst(
+        eagle3_tree(m, hf), merge=0
+    ),  # lookups verify chains, the model trees
+    "eagle3 tree + lookup + phrases": lambda m, hf: LookupFirst(eagle3_tree(m, hf), table=phrases(m, hf), merge=0),
+    "eagle3 tree + lookup, merged": lambda m, hf: LookupFirst(
+        eagle3_tree(m, hf)
+    ),  # its 3 best nodes: trees of up to 11
 }
 
 
@@ -153,11 +158,13 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     drafters += ["stand-alone + lookup"]  # its model catches up on the tokens lookup drafted
     drafters += ["eagle3 tree + lookup"]  # chains of every length verified, though its model drafts trees
     drafters += ["eagle3 tree + lookup + phrases"]  # the table's chains: lookups' lengths
+    drafters += ["eagle3 tree + lookup, merged"]  # lookups merged with 3 of the model's nodes: trees of 2-11 rows
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
-    steps = {key[0][1] for key in target.steps}  # T: decode, chains of 1-3, lookups' of up to 8, the trees
-    assert steps <= set(range(1, 2 + LookupFirst(NgramDrafter()).tokens)) | trees
+    steps = {key[0][1] for key in target.steps}  # T: decode, chains of 1-3, lookups' of up to 8 (+ 3 merged), the trees
+    assert steps <= set(range(1, 2 + LookupFirst(NgramDrafter()).tokens + 3)) | trees
+    assert any(key[2] and key[0][1] > 9 for key in target.steps)  # merged trees past a lookup's 8 + 1 rows
 
 
 class SometimesLong(Drafter):

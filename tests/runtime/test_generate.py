@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter
+from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter, merged
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.generate import generate, generate_batch
+from specdec_runtime.generate import cut, generate, generate_batch
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
+from specdec_runtime.tree import Tree
 from tests.conftest import (
     BigramStub,
     assert_cache_is_a_fresh_prefill,
@@ -267,6 +268,76 @@ def test_a_chain_longer_than_gamma_is_verified_and_cut_to_the_tokens_left():
     assert out.tokens == bigram_greedy(table, 4, 16)
     # the prefill makes 1; a round of 10 + 1 bonus; then 4 left: 3 drafts (cut from 10) + 1 bonus
     assert out.stats.target_forwards == 3 and out.stats.drafted_at == [2] * 3 + [1] * 7
+
+
+def token_paths(draft: Draft) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root, in the draft's node order (a chain: its prefixes)."""
+    tokens = draft.tokens.tolist()
+    if draft.tree is None:
+        return [tuple(tokens[: d + 1]) for d in range(len(tokens))]
+    parents, paths = draft.tree.structure[0], [()]
+    for t, parent in zip(tokens, parents[1:]):
+        paths.append(paths[parent] + (t,))
+    return paths[1:]
+
+
+def test_a_merged_tree_holds_every_path_of_both_drafts_once_the_chain_first():
+    """merged(chain, draft): the union of both drafts' token paths, each one node (the chain's first
+    two tokens are also the other tree's), the chain as every node's first child; cut() keeps the
+    paths up to a depth."""
+    chain = torch.tensor([5, 6, 7, 8])
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    other = Draft(torch.tensor([5, 9, 6, 10, 4]), None, tree=tree)  # (5,), (9,), (5, 6), (5, 10), (9, 4)
+    prefixes = {(5,), (5, 6), (5, 6, 7), (5, 6, 7, 8)}
+    cases = [
+        (other, prefixes | {(9,), (5, 10), (9, 4)}),
+        (Draft(torch.tensor([9, 4, 4]), None), prefixes | {(9,), (9, 4), (9, 4, 4)}),
+    ]
+    for draft, union in cases:
+        m = merged(chain, draft)
+        assert sorted(token_paths(m)) == sorted(union) and m.probs is None  # no path twice
+        at = {p: i for i, p in enumerate(m.tree.paths)}
+        assert [m.tokens[at[(0,) * d]].item() for d in (1, 2, 3, 4)] == chain.tolist()
+        for depth in (1, 2, 3):
+            assert sorted(token_paths(cut(m, depth))) == sorted(p for p in union if len(p) <= depth)
+
+
+def test_a_tree_deeper_than_the_tokens_left_is_cut():
+    """A merged lookup deeper than the tokens left to generate: the loop keeps its nodes up to that
+    depth, and the output is the target's greedy output, exactly max_new_tokens long."""
+
+    class LongTree(OracleDrafter):
+        tree_nodes = 20
+
+        def draft(self, ids, gamma, sampler):
+            right = super().draft(ids, 10, sampler).tokens  # 10 right tokens beside 10 wrong ones
+            return merged((right + 1) % self.next.numel(), Draft(right, None))
+
+    table = bigram_table(50, seed=3)
+    out = generate(BigramStub(table), [4], LongTree(table, None), max_new_tokens=16, gamma=2)
+    assert out.tokens == bigram_greedy(table, 4, 16)
+    assert out.stats.target_forwards == 3  # the prefill's token; 10 + 1; then 3 (cut from 10) + 1
+
+
+def test_merged_lookups_accept_the_models_tokens_where_the_copy_breaks_off():
+    """The prompt holds a b c with c not the target's choice after b: once the output reaches a b,
+    the lookup drafts c first, which is rejected. Merged with the model's 2 tokens (right ones
+    here), that round accepts 2: fewer target forwards than without merging, the same greedy output."""
+    table = bigram_table(50, seed=5)
+    nxt = table.argmax(-1)
+    a = 3
+    b = int(nxt[a])
+    c = (int(nxt[b]) + 1) % 50
+    prompt = [a, b, c, a]  # the first new token is b: "a b" again
+    runs = {}
+    for merge in (0, 2):
+        drafter = LookupFirst(OracleDrafter(table, None), merge=merge)
+        runs[merge] = generate(BigramStub(table), prompt, drafter, max_new_tokens=30, gamma=2)
+        assert runs[merge].tokens == bigram_greedy(table, a, 30) and drafter.lookups > 0
+        assert drafter.tree_nodes == (10 if merge else 0)
+    assert runs[2].stats.target_forwards < runs[0].stats.target_forwards
+    with pytest.raises(ValueError, match="merge >= 0"):
+        LookupFirst(NgramDrafter(3), merge=-1)
 
 
 def test_lookup_first_drafts_its_own_length_where_lookup_matches():

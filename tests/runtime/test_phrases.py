@@ -2,12 +2,13 @@
 between prompt lookup and the model, lossless greedy and sampled."""
 
 import random
+import sys
 from collections import Counter
 
 import pytest
 import torch
 
-from specdec_runtime.drafters import LookupFirst, ModelDrafter
+from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter
 from specdec_runtime.generate import generate
 from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.sampling import Sampler
@@ -128,4 +129,37 @@ def test_table_drafts_follow_the_target_distribution_when_sampling():
         a, b, c = out.tokens
         samples.append(a * V * V + b * V + c)
     assert table.hits == 3000
+    assert_follows(samples, exact_joint(t_table, 0, 3, temperature=1.0, top_k=0, top_p=1.0))
+
+
+class Guess(Drafter):
+    """A deterministic model drafter: the same chain every round (probs None, as an EAGLE-3 tree's)."""
+
+    name = "guess"
+
+    def __init__(self, chain: list[int]):
+        self.chain, self.calls = torch.tensor(chain), 0
+
+    def draft(self, ids, gamma, sampler):
+        self.calls += 1
+        return Draft(self.chain[:gamma], None)
+
+
+@pytest.mark.parametrize("host_rules", [True, False])
+def test_merged_table_and_model_drafts_follow_the_target_distribution_when_sampling(host_rules, monkeypatch):
+    """As above, with the model's 2 tokens merged into the table's chain (one tree of two branches
+    from the root, LookupFirst(merge=2)), on the host's and the device's rules: the joint
+    distribution of the three sampled tokens is still the target's."""
+    monkeypatch.setattr(sys.modules["specdec_runtime.generate"], "HOST_RULES", host_rules)
+    V = 3
+    t_table = bigram_table(V, seed=10, scale=1.5)
+    keys = torch.tensor([[1, 2, 0, x] for x in range(V)])
+    table = Counting(PhraseTable(keys, torch.tensor([[1, 2, 0], [0, 0, 1], [2, 1, 2]])))
+    samples, model = [], Guess([2, 1])
+    for seed in range(3000):
+        drafter = LookupFirst(model, min_ngram=3, table=table, merge=2)
+        out = generate(BigramStub(t_table), [0, 1, 2, 0], drafter, Sampler(1.0, seed=seed), max_new_tokens=3, gamma=2)
+        a, b, c = out.tokens
+        samples.append(a * V * V + b * V + c)
+    assert table.hits == 3000 and model.calls == 3000  # every second round merged
     assert_follows(samples, exact_joint(t_table, 0, 3, temperature=1.0, top_k=0, top_p=1.0))
