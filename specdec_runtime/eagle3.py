@@ -313,9 +313,10 @@ class Eagle3Drafter(Drafter):
         self.target, self.name, self.gamma = target, name, gamma
         self.tree_budget, self.top_k = tree_budget, top_k
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
-        # Its best 3 nodes beside each lookup (LookupFirst.merge; a draft of ~0.5 ms on a CPU): tau
-        # 2.66 -> 2.76 and +1.9-2.1% tokens/s with the best drafter, greedy (README).
-        self.lookup_merge = 3
+        # Its best 2 nodes beside each lookup (LookupFirst.merge), measured on the 2-core EPYC with
+        # the best drafter, 48 prompts (README): greedy tau 2.66 -> 2.74, +1.2-1.6% tokens/s; sampled
+        # +0.4-1.1%. 3 nodes: greedy +1.9-2.1%, sampled -1.3 to -1.7%; 8: greedy -2.6%.
+        self.lookup_merge = 2
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
         self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)

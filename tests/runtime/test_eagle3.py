@@ -472,8 +472,8 @@ def test_lookup_first_is_lossless_and_the_drafter_catches_up_on_the_rounds_it_mi
 
 @pytest.mark.parametrize("budget", [0, 6])
 def test_lookups_merged_with_the_drafters_best_nodes_are_lossless(budget):
-    """LookupFirst over EAGLE-3 trees and chains (merge: 3 by default): every lookup round also verifies the
-    drafter's 3 best nodes in one tree with the lookup's chain; greedy output equals the target's."""
+    """LookupFirst over EAGLE-3 trees and chains (merge: 2 by default): every lookup round also verifies the
+    drafter's 2 best nodes in one tree with the lookup's chain; greedy output equals the target's."""
     from specdec_runtime.drafters import LookupFirst
 
     hf, target, model = tiny(warm=True, vocab=24, draft_vocab=20)
@@ -486,4 +486,4 @@ def test_lookups_merged_with_the_drafters_best_nodes_are_lossless(budget):
     drafter = LookupFirst(inner)  # merge: the drafter's lookup_merge
     spec = generate(target, prompt, drafter, max_new_tokens=40, gamma=3)
     assert spec.tokens == ar.tokens
-    assert drafter.lookups == len(merged) > 0 and all(len(d.tokens) == 3 for d in merged)
+    assert drafter.lookups == len(merged) > 0 and all(len(d.tokens) == 2 for d in merged)

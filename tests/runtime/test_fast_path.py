@@ -63,13 +63,10 @@ DRAFTERS = {
     "medusa tree": lambda m, hf: MedusaDrafter(random_heads(64, 256).to(m.device), m, Tree.from_paths(PATHS)),
     "mtp": mtp_drafter,
     "eagle3 tree": eagle3_tree,
-    "eagle3 tree + lookup": lambda m, hf: LookupFirst(
-        eagle3_tree(m, hf), merge=0
-    ),  # lookups verify chains, the model trees
+    # lookups verify chains, the model trees (merge=0); merged: its 2 best nodes beside a lookup, trees of up to 10
+    "eagle3 tree + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf), merge=0),
     "eagle3 tree + lookup + phrases": lambda m, hf: LookupFirst(eagle3_tree(m, hf), table=phrases(m, hf), merge=0),
-    "eagle3 tree + lookup, merged": lambda m, hf: LookupFirst(
-        eagle3_tree(m, hf)
-    ),  # its 3 best nodes: trees of up to 11
+    "eagle3 tree + lookup, merged": lambda m, hf: LookupFirst(eagle3_tree(m, hf)),
 }
 
 
@@ -158,12 +155,12 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     drafters += ["stand-alone + lookup"]  # its model catches up on the tokens lookup drafted
     drafters += ["eagle3 tree + lookup"]  # chains of every length verified, though its model drafts trees
     drafters += ["eagle3 tree + lookup + phrases"]  # the table's chains: lookups' lengths
-    drafters += ["eagle3 tree + lookup, merged"]  # lookups merged with 3 of the model's nodes: trees of 2-11 rows
+    drafters += ["eagle3 tree + lookup, merged"]  # lookups merged with 2 of the model's nodes: trees of 2-11 rows
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
-    steps = {key[0][1] for key in target.steps}  # T: decode, chains of 1-3, lookups' of up to 8 (+ 3 merged), the trees
-    assert steps <= set(range(1, 2 + LookupFirst(NgramDrafter()).tokens + 3)) | trees
+    steps = {key[0][1] for key in target.steps}  # T: decode, chains of 1-3, lookups' of up to 8 (+ 2 merged), the trees
+    assert steps <= set(range(1, 2 + LookupFirst(NgramDrafter()).tokens + 2)) | trees
     assert any(key[2] and key[0][1] > 9 for key in target.steps)  # merged trees past a lookup's 8 + 1 rows
 
 
