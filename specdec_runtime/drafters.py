@@ -69,10 +69,10 @@ class Drafter(Protocol):
         return gamma
 
     def draft_best(self, ids: Tensor, gamma: int, sampler: Sampler, nodes: int) -> Draft:
-        """At most `nodes` of the draft's likeliest nodes, at most gamma deep (LookupFirst merges them
-        with a lookup's chain). Drafters that rank a tree's nodes keep their best; by default, a
-        chain of that many tokens."""
-        return self.draft(ids, min(gamma, nodes), sampler)
+        """At most `nodes` of its likeliest nodes, at most gamma deep, deterministic whatever the
+        sampler (LookupFirst merges them with a lookup's chain). Drafters that rank a tree's nodes
+        keep their best; by default, the greedy chain of that many tokens."""
+        return self.draft(ids, min(gamma, nodes), Sampler())
 
     def observe(self, hidden: Tensor) -> None:
         """The target's residual streams after `hidden_layers` layers, concatenated [k, n * H], at
@@ -326,11 +326,11 @@ class LookupFirst(Drafter):
     missed (a stand-alone model catches up on the tokens, EAGLE-3 on the pending features).
 
     merge > 0 (default: the drafter's lookup_merge, 2 for EAGLE-3, else 0): a round that a lookup
-    drafts asks the model too, for its `merge` likeliest nodes
-    (Drafter.draft_best), and verifies both in one tree (merged()): the lookup's chain where the
-    output copies, the model's guess where the copy breaks off at once, which it does in ~30% of
-    lookup rounds. Drafts that carry distributions (sampled chains) or residual streams are not
-    merged: the lookup's chain goes alone.
+    drafts asks the model too, for its `merge` likeliest nodes (Drafter.draft_best), and verifies
+    both in one tree (merged()): the lookup's chain where the output copies, the model's guess
+    where the copy breaks off at once, which it does in ~30% of lookup rounds. The model's nodes
+    are its greedy choices when sampling too (deterministic drafts stay lossless under sampled
+    verification); drafts that carry residual streams (truncate, layer skip) are not merged.
     """
 
     def __init__(
@@ -388,7 +388,8 @@ def merged(chain: Tensor, other: Draft) -> Draft:
     """One tree of a chain and another deterministic draft (a chain or a tree): nodes with the same
     tokens from the root are one node, and `chain` is every node's first child (rank 0), the other
     draft's nodes after it in their own order. Greedy verification accepts the longer of the two
-    matches; sampled verification (a deterministic tree's rule) stays lossless."""
+    matches; sampled verification (a deterministic tree's rule) stays lossless. One host read of
+    both drafts' tokens (on a GPU, a sync: lookups sync anyway)."""
     host = torch.cat([chain, other.tokens]).tolist()
     c, tokens = host[: chain.shape[0]], host[chain.shape[0] :]
     if other.tree is None:

@@ -398,8 +398,8 @@ class Eagle3Drafter(Drafter):
 
     def draft_best(self, ids: Tensor, gamma: int, sampler: Sampler, nodes: int) -> Draft:
         """A tree's `nodes` best nodes (its levels stop at that depth, which they cannot pass); chains:
-        that many tokens."""
-        return self._draft(ids, min(gamma, nodes), sampler, min(nodes, self.tree_budget))
+        the greedy chain of that many tokens (Drafter.draft_best)."""
+        return self._draft(ids, min(gamma, nodes), Sampler(), min(nodes, self.tree_budget))
 
     @torch.inference_mode()
     def _draft(self, ids: Tensor, gamma: int, sampler: Sampler, budget: int) -> Draft:

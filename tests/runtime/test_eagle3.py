@@ -100,7 +100,7 @@ def test_training_time_test_loss_equals_the_naive_step_by_step_loss():
 def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: int = 3, best: int = 0):
     """(the draft logits of each step, the greedy ids they drafted from, the draft) of a chain drafted
     after a prefill of prompt, the drafter fed the target's taps as the generate loop feeds them
-    (best > 0: its draft_best of that many nodes)."""
+    (best > 0: its draft_best of that many nodes, asked with a sampler at temperature 1)."""
     seen, real_run = [], drafter._run
 
     def recording(*args, **kwargs):
@@ -114,7 +114,7 @@ def drafted_logits(drafter: Eagle3Drafter, target, prompt: torch.Tensor, gamma: 
     ids = torch.cat([prompt, prefill.logits[0, -1].argmax().view(1)])
     drafter.start(prompt, 64)
     drafter.observe(prefill.hidden[0])
-    draft = drafter.draft_best(ids, gamma, Sampler(), best) if best else drafter.draft(ids, gamma, Sampler())
+    draft = drafter.draft_best(ids, gamma, Sampler(1.0, seed=0), best) if best else drafter.draft(ids, gamma, Sampler())
     del drafter._run  # the class's own again
     return seen, ids, draft
 
@@ -231,7 +231,8 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
 def test_draft_best_is_the_best_nodes_of_the_whole_tree(budget):
     """draft_best(k), what LookupFirst merges: the k nodes of highest path score among all the full
     tree's candidates (its levels stop at depth k, which the best k cannot pass), as the full tree's
-    own choice of k would be; for a chain drafter, the chain's first k tokens."""
+    own choice of k would be; for a chain drafter, the greedy chain's first k tokens (asked while
+    sampling: deterministic all the same)."""
     _, target, model = tiny(warm=True, initializer_range=0.05)
     prompt = torch.arange(7, 19)
     drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
@@ -241,7 +242,7 @@ def test_draft_best_is_the_best_nodes_of_the_whole_tree(budget):
     for k in (1, 2, 3, 5):
         best = drafted_logits(drafter, target, prompt, gamma=3, best=k)[2]
         if not budget:
-            assert torch.equal(best.tokens, full.tokens[: min(k, 3)]) and best.tree is None
+            assert torch.equal(best.tokens, full.tokens[: min(k, 3)]) and best.tree is None and best.probs is None
             continue
         want = real_best(*nodes[0][:4], k)  # the full tree's candidates, k of them kept
         assert best.tree == want.tree and torch.equal(best.tokens, want.tokens) and len(best.tree) == k

@@ -336,6 +336,17 @@ def test_merged_lookups_accept_the_models_tokens_where_the_copy_breaks_off():
         assert runs[merge].tokens == bigram_greedy(table, a, 30) and drafter.lookups > 0
         assert drafter.tree_nodes == (10 if merge else 0)
     assert runs[2].stats.target_forwards < runs[0].stats.target_forwards
+
+    class Counted(OracleDrafter):
+        asked = 0
+
+        def draft_best(self, ids, gamma, sampler, nodes):
+            self.asked += 1
+            return super().draft_best(ids, gamma, sampler, nodes)
+
+    model = Counted(table, None)  # sampling: the model's greedy chain, merged all the same
+    generate(BigramStub(table), prompt, LookupFirst(model, merge=2), Sampler(0.1, seed=0), max_new_tokens=30, gamma=2)
+    assert model.asked > 0
     with pytest.raises(ValueError, match="merge >= 0"):
         LookupFirst(NgramDrafter(3), merge=-1)
 
