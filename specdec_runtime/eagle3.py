@@ -314,8 +314,9 @@ class Eagle3Drafter(Drafter):
         self.tree_budget, self.top_k = tree_budget, top_k
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
         # Its best 2 nodes beside each lookup (LookupFirst.merge), measured on the 2-core EPYC with
-        # the best drafter, 48 prompts (README): greedy tau 2.66 -> 2.74, +1.2-1.6% tokens/s; sampled
-        # +0.4-1.1%. 3 nodes: greedy +1.9-2.1%, sampled -1.3 to -1.7%; 8: greedy -2.6%.
+        # the best drafter, 48 prompts (docs/history/eagle3.md): greedy tau 2.66 -> 2.74, tokens/s
+        # +0.6% on average over five runs (-0.5 to +1.6%); sampled +0.4-1.1%. 3 nodes: greedy
+        # +1.9-2.1%, sampled -1.3 to -1.7%; 8: greedy -2.6%.
         self.lookup_merge = 2
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
