@@ -146,13 +146,12 @@ def kernel() -> ctypes.CDLL | None:
         "decoder_layers": [P, *gather, *[N] * 4, P, Int, P, F, *[N] * 4, *attend, P, P, N, *head, Int],
         "head_rows": [P, N, N, P, F, P, Int, N, P, Int],
         "eagle3_rows": [P, N, P, N, N, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
-        "eagle3_tree": [P, P, P, N, Int, Int, P, *[N] * 4, P, Int, Int, F, *[N] * 6, P, P, N, P, N, P, P, P, P, Int],
+        "eagle3_draft": [P, N, P, N, N, P, *[N] * 4, P, Int, Int, F, *[N] * 6, P, P, N, P, N, P, Int, Int, Int, P, Int],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
-        restype = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float, "eagle3_tree": N}.get(
-            name, Int
-        )
+        restype = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float}.get(name, Int)
+        restype = N if name == "eagle3_draft" else restype
         fn.argtypes, fn.restype = args, restype
     return lib
 
@@ -646,42 +645,42 @@ def eagle3_rows(
     return prenorm, logits
 
 
-def eagle3_tree(
+def eagle3_draft(
     w: Eagle3Weights,
-    prenorm: Tensor,
-    logits: Tensor,
+    tokens: Tensor,
+    taps: Tensor,
+    first: int,
     draft_ids: Tensor,
-    L: int,
     levels: int,
     K: int,
+    budget: int,
     embed: Tensor,
     dims: tuple[int, int, int, int, int],
     eps: float,
     norm_before_residual: bool,
     rope: Tensor,
     kv: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """An EAGLE-2 tree's levels in one call (eagle3.Eagle3Drafter._tree on a CPU): from the newest
-    row's prenorm [H] and draft logits [N], its nodes in the order the torch ops make them: (path
-    log-probability [n], draft id [n], parent [n] (-1 for the root's children), rank among its
-    siblings [n]). draft_ids [N]: each draft id's target id; embed, dims, rope and kv as
-    eagle3_rows (rows attend to the prefix's L - 1 slots and their ancestors' rows)."""
+) -> list[tuple[int, int, int]]:
+    """An EAGLE-2 tree draft in one call (eagle3.Eagle3Drafter._draft on a CPU): the catch-up rows
+    (tokens [M], the accepted positions' taps [M, Kt] at positions first..first + M - 1, causal),
+    the tree's levels from the newest row (eagle3_tree), then its `budget` best nodes, in the order
+    Eagle3Drafter._best takes them: (parent's place in the list or -1, rank among its siblings,
+    draft id) each. The rest as eagle3_rows and eagle3_tree."""
     H, Hq, Hkv, D, intermediate = dims
-    if prenorm.dtype != torch.float32 or logits.dtype != torch.float32 or embed.dtype != torch.float32:
-        raise ValueError("eagle3_tree: need float32 rows and embedding")
-    most = K + (levels - 1) * K * K
-    score, tok = _out(most), torch.empty(most, dtype=torch.long)
-    parent, rank = torch.empty(most, dtype=torch.long), torch.empty(most, dtype=torch.long)
-    prenorm, logits, draft_ids = prenorm.contiguous(), logits.contiguous(), draft_ids.contiguous()
+    if embed.dtype != torch.float32 or taps.dtype != torch.float32:
+        raise ValueError(f"eagle3_draft: need a float32 embedding and taps, got {embed.dtype} and {taps.dtype}")
     if not kv.is_contiguous() or rope.stride(-1) != 1:
-        raise ValueError("eagle3_tree: kv and rope must be contiguous")
+        raise ValueError("eagle3_draft: kv and rope must be contiguous")
+    tokens, taps = tokens.contiguous(), taps.contiguous()
+    out = torch.empty(3 * budget, dtype=torch.long)
     # fmt: off
-    n = kernel().eagle3_tree(
-        prenorm.data_ptr(), logits.data_ptr(), draft_ids.data_ptr(), L, levels, K, embed.data_ptr(), embed.shape[2],
+    n = kernel().eagle3_draft(
+        tokens.data_ptr(), tokens.shape[0], taps.data_ptr(), taps.shape[1], first, embed.data_ptr(), embed.shape[2],
         *embed.stride(), w.pointers, w.bf16, int(norm_before_residual), eps, H, Hq, Hkv, D, intermediate, w.vocab,
-        rope[0, 0].data_ptr(), rope[0, 1].data_ptr(), rope.stride(0), kv.data_ptr(), kv.shape[-2], score.data_ptr(),
-        tok.data_ptr(), parent.data_ptr(), rank.data_ptr(), _threads(),
+        rope[0, 0].data_ptr(), rope[0, 1].data_ptr(), rope.stride(0), kv.data_ptr(), kv.shape[-2],
+        draft_ids.data_ptr(), levels, K, budget, out.data_ptr(), _threads(),
     )
     # fmt: on
     _ran(0 if n >= 0 else -1)
-    return score[:n], tok[:n], parent[:n], rank[:n]
+    flat = out[: 3 * n].tolist()
+    return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, 3 * n, 3)]

@@ -320,6 +320,10 @@ class Eagle3Drafter(Drafter):
         self.lookup_merge = 2
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
+        self.target_ids: list[int] = self.draft_ids.tolist()  # the same on the host (a draft's tokens)
+        self.shapes: dict[tuple, tuple[Tree, list[int]]] = {}  # _draft_of's trees by the chosen paths
+        layer = cfg.layer  # the kernel's dims: (H, heads, kv heads, head dim, intermediate)
+        self.dims = (layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.intermediate_size)
         self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
         self.kernel_w = cpu_kernel.eagle3_weights(*self.w) if target.lm_head.cpu_copy else None  # see _run
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
@@ -383,7 +387,7 @@ class Eagle3Drafter(Drafter):
         cfg = self.model.config.layer
         inputs = inputs.to(self.w.dtype)
         if self.kernel_w is not None and cpu_kernel.stack_usable(inputs):
-            dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+            dims = self.dims
             return cpu_kernel.eagle3_rows(
                 self.kernel_w, tokens, self.target.embedding_panels(), inputs, project, dims, cfg.rms_norm_eps,
                 self.model.config.norm_before_residual, head_from, self.rope, first, step, self.kv, slots, mask, bound,
@@ -411,6 +415,17 @@ class Eagle3Drafter(Drafter):
         self.pending = []
         k = taps.shape[0]
         # Rows L-1-k .. L-2: the accepted positions' features, with the tokens after them (causal).
+        if budget and self.kernel_w is not None and cpu_kernel.stack_usable(taps):  # the whole draft in one call
+            cfg = self.model.config
+            nodes = cpu_kernel.eagle3_draft(
+                self.kernel_w, ids[L - k : L], taps, L - 1 - k, self.draft_ids, min(gamma, MAX_DEPTH), self.top_k,
+                budget, self.target.embedding_panels(), self.dims, cfg.layer.rms_norm_eps, cfg.norm_before_residual,
+                self.rope, self.kv,
+            )  # fmt: skip
+            paths: list[tuple[int, ...]] = []
+            for parent, rank, _ in nodes:
+                paths.append((paths[parent] if parent >= 0 else ()) + (rank,))
+            return self._draft_of(paths, [node[2] for node in nodes])
         pos = self.slots[L - 1 - k : L - 1]
         mask = self.slots[: L - 1][None, :] <= pos[:, None] if k > 1 else None
         prenorm, logits = self._run(ids[L - k : L], taps, True, L - 1 - k, 1, pos, mask, L - 1, head_from=k - 1)
@@ -445,19 +460,9 @@ class Eagle3Drafter(Drafter):
         """EAGLE-2's dynamic tree: level by level, the top_k children of each expanded node; the
         top_k of them (by path log-probability) are expanded next; the `budget` best nodes of all
         (tree_budget, or fewer for draft_best) are drafted. One host sync per level (the chosen
-        nodes' structure). On a CPU with the runtime's kernel, its levels run in one call
-        (cpu_kernel.eagle3_tree: the same nodes, where ~30 torch ops and two kernel calls cost ~0.3
-        ms of Python a round on the 2-core EPYC)."""
+        nodes' structure). On a CPU with the runtime's kernel the whole draft is one call instead
+        (_draft: cpu_kernel.eagle3_draft, the same nodes)."""
         K, dev, levels = self.top_k, prenorm.device, min(gamma, MAX_DEPTH)
-        if self.kernel_w is not None and cpu_kernel.stack_usable(prenorm[None]):
-            cfg = self.model.config
-            dims = (cfg.layer.hidden_size, cfg.layer.num_heads, cfg.layer.num_kv_heads, cfg.layer.head_dim,
-                    cfg.layer.intermediate_size)  # fmt: skip
-            scores, tok, parent, rank = cpu_kernel.eagle3_tree(
-                self.kernel_w, prenorm, logits, self.draft_ids, L, levels, K, self.target.embedding_panels(), dims,
-                cfg.layer.rms_norm_eps, cfg.norm_before_residual, self.rope, self.kv,
-            )  # fmt: skip
-            return self._best(scores.tolist(), tok, parent.tolist(), rank.tolist(), budget)
         logp = logits.float().log_softmax(-1)
         top = logp.topk(K)
         # Every node: (score, draft id, parent node index or -1, rank among its siblings, row slot or -1).
@@ -503,7 +508,19 @@ class Eagle3Drafter(Drafter):
                 break
             if parent[i] < 0 or parent[i] in paths:  # a child never scores above its parent
                 paths[i] = (paths[parent[i]] if parent[i] >= 0 else ()) + (rank[i],)
-        tree = Tree.from_paths(list(paths.values()))
-        order = {p: i for i, p in paths.items()}
-        draft_ids = tok[[order[p] for p in tree.paths]]
-        return Draft(self.draft_ids[draft_ids], None, tree=tree)
+        ids = tok.tolist()
+        return self._draft_of(list(paths.values()), [ids[i] for i in paths])
+
+    def _draft_of(self, paths: list[tuple[int, ...]], ids: list[int]) -> Draft:
+        """The tree of these nodes (rank paths and draft ids, in the order chosen: parents first) as a
+        draft, its tree and node order kept per list of paths (a few hundred recur)."""
+        shape = self.shapes.get(tuple(paths))
+        if shape is None:
+            if len(self.shapes) >= 4096:
+                self.shapes.clear()
+            tree = Tree.from_paths(paths)
+            at = {p: i for i, p in enumerate(paths)}
+            shape = self.shapes[tuple(paths)] = (tree, [at[p] for p in tree.paths])
+        tree, order = shape
+        tokens = torch.tensor([self.target_ids[ids[i]] for i in order], device=self.draft_ids.device)
+        return Draft(tokens, None, tree=tree)

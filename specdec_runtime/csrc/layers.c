@@ -755,7 +755,7 @@ static void top_logp(const float *row, long n, int K, float *values, int64_t *id
 }
 
 /* An EAGLE-2 tree's levels (specdec_runtime/eagle3.py: Eagle3Drafter._tree, whose torch ops this
-   is on a CPU, in one call instead of ~30 ops and two kernel calls a round): from the newest row's
+   is on a CPU; eagle3_draft runs it after the catch-up rows): from the newest row's
    prenorm0 [H] and draft logits0 [N], the top K children of each expanded node, level by level;
    the K best by path log-probability are expanded next (a row each, at rope position L - 2 + depth,
    attending to the prefix's L - 1 slots, its ancestors' rows and its own, its row slot L - 1 + the
@@ -764,7 +764,7 @@ static void top_logp(const float *row, long n, int K, float *values, int64_t *id
    -1), rank (among its siblings) [K + (levels - 1) K K]; returns their count, or -1 when out of
    memory. draft_ids [N]: each draft id's target id; cos / sin: rope row 0, rows rope_stride apart;
    the rest as eagle3_rows. */
-long eagle3_tree(const float *prenorm0, const float *logits0, const int64_t *draft_ids, long L, int levels, int K,
+static long eagle3_tree(const float *prenorm0, const float *logits0, const int64_t *draft_ids, long L, int levels, int K,
                  const float *embed, long ep, long es0, long es1, long es2, const void *const *w, int is_bf16,
                  int norm_before_residual, float eps, long H, long Hq, long Hkv, long D, long I, long N,
                  const float *cos, const float *sin, long rope_stride, float *kv, long S, float *score, int64_t *tok,
@@ -814,4 +814,59 @@ long eagle3_tree(const float *prenorm0, const float *logits0, const int64_t *dra
     }
     free(mem);
     return n;
+}
+
+/* A whole EAGLE-2 tree draft in one call (eagle3.Eagle3Drafter._draft on a CPU, where the two calls
+   of eagle3_rows and eagle3_tree and the choice of nodes in Python cost ~0.2 ms of cold Python a
+   round): the catch-up rows, then the tree's levels from the newest row, then its `budget` best
+   nodes. The catch-up: M accepted positions' taps [M, Kt] with the tokens after them, tokens [M],
+   at positions and cache slots first .. first + M - 1, each attending to the slots up to its own
+   (first + M = L - 1: the prefix the tree's rows attend to). The choice: nodes by score, largest
+   first, the lower index first among equals, each taken once its parent is (a child never scores
+   above its parent), until `budget`: out [budget, 3] holds each chosen node's parent (its place in
+   out, -1 for the root's children), rank among its siblings and draft id, in the order chosen.
+   Returns the nodes chosen, or -1 when out of memory. The rest as eagle3_rows and eagle3_tree. */
+long eagle3_draft(const int64_t *tokens, long M, const float *taps, long Kt, long first, const float *embed, long ep,
+                  long es0, long es1, long es2, const void *const *w, int is_bf16, int norm_before_residual, float eps,
+                  long H, long Hq, long Hkv, long D, long I, long N, const float *cos, const float *sin,
+                  long rope_stride, float *kv, long S, const int64_t *draft_ids, int levels, int K, int budget,
+                  int64_t *out, int threads) {
+    long L = first + M + 1, most = K + (long)(levels - 1) * K * K;
+    size_t floats = (size_t)M * H + N + most;
+    char *mem = malloc(floats * sizeof(float) + (size_t)M * sizeof(int64_t) + (size_t)M * (L - 1) +
+                       (size_t)most * 4 * sizeof(int64_t));
+    if (!mem) return -1;
+    float *prenorm = (float *)mem, *logits = prenorm + M * H, *score = logits + N;
+    int64_t *slots = (int64_t *)(score + most), *tok = slots + M, *parent = tok + most, *rank = parent + most,
+            *place = rank + most; /* a node's place in out (-1: not chosen) */
+    uint8_t *mask = (uint8_t *)(place + most);
+    for (long m = 0; m < M; m++) { /* causal: row m sees the slots up to its own */
+        slots[m] = first + m;
+        memset(mask + m * (L - 1), 1, first + m + 1);
+        memset(mask + m * (L - 1) + first + m + 1, 0, L - 1 - (first + m + 1));
+    }
+    long n = -1;
+    if (eagle3_rows(tokens, M, embed, ep, es0, es1, es2, taps, Kt, 0, w, is_bf16, norm_before_residual, eps, H, Hq,
+                    Hkv, D, I, N, M - 1, cos + first * rope_stride, sin + first * rope_stride, rope_stride, kv, S,
+                    slots, M > 1 ? mask : 0, L - 1, L - 1, prenorm, logits, threads) == 0)
+        n = eagle3_tree(prenorm + (M - 1) * H, logits, draft_ids, L, levels, K, embed, ep, es0, es1, es2, w, is_bf16,
+                        norm_before_residual, eps, H, Hq, Hkv, D, I, N, cos, sin, rope_stride, kv, S, score, tok,
+                        parent, rank, threads);
+    long chosen = 0;
+    if (n > 0) {
+        for (long i = 0; i < n; i++) place[i] = -1;
+        while (chosen < budget) { /* the best node not chosen whose parent is (budget is a handful) */
+            long best = -1;
+            for (long i = 0; i < n; i++)
+                if (place[i] < 0 && (parent[i] < 0 || place[parent[i]] >= 0) && (best < 0 || score[i] > score[best]))
+                    best = i;
+            if (best < 0) break;
+            place[best] = chosen;
+            out[3 * chosen] = parent[best] < 0 ? -1 : place[parent[best]];
+            out[3 * chosen + 1] = rank[best], out[3 * chosen + 2] = tok[best];
+            chosen++;
+        }
+    }
+    free(mem);
+    return n < 0 ? -1 : chosen;
 }

@@ -196,7 +196,8 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
     gathered, both norms, fc, the layer, the head); its logits are those of the drafter's torch ops
     (the first step's rows under a causal mask, then single rows), with GQA and without, a tied
     embedding (the lm_head's columns) and not, the residual the feature or its norm, fp32 and bf16
-    weights; and an EAGLE-2 tree drafted either way is the same."""
+    weights; and an EAGLE-2 tree drafted either way (cpu_kernel.eagle3_draft: the catch-up, the
+    levels and the choice of nodes in one call) is the same, node for node."""
     hf, target, model = tiny(num_attention_heads=heads[0], num_key_value_heads=heads[1], tie_word_embeddings=tied)
     assert (target.embed is None) == tied
     model.config = replace(model.config, norm_before_residual=norm_before_residual)
@@ -210,20 +211,14 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
     for a, b in zip(runs[0][0], runs[1][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert torch.equal(runs[0][2].tokens, runs[1][2].tokens)
-    trees, nodes = [], []
-    for d in (fused, ops):  # the tree's levels: one kernel call (eagle3_tree), or the torch ops
-        d.tree_budget = d.tree_nodes = 8
-        real_best = d._best
-        d._best = lambda *a, real_best=real_best: nodes.append(a) or real_best(*a)  # every node, before the choice
-        trees.append(drafted_logits(d, target, prompt, gamma=3)[2])
-        del d._best
-    assert trees[0].tree == trees[1].tree and torch.equal(trees[0].tokens, trees[1].tokens)
-    assert len(trees[0].tree) == 8
-    (scores, tok, parent, rank, _), (scores_ops, tok_ops, parent_ops, rank_ops, _) = nodes
     K = fused.top_k  # 3 levels: K children of the root, then K for each of the K best, twice
-    assert len(parent) == K + 2 * K * K and parent == parent_ops and rank == rank_ops
-    assert torch.equal(tok, tok_ops)
-    torch.testing.assert_close(torch.tensor(scores), torch.tensor(scores_ops), rtol=1e-5, atol=1e-5)
+    for budget in (8, K + 2 * K * K):  # the 8 best nodes; every node the levels made
+        trees = []
+        for d in (fused, ops):  # the whole draft in one kernel call (eagle3_draft), or the torch ops
+            d.tree_budget = d.tree_nodes = budget
+            trees.append(drafted_logits(d, target, prompt, gamma=3)[2])
+        assert trees[0].tree == trees[1].tree and torch.equal(trees[0].tokens, trees[1].tokens)
+        assert len(trees[0].tree) == budget
 
 
 @pytest.mark.parametrize("budget", [0, 8])
@@ -236,17 +231,20 @@ def test_draft_best_is_the_best_nodes_of_the_whole_tree(budget):
     _, target, model = tiny(warm=True, initializer_range=0.05)
     prompt = torch.arange(7, 19)
     drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
-    nodes, real_best = [], drafter._best
-    drafter._best = lambda *a: nodes.append(a) or real_best(*a)
-    full = drafted_logits(drafter, target, prompt, gamma=3)[2]
+    ops = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
+    ops.kernel_w = None  # the torch ops: every candidate node passes through _best
+    nodes, real_best = [], ops._best
+    ops._best = lambda *a: nodes.append(a) or real_best(*a)
+    full = drafted_logits(ops, target, prompt, gamma=3)[2]
     for k in (1, 2, 3, 5):
-        best = drafted_logits(drafter, target, prompt, gamma=3, best=k)[2]
-        if not budget:
-            assert torch.equal(best.tokens, full.tokens[: min(k, 3)]) and best.tree is None and best.probs is None
-            continue
-        want = real_best(*nodes[0][:4], k)  # the full tree's candidates, k of them kept
-        assert best.tree == want.tree and torch.equal(best.tokens, want.tokens) and len(best.tree) == k
-        assert best.tree.depth <= k
+        for d in (drafter, ops):  # the kernel's one call (where it is built), the torch ops
+            best = drafted_logits(d, target, prompt, gamma=3, best=k)[2]
+            if not budget:
+                assert torch.equal(best.tokens, full.tokens[: min(k, 3)]) and best.tree is None and best.probs is None
+                continue
+            want = real_best(*nodes[0][:4], k)  # the full tree's candidates, k of them kept
+            assert best.tree == want.tree and torch.equal(best.tokens, want.tokens) and len(best.tree) == k
+            assert best.tree.depth <= k
 
 
 @torch.no_grad()
