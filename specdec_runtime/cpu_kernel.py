@@ -17,8 +17,9 @@ rope, cache write, attention, gated activation), where torch dispatches some twe
 overhead was a third of a decode step, and a one-sequence step's whole layer stack in one call
 (decoder_layers(), from a Stack of pointers the model builds once); it keeps the same row-for-row
 guarantee. model.Decoder hands a step's layers to it (stack_takes()); model.attention(),
-self_attention() and mlp() their rows otherwise (sublayer_usable()), and an EAGLE-3 drafter's whole
-draft step runs in one call too (eagle3_rows()). `csrc/argmax.c` takes greedy
+self_attention() and mlp() their rows otherwise (sublayer_usable()), and an EAGLE-3 drafter's
+draft step runs in one call too (eagle3_rows()), as does its whole tree draft (eagle3_draft()).
+`csrc/argmax.c` takes greedy
 decoding's argmax of the logits (argmax(), sampling.argmax), ~4.5x torch's speed on a row.
 
 It is compiled on first use (`cc -O3 -march=native -fopenmp`, about a second) into
