@@ -315,7 +315,7 @@ class Eagle3Drafter(Drafter):
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
         # Its best 2 nodes beside each lookup (LookupFirst.merge), measured on the 2-core EPYC with
         # the best drafter, 48 prompts (docs/history/eagle3.md): greedy tau 2.66 -> 2.74, tokens/s
-        # +0.6% on average over five runs (-0.5 to +1.6%); sampled +0.4-1.1%. 3 nodes: greedy
+        # +0.5% on average over six runs (-0.5 to +1.6%); sampled +0.4-1.1%. 3 nodes: greedy
         # +1.9-2.1%, sampled -1.3 to -1.7%; 8: greedy -2.6%.
         self.lookup_merge = 2
         self.hidden_layers = tuple(cfg.aux_layers)
