@@ -832,14 +832,13 @@ long eagle3_draft(const int64_t *tokens, long M, const float *taps, long Kt, lon
                   long rope_stride, float *kv, long S, const int64_t *draft_ids, int levels, int K, int budget,
                   int64_t *out, int threads) {
     long L = first + M + 1, most = K + (long)(levels - 1) * K * K;
-    size_t floats = (size_t)M * H + N + most;
-    char *mem = malloc(floats * sizeof(float) + (size_t)M * sizeof(int64_t) + (size_t)M * (L - 1) +
-                       (size_t)most * 4 * sizeof(int64_t));
-    if (!mem) return -1;
-    float *prenorm = (float *)mem, *logits = prenorm + M * H, *score = logits + N;
-    int64_t *slots = (int64_t *)(score + most), *tok = slots + M, *parent = tok + most, *rank = parent + most,
+    size_t longs = (size_t)M + 4 * (size_t)most, floats = (size_t)M * H + N + most; /* longs first: aligned */
+    int64_t *slots = malloc(longs * sizeof(int64_t) + floats * sizeof(float) + (size_t)M * (L - 1));
+    if (!slots) return -1;
+    int64_t *tok = slots + M, *parent = tok + most, *rank = parent + most,
             *place = rank + most; /* a node's place in out (-1: not chosen) */
-    uint8_t *mask = (uint8_t *)(place + most);
+    float *prenorm = (float *)(place + most), *logits = prenorm + M * H, *score = logits + N;
+    uint8_t *mask = (uint8_t *)(score + most);
     for (long m = 0; m < M; m++) { /* causal: row m sees the slots up to its own */
         slots[m] = first + m;
         memset(mask + m * (L - 1), 1, first + m + 1);
@@ -867,6 +866,6 @@ long eagle3_draft(const int64_t *tokens, long M, const float *taps, long Kt, lon
             chosen++;
         }
     }
-    free(mem);
+    free(slots);
     return n < 0 ? -1 : chosen;
 }
