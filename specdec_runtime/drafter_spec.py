@@ -54,8 +54,8 @@ def build_drafter(
     NAME            a stand-alone draft model: bundled alias, local HF folder or Hub id
     SPEC+lookup     prompt lookup (n-grams of 2-3 tokens; 8 tokens, or gamma if longer) where it matches,
                     then the phrase table of an export that has one (specdec_phrases/), SPEC
-                    otherwise (LookupFirst); an EAGLE-3 drafter's 2 best nodes are merged into
-                    each lookup's chain (lookup_merge)
+                    otherwise (LookupFirst); on a CPU an EAGLE-3 drafter's 2 best nodes are merged
+                    into each lookup's chain (lookup_merge)
     """
     spec = spec.strip()
     if spec.endswith(LOOKUP) and spec != LOOKUP:

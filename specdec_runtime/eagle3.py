@@ -316,8 +316,9 @@ class Eagle3Drafter(Drafter):
         # Its best 2 nodes beside each lookup (LookupFirst.merge), measured on the 2-core EPYC with
         # the best drafter, 48 prompts (docs/history/eagle3.md): greedy tau 2.66 -> 2.74, tokens/s
         # +0.5% on average over six runs (-0.5 to +1.6%); sampled +0.4-1.1%. 3 nodes: greedy
-        # +1.9-2.1%, sampled -1.3 to -1.7%; 8: greedy -2.6%.
-        self.lookup_merge = 2
+        # +1.9-2.1%, sampled -1.3 to -1.7%; 8: greedy -2.6%. Off on a GPU, where it is unmeasured and
+        # its trees of up to 11 rows would add captured steps to the warm-up.
+        self.lookup_merge = 2 if target.device.type == "cpu" else 0
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
         self.target_ids: list[int] = self.draft_ids.tolist()  # the same on the host (a draft's tokens)

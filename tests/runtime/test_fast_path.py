@@ -66,7 +66,7 @@ DRAFTERS = {
     # lookups verify chains, the model trees (merge=0); merged: its 2 best nodes beside a lookup, trees of up to 10
     "eagle3 tree + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf), merge=0),
     "eagle3 tree + lookup + phrases": lambda m, hf: LookupFirst(eagle3_tree(m, hf), table=phrases(m, hf), merge=0),
-    "eagle3 tree + lookup, merged": lambda m, hf: LookupFirst(eagle3_tree(m, hf)),
+    "eagle3 tree + lookup, merged": lambda m, hf: LookupFirst(eagle3_tree(m, hf), merge=2),  # (a GPU's default: 0)
 }
 
 
