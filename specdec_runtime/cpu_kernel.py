@@ -151,9 +151,8 @@ def kernel() -> ctypes.CDLL | None:
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
-        restype = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float}.get(name, Int)
-        restype = N if name == "eagle3_draft" else restype
-        fn.argtypes, fn.restype = args, restype
+        restypes = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float, "eagle3_draft": N}
+        fn.argtypes, fn.restype = args, restypes.get(name, Int)
     return lib
 
 

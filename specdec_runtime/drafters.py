@@ -325,10 +325,10 @@ class LookupFirst(Drafter):
     The model drafter still observes every accepted position; its next draft runs the rows it
     missed (a stand-alone model catches up on the tokens, EAGLE-3 on the pending features).
 
-    merge > 0 (default: the drafter's lookup_merge, 2 for EAGLE-3 on a CPU, else 0): a round that a lookup
-    drafts asks the model too, for its `merge` likeliest nodes (Drafter.draft_best), and verifies
-    both in one tree (merged()): the lookup's chain where the output copies, the model's guess
-    where the copy breaks off at once, which it does in ~30% of lookup rounds. The model's nodes
+    merge > 0 (default: the drafter's lookup_merge, 2 for EAGLE-3 on a CPU, else 0): a round that a
+    lookup drafts asks the model too, for its `merge` likeliest nodes (Drafter.draft_best), and
+    verifies both in one tree (merged()): the lookup's chain where the output copies, the model's
+    guess where the copy breaks off at once, which it does in ~30% of lookup rounds. The model's nodes
     are its greedy choices when sampling too (deterministic drafts stay lossless under sampled
     verification); drafts that carry residual streams (truncate, layer skip) are not merged.
     """

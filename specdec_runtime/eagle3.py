@@ -388,9 +388,8 @@ class Eagle3Drafter(Drafter):
         cfg = self.model.config.layer
         inputs = inputs.to(self.w.dtype)
         if self.kernel_w is not None and cpu_kernel.stack_usable(inputs):
-            dims = self.dims
             return cpu_kernel.eagle3_rows(
-                self.kernel_w, tokens, self.target.embedding_panels(), inputs, project, dims, cfg.rms_norm_eps,
+                self.kernel_w, tokens, self.target.embedding_panels(), inputs, project, self.dims, cfg.rms_norm_eps,
                 self.model.config.norm_before_residual, head_from, self.rope, first, step, self.kv, slots, mask, bound,
             )  # fmt: skip
         T = tokens.shape[0]
@@ -515,13 +514,14 @@ class Eagle3Drafter(Drafter):
     def _draft_of(self, paths: list[tuple[int, ...]], ids: list[int]) -> Draft:
         """The tree of these nodes (rank paths and draft ids, in the order chosen: parents first) as a
         draft, its tree and node order kept per list of paths (a few hundred recur)."""
-        shape = self.shapes.get(tuple(paths))
+        key = tuple(paths)
+        shape = self.shapes.get(key)
         if shape is None:
             if len(self.shapes) >= 4096:
                 self.shapes.clear()
             tree = Tree.from_paths(paths)
             at = {p: i for i, p in enumerate(paths)}
-            shape = self.shapes[tuple(paths)] = (tree, [at[p] for p in tree.paths])
+            shape = self.shapes[key] = (tree, [at[p] for p in tree.paths])
         tree, order = shape
         tokens = torch.tensor([self.target_ids[ids[i]] for i in order], device=self.draft_ids.device)
         return Draft(tokens, None, tree=tree)

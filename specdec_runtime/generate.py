@@ -129,8 +129,8 @@ def warm_up(
     for g in range(1, max(longest, merged) + 1):
         if g <= longest:
             generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
-        if isinstance(drafter, LookupFirst) and g <= longest:
-            generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
+            if isinstance(drafter, LookupFirst):
+                generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
         if g <= merged:  # merged trees of g nodes (the shape of a chain's tree: a step's key is its rows)
             generate(target, prompt, _Chains(drafter, tree=True), sampler(), max_new_tokens=short, gamma=g, **kw)
 

@@ -764,11 +764,11 @@ static void top_logp(const float *row, long n, int K, float *values, int64_t *id
    -1), rank (among its siblings) [K + (levels - 1) K K]; returns their count, or -1 when out of
    memory. draft_ids [N]: each draft id's target id; cos / sin: rope row 0, rows rope_stride apart;
    the rest as eagle3_rows. */
-static long eagle3_tree(const float *prenorm0, const float *logits0, const int64_t *draft_ids, long L, int levels, int K,
-                 const float *embed, long ep, long es0, long es1, long es2, const void *const *w, int is_bf16,
-                 int norm_before_residual, float eps, long H, long Hq, long Hkv, long D, long I, long N,
-                 const float *cos, const float *sin, long rope_stride, float *kv, long S, float *score, int64_t *tok,
-                 int64_t *parent, int64_t *rank, int threads) {
+static long eagle3_tree(const float *prenorm0, const float *logits0, const int64_t *draft_ids, long L, int levels,
+                        int K, const float *embed, long ep, long es0, long es1, long es2, const void *const *w,
+                        int is_bf16, int norm_before_residual, float eps, long H, long Hq, long Hkv, long D, long I,
+                        long N, const float *cos, const float *sin, long rope_stride, float *kv, long S, float *score,
+                        int64_t *tok, int64_t *parent, int64_t *rank, int threads) {
     long most = K + (long)(levels - 1) * K * K, bound_most = L - 1 + (long)(levels - 1) * K;
     size_t floats = ((size_t)K * H * 2 + (size_t)K * N + (size_t)K * K + 1) & ~(size_t)1; /* (then longs) */
     float *mem = malloc(floats * sizeof(float) + most * sizeof(long) + (size_t)K * bound_most);
