@@ -90,6 +90,12 @@ static inline v8 pairs(v8 a, v8 b) {
     return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
            __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
+#if defined(__AVX512F__)
+/* pairs() of the low halves of a and b, and of their high halves, in one 512-bit vector. */
+static inline __m512 pairs16(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+#endif
 
 /* q . k over D, each product fused into its sum, the lanes in tree8's order. */
 static float score(const float *q, const float *k, long D) {
@@ -116,7 +122,6 @@ static float score(const float *q, const float *k, long D) {
    where one key at a time spent more on its lanes' sum than on its products. */
 static inline __attribute__((always_inline)) void scores8(int Q, const float *const *q, const float *k, long D,
                                                           float *const *p) {
-    v8 s[QMAX][8];
     long d = 0;
 #if defined(__AVX512DQ__)
     /* keys 2c and 2c + 1 side by side in a 512-bit register, the query's 8 floats in both halves:
@@ -133,12 +138,18 @@ static inline __attribute__((always_inline)) void scores8(int Q, const float *co
             for (int i = 0; i < Q; i++) w[i][c] = _mm512_fmadd_ps(qd[i], kc, w[i][c]);
         }
     }
-    for (int i = 0; i < Q; i++)
-        for (int c = 0; c < 4; c++) {
-            s[i][2 * c] = (v8)_mm512_castps512_ps256(w[i][c]);
-            s[i][2 * c + 1] = (v8)_mm512_extractf32x8_ps(w[i][c], 1);
-        }
+    /* The rounds of pairs on both halves at once (vshufps works within 128-bit lanes: pairs16), each
+       key's lanes summed as tree8 sums them; the keys come out in the order 0 2 4 6 1 3 5 7. */
+    const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 7, 3, 6, 2, 5, 1, 4, 0);
+    for (int i = 0; i < Q; i++) {
+        __m512 a = pairs16(w[i][0], w[i][1]), b = pairs16(w[i][2], w[i][3]); /* lanes (0+1), (2+3), ... */
+        __m512 r = pairs16(a, b); /* 128-bit lanes: keys 0 2 4 6's (0+1)+(2+3), their (4+5)+(6+7); keys 1 3 5 7's */
+        r = _mm512_shuffle_f32x4(r, r, _MM_SHUFFLE(3, 1, 2, 0));
+        __m256 t = _mm256_add_ps(_mm512_castps512_ps256(r), _mm512_extractf32x8_ps(r, 1));
+        _mm256_storeu_ps(p[i], _mm512_castps512_ps256(_mm512_permutexvar_ps(order, _mm512_castps256_ps512(t))));
+    }
 #else
+    v8 s[QMAX][8];
     for (int i = 0; i < Q; i++)
         for (int c = 0; c < 8; c++) s[i][c] = (v8){0};
     for (; d + 8 <= D; d += 8) {
@@ -149,121 +160,115 @@ static inline __attribute__((always_inline)) void scores8(int Q, const float *co
             for (int i = 0; i < Q; i++) s[i][c] = fma8(qd[i], kc, s[i][c]);
         }
     }
-#endif
     for (int i = 0; i < Q; i++) {
         v8 lo = pairs(pairs(s[i][0], s[i][1]), pairs(s[i][2], s[i][3])); /* keys 0-3: (0+1)+(2+3), then (4+5)+(6+7) */
         v8 hi = pairs(pairs(s[i][4], s[i][5]), pairs(s[i][6], s[i][7])); /* keys 4-7 */
         store8(p[i], __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
                          __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+#endif
+    for (int i = 0; i < Q; i++)
         for (int c = 0; c < 8; c++)
             for (long e = d; e < D; e++) p[i][c] = fmaf(q[i][e], k[c * D + e], p[i][c]);
-    }
 }
 
-/* All bits set in the lanes whose mask byte (bool: 0 or 1) is set. */
-static inline v8i kept(const uint8_t *mask) {
-    v8h b = {0};
-    for (int i = 0; i < 8; i++) b[i] = mask[i];
-    return -__builtin_convertvector(b, v8i);
-}
+#if LANES == 16
+typedef unsigned char vwb __attribute__((vector_size(16)));
+#else
+typedef unsigned char vwb __attribute__((vector_size(8)));
+#endif
 
-/* The weights e [8] of the slots j.. stored into p where attended to (mask allows them, < bound),
-   else 0; returned as stored. */
-static inline v8 kept_weights(float *p, long j, v8 e, const uint8_t *mask, long bound) {
-    if (j + 8 <= bound && mask)
-        e = blend(kept(mask + j), e, (v8){0});
-    else if (j + 8 > bound) {
-        v8i keep = {0};
-        for (int i = 0; i < 8; i++) keep[i] = j + i < bound && (!mask || mask[j + i]) ? -1 : 0;
-        e = blend(keep, e, (v8){0});
-    }
-    store8(p + j, e);
-    return e;
+/* All bits set in the lanes of the slots j.. that are attended to: < bound, and allowed by mask
+   (bool bytes: 0 or 1) where there is one. */
+static inline vwi kept(const uint8_t *mask, long j, long bound) {
+    vwb b;
+    if (mask && j + LANES <= bound)
+        __builtin_memcpy(&b, mask + j, sizeof b);
+    else
+        for (int i = 0; i < LANES; i++) b[i] = j + i < bound && (!mask || mask[j + i]);
+    return -__builtin_convertvector(b, vwi);
 }
 
 /* p [bound] (a query's scores) -> its weights softmax needs before the division: e^(p_j * scale -
-   top) at the slots < bound that mask allows, 0 at the others and up to bound rounded up to 8.
-   Returns their sum, over 8 lanes of slots (so the sum does not depend on bound past the last slot
-   attended to: a row of a verify step sees more, masked, slots than the same row decoded). */
+   top) at the slots < bound that mask allows, 0 at the others and up to bound rounded up to LANES
+   (p holds that many). Returns their sum, over LANES lanes of slots (so the sum does not depend on
+   bound past the last slot attended to: a row of a verify step sees more, masked, slots than the
+   same row decoded). A slot not attended to is scaled to -inf first, which expw takes to 0. */
 static float weigh(float *p, const uint8_t *mask, long bound, float scale) {
-    long padded = (bound + 7) & ~7L, j;
-    const v8 none = (v8){0} - INFINITY;
-    v8 tops = none;
-    for (j = 0; j + 8 <= bound; j += 8) { /* the scaled scores, and the largest one attended to */
-        v8 x = load8(p + j) * scale;
-        store8(p + j, x);
-        v8 y = mask ? blend(kept(mask + j), x, none) : x;
-        tops = blend(y > tops, y, tops);
+    long padded = (bound + LANES - 1) & -(long)LANES;
+    const vw none = (vw){0} - INFINITY;
+    vw tops = none;
+    for (long j = 0; j < padded; j += LANES) { /* the scaled scores, and the largest one attended to */
+        vw x = loadw(p + j) * scale;
+        if (mask || j + LANES > bound) x = blendw(kept(mask, j, bound), x, none);
+        __builtin_memcpy(p + j, &x, sizeof x);
+        tops = maxw(tops, x);
     }
     float top = -INFINITY;
-    for (int i = 0; i < 8; i++) top = tops[i] > top ? tops[i] : top;
-    for (; j < bound; j++) {
-        p[j] *= scale;
-        if (!mask || mask[j]) top = p[j] > top ? p[j] : top;
-    }
-    for (j = bound; j < padded; j++) p[j] = 0.0f;
-    v8 sums = {0};
-    /* e^x on 16 lanes where the CPU has them: weigh() in 0.64x the time of 8 (2-core EPYC) */
-    for (j = 0; j + LANES <= padded; j += LANES) {
+    for (int i = 0; i < LANES; i++) top = tops[i] > top ? tops[i] : top;
+    vw sums = {0};
+    for (long j = 0; j < padded; j += LANES) {
         vw e = expw(loadw(p + j) - top);
-        for (int h = 0; h < LANES; h += 8) {
-            v8 eh;
-            __builtin_memcpy(&eh, (const float *)&e + h, sizeof eh);
-            sums += kept_weights(p, j + h, eh, mask, bound);
-        }
+        __builtin_memcpy(p + j, &e, sizeof e);
+        sums += e;
     }
-    for (; j < padded; j += 8) sums += kept_weights(p, j, exp8(load8(p + j) - top), mask, bound);
-    return hsum(sums);
+    return hsumw(sums);
 }
 
-/* Blocks of a head's dims, C registers of W lanes a parity and query: 64 dims in 4 16-lane ones
-   where the CPU has 512-bit registers, else in 8 8-lane ones (AVX2: one query, 16 accumulators,
-   the most its 16 registers hold; 4 a pass over 32 dims measured 1.17x slower), then 32 in 4 8-lane
-   ones. Lane by lane the same sums whatever the block. */
+/* Weighted values: a chunk of up to QV queries at a time (attend), each slot's values loaded once
+   for the chunk. QV queries keep QV x 4 512-bit accumulators (AVX-512: 24 for 6; 5 or 6 queries a
+   chunk took 0.78x the time of 3 on the 2-core EPYC, a C harness); AVX2's 16 registers hold one
+   query's 64 dims. */
+#if defined(__AVX512F__)
+#define QV 6
+#else
+#define QV 1
+#endif
+
+/* Blocks of a head's dims, C registers of W lanes a query: 64 dims in 4 16-lane ones where the CPU
+   has 512-bit registers, else in 8 8-lane ones, then 32 in 4 8-lane ones. Lane by lane the same
+   sums whatever the block. */
 typedef float v16 __attribute__((vector_size(64)));
 #define VALUE_BLOCK(V, W, C, FMA)                                                                                 \
-    /* acc[i] += p[i][j] x vj [C W] for each of the Q queries, unless no query attends to slot j */               \
+    /* acc[i] += p[i][j] x vj [C W] for each of the Q queries; with check set, nothing where no query            \
+       attends to slot j (p 0: the sums are bitwise what adding 0 x vj gives) */                                  \
     static inline __attribute__((always_inline)) void value_row_##W##_##C(int Q, float *const *p, long j,         \
-                                                                          const float *vj, V(*acc)[C]) {          \
-        int any = 0;                                                                                              \
-        for (int i = 0; i < Q; i++) any |= p[i][j] != 0.0f;                                                       \
-        if (!any) return;                                                                                         \
-        for (int i = 0; i < Q; i++) { /* vj reloaded a query (AVX2: no registers left to hold it) */              \
+                                                                          const float *vj, int check,             \
+                                                                          V(*acc)[C]) {                           \
+        if (check) {                                                                                              \
+            int any = 0;                                                                                          \
+            for (int i = 0; i < Q; i++) any |= p[i][j] != 0.0f;                                                   \
+            if (!any) return;                                                                                     \
+        }                                                                                                         \
+        V vc[C];                                                                                                  \
+        for (int c = 0; c < C; c++) __builtin_memcpy(&vc[c], vj + W * c, sizeof vc[c]);                           \
+        for (int i = 0; i < Q; i++) {                                                                             \
             V w = (V){0} + p[i][j];                                                                               \
-            for (int c = 0; c < C; c++) {                                                                         \
-                V vc;                                                                                             \
-                __builtin_memcpy(&vc, vj + W * c, sizeof vc);                                                     \
-                acc[i][c] = FMA(w, vc, acc[i][c]);                                                                \
-            }                                                                                                     \
+            for (int c = 0; c < C; c++) acc[i][c] = FMA(w, vc[c], acc[i][c]);                                     \
         }                                                                                                         \
     }                                                                                                             \
-    /* The slots [j0, j1) (j0 even) of out[i] [d0, d0 + C W) for the Q queries: even and odd slots, each         \
-       summed in slot order, the sums carried from one block of slots to the next in part[i] (2 C W floats);     \
-       at the last slot divided by sum[i] into out[i]. */                                                         \
+    /* The slots [j0, j1) of out[i] [d0, d0 + C W) for the Q queries, each summed in slot order, the sums       \
+       carried from one block of slots to the next in part[i] (C W floats); at the last slot divided by sum[i]   \
+       into out[i]. From slot `open` on, some query may not attend (see value_row's check). */                   \
     static inline __attribute__((always_inline)) void value_block_##W##_##C(                                      \
-        int Q, float *const *p, const float *sum, const float *v, long D, long d0, long j0, long j1, long bound,  \
-        float *const *part, float *const *out) {                                                                  \
-        V even[QMAX][C], odd[QMAX][C];                                                                            \
+        int Q, float *const *p, const float *sum, const float *v, long D, long d0, long j0, long j1, long open,   \
+        long bound, float *const *part, float *const *out) {                                                      \
+        V acc[QV][C];                                                                                             \
         for (int i = 0; i < Q; i++)                                                                               \
             for (int c = 0; c < C; c++) {                                                                         \
-                even[i][c] = odd[i][c] = (V){0};                                                                  \
-                if (j0) {                                                                                         \
-                    __builtin_memcpy(&even[i][c], part[i] + W * c, sizeof(V));                                    \
-                    __builtin_memcpy(&odd[i][c], part[i] + W * (C + c), sizeof(V));                               \
-                }                                                                                                 \
+                acc[i][c] = (V){0};                                                                               \
+                if (j0) __builtin_memcpy(&acc[i][c], part[i] + W * c, sizeof(V));                                 \
             }                                                                                                     \
-        for (long j = j0; j < j1; j += 2) {                                                                       \
-            value_row_##W##_##C(Q, p, j, v + j * D + d0, even);                                                   \
-            if (j + 1 < j1) value_row_##W##_##C(Q, p, j + 1, v + (j + 1) * D + d0, odd);                         \
-        }                                                                                                         \
+        long j = j0, dense = open < j0 ? j0 : open < j1 ? open : j1;                                              \
+        for (; j < dense; j++) value_row_##W##_##C(Q, p, j, v + j * D + d0, 0, acc);                              \
+        for (; j < j1; j++) value_row_##W##_##C(Q, p, j, v + j * D + d0, 1, acc);                                \
         for (int i = 0; i < Q; i++)                                                                               \
             for (int c = 0; c < C; c++) {                                                                         \
                 if (j1 < bound) {                                                                                 \
-                    __builtin_memcpy(part[i] + W * c, &even[i][c], sizeof(V));                                    \
-                    __builtin_memcpy(part[i] + W * (C + c), &odd[i][c], sizeof(V));                               \
+                    __builtin_memcpy(part[i] + W * c, &acc[i][c], sizeof(V));                                     \
                     continue;                                                                                     \
                 }                                                                                                 \
-                V o = (even[i][c] + odd[i][c]) / sum[i];                                                          \
+                V o = acc[i][c] / sum[i];                                                                         \
                 __builtin_memcpy(out[i] + d0 + W * c, &o, sizeof o);                                              \
             }                                                                                                     \
     }
@@ -276,8 +281,8 @@ VALUE_BLOCK(v8, 8, 8, fma8)
 #define value_block_64 value_block_8_8
 #endif
 
-/* A chunk of Q (<= QMAX) queries: their scores against the keys [j0, j1) (whole blocks of 8), and
-   their weighted values over the slots [j0, j1) (see value_block; part: 2 D floats a query). */
+/* A chunk of Q (<= QMAX) queries' scores against the keys [j0, j1) (whole blocks of 8); a chunk of Q
+   (<= QV) queries' weighted values over the slots [j0, j1) (see value_block; part: D floats a query). */
 static inline __attribute__((always_inline)) void chunk_scores(int Q, const float *const *q, const float *k, long D,
                                                                long j0, long j1, float *const *pq) {
     float *pj[QMAX];
@@ -287,20 +292,20 @@ static inline __attribute__((always_inline)) void chunk_scores(int Q, const floa
     }
 }
 static inline __attribute__((always_inline)) void chunk_values(int Q, float *const *pq, const float *sum,
-                                                               const float *v, long D, long j0, long j1, long bound,
-                                                               float *const *part, float *const *out) {
-    float *pd[QMAX];
+                                                               const float *v, long D, long j0, long j1, long open,
+                                                               long bound, float *const *part, float *const *out) {
+    float *pd[QV];
     long d0 = 0;
     for (; d0 + 64 <= D; d0 += 64) {
-        for (int i = 0; i < Q; i++) pd[i] = part[i] + 2 * d0;
-        value_block_64(Q, pq, sum, v, D, d0, j0, j1, bound, pd, out);
+        for (int i = 0; i < Q; i++) pd[i] = part[i] + d0;
+        value_block_64(Q, pq, sum, v, D, d0, j0, j1, open, bound, pd, out);
     }
     for (; d0 + 32 <= D; d0 += 32) {
-        for (int i = 0; i < Q; i++) pd[i] = part[i] + 2 * d0;
-        value_block_8_4(Q, pq, sum, v, D, d0, j0, j1, bound, pd, out);
+        for (int i = 0; i < Q; i++) pd[i] = part[i] + d0;
+        value_block_8_4(Q, pq, sum, v, D, d0, j0, j1, open, bound, pd, out);
     }
 }
-/* The two for Q (<= QMAX) a constant: the loops over queries unrolled, the accumulators in registers. */
+/* The two for Q a constant: the loops over queries unrolled, the accumulators in registers. */
 static void scores_of(int Q, const float *const *q, const float *k, long D, long j0, long j1, float *const *pq) {
     switch (Q) {
 #if QMAX >= 3
@@ -310,14 +315,17 @@ static void scores_of(int Q, const float *const *q, const float *k, long D, long
     default: chunk_scores(1, q, k, D, j0, j1, pq);
     }
 }
-static void values_of(int Q, float *const *pq, const float *sum, const float *v, long D, long j0, long j1, long bound,
-                      float *const *part, float *const *out) {
+static void values_of(int Q, float *const *pq, const float *sum, const float *v, long D, long j0, long j1, long open,
+                      long bound, float *const *part, float *const *out) {
     switch (Q) {
-#if QMAX >= 3
-    case 3: chunk_values(3, pq, sum, v, D, j0, j1, bound, part, out); break;
-    case 2: chunk_values(2, pq, sum, v, D, j0, j1, bound, part, out); break;
+#if QV >= 6
+    case 6: chunk_values(6, pq, sum, v, D, j0, j1, open, bound, part, out); break;
+    case 5: chunk_values(5, pq, sum, v, D, j0, j1, open, bound, part, out); break;
+    case 4: chunk_values(4, pq, sum, v, D, j0, j1, open, bound, part, out); break;
+    case 3: chunk_values(3, pq, sum, v, D, j0, j1, open, bound, part, out); break;
+    case 2: chunk_values(2, pq, sum, v, D, j0, j1, open, bound, part, out); break;
 #endif
-    default: chunk_values(1, pq, sum, v, D, j0, j1, bound, part, out);
+    default: chunk_values(1, pq, sum, v, D, j0, j1, open, bound, part, out);
     }
 }
 
@@ -331,18 +339,23 @@ static void values_of(int Q, float *const *pq, const float *sum, const float *v,
 #define SEGMENT 24 /* queries at most a pass over a head's keys */
 
 /* out[i] [D] = softmax(q[i] . k_j * scale over the slots j < bound that mask[i] allows) @ v for n
-   queries of one key/value head (k, v [S, D]). p: scratch of n x (bound rounded up to 8) floats,
-   part: of n x 2 D. Each score is score()'s, whichever keys share its block of 8, and each output
+   queries of one key/value head (k, v [S, D]). p: scratch of n x (bound rounded up to LANES) floats,
+   part: of n x D. Each score is score()'s, whichever keys share its block of 8, and each output
    sums its slots in one order, whichever queries share its chunk and segment and however the slots
    are blocked: a query's result is the same whatever else is attended to with it. A slot no query
    of a chunk attends to is skipped (one that only some attend to adds 0 x v to the others: their
    sums stay bitwise what skipping gives). */
 static void attend(long n, const float *const *q, const float *k, const float *v, long D, const uint8_t *const *mask,
                    long bound, float scale, float *p, float *part, float *const *out) {
-    long padded = (bound + 7) & ~7L, whole = bound & ~7L, kb = KEY_BYTES / (D * (long)sizeof(float)) & ~7L;
+    long padded = (bound + LANES - 1) & -(long)LANES, whole = bound & ~7L, kb = KEY_BYTES / (D * (long)sizeof(float)) & ~7L;
     if (kb < 8) kb = 8;
     float *pq[n], sum[n], *parts[n];
-    for (long i = 0; i < n; i++) pq[i] = p + i * padded, parts[i] = part + i * 2 * D;
+    long open = bound; /* the first slot some query does not attend to */
+    for (long i = 0; i < n; i++) {
+        pq[i] = p + i * padded, parts[i] = part + i * D;
+        const uint8_t *zero = mask[i] ? memchr(mask[i], 0, open) : 0;
+        if (zero) open = zero - mask[i];
+    }
     for (long j0 = 0; j0 < whole; j0 += kb) {
         long j1 = j0 + kb < whole ? j0 + kb : whole;
         for (long c = 0; c < n; c += QMAX) scores_of(n - c < QMAX ? n - c : QMAX, q + c, k, D, j0, j1, pq + c);
@@ -350,10 +363,11 @@ static void attend(long n, const float *const *q, const float *k, const float *v
     for (long j = whole; j < bound; j++)
         for (long i = 0; i < n; i++) pq[i][j] = score(q[i], k + j * D, D);
     for (long i = 0; i < n; i++) sum[i] = weigh(pq[i], mask[i], bound, scale);
+    long chunk = (n + (n + QV - 1) / QV - 1) / ((n + QV - 1) / QV); /* equal chunks of at most QV */
     for (long j0 = 0; j0 < bound; j0 += kb) {
         long j1 = j0 + kb < bound ? j0 + kb : bound;
-        for (long c = 0; c < n; c += QMAX)
-            values_of(n - c < QMAX ? n - c : QMAX, pq + c, sum + c, v, D, j0, j1, bound, parts + c, out + c);
+        for (long c = 0; c < n; c += chunk)
+            values_of(n - c < chunk ? n - c : chunk, pq + c, sum + c, v, D, j0, j1, open, bound, parts + c, out + c);
     }
     long d0 = D & ~31L;
     for (long i = 0; i < n; i++)
@@ -398,8 +412,8 @@ static void silu_mul(const float *g, const float *u, float *a, long n) {
 
 /* Scratch floats for attention_part and mlp_part. */
 static size_t attention_floats(long M, long Kin, long H, long Hkv, long D, long bound, int threads) {
-    long padded = (bound + 7) & ~7L;
-    return (size_t)threads * M * Kin + M * (H + 2 * Hkv) * D + M * H * D + (size_t)threads * SEGMENT * (padded + 2 * D);
+    long padded = (bound + LANES - 1) & -(long)LANES;
+    return (size_t)threads * M * Kin + M * (H + 2 * Hkv) * D + M * H * D + (size_t)threads * SEGMENT * (padded + D);
 }
 static size_t mlp_floats(long M, long Hd, long I, int threads) {
     return (size_t)threads * M * Hd + M * 2 * I + M * I;
@@ -412,7 +426,7 @@ static void attention_part(const float *x, long M, long Kin, const float *norm, 
                            const float *bo, long Hd, const float *cos, const float *sin, long rope_stride, float *kv,
                            long S, const int64_t *slots, const uint8_t *mask, long mask_stride, long bound, float *out,
                            float *buf) {
-    long nqkv = (H + 2 * Hkv) * D, heads = H + 2 * Hkv, group = H / Hkv, padded = (bound + 7) & ~7L;
+    long nqkv = (H + 2 * Hkv) * D, heads = H + 2 * Hkv, group = H / Hkv, padded = (bound + LANES - 1) & -(long)LANES;
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
     float *qkv = buf + (size_t)nt * M * Kin, *att = qkv + M * nqkv, *p = att + M * H * D;
     const float *h = norm ? normed(x, M, Kin, norm, eps, buf) : x;
@@ -427,7 +441,7 @@ static void attention_part(const float *x, long M, long Kin, const float *norm, 
     /* queries in order of key/value head, then (row, head of its group) row-major; each thread
        attends to an equal run of them, SEGMENT of one head at a time at most */
     long per_head = group * M, total = Hkv * per_head, lo = total * t / nt, hi = total * (t + 1) / nt;
-    float *mine = p + (long)t * SEGMENT * (padded + 2 * D), scale = 1.0f / sqrtf((float)D);
+    float *mine = p + (long)t * SEGMENT * (padded + D), scale = 1.0f / sqrtf((float)D);
     /* Odd threads take their heads last to first: a head two threads share is read by both at about
        the same time, where the second reader found it in L3 after the first had read it from memory
        (at 1500 cached slots the thread reading two heads cold took ~1.2-1.4x as long). */

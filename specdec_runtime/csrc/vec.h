@@ -47,11 +47,13 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 #if LANES == 16
 typedef float vw __attribute__((vector_size(64)));
+typedef int vwi __attribute__((vector_size(64)));
 typedef unsigned vwu __attribute__((vector_size(64)));
 typedef unsigned short vwh __attribute__((vector_size(32)));
 static inline vw fmaw(vw a, vw b, vw c) { return (vw)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #else
 typedef v8 vw;
+typedef v8i vwi;
 typedef v8u vwu;
 typedef v8h vwh;
 static inline vw fmaw(vw a, vw b, vw c) { return fma8(a, b, c); }
@@ -97,36 +99,45 @@ static inline float hsumw(vw s) { return hsum(fold8(s)); }
 
 /* Lanes of a where m is set (all bits), else of b. */
 static inline v8 blend(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); }
+static inline vw blendw(vwi m, vw a, vw b) { return (vw)(((vwi)a & m) | ((vwi)b & ~m)); }
 
-/* e^x per lane, to about 1 ulp (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, times
-   2^n); 0 below -87.3, the largest float's neighbourhood above 88.7. EXP(V, I) defines it for
-   vectors V with lanes of int I (same lanes, same results: exp8, and expw on LANES lanes). */
-#define EXP(name, V, I)                                                                                           \
-    static inline V name(V x) {                                                                                   \
-        const V zero = {0}, one = zero + 1.0f;                                                                    \
-        I tiny = x < -87.33654f;                                                                                  \
-        I big = x > 88.72283f;                                                                                    \
-        x = (V)(((I)(zero + 88.72283f) & big) | ((I)x & ~big));                                                   \
-        V fx = x * 1.44269504088896341f + 0.5f;                                                                   \
-        I n = __builtin_convertvector(fx, I); /* toward zero, then down to floor(fx) */                          \
-        V fn = __builtin_convertvector(n, V);                                                                     \
-        I over = fn > fx;                                                                                         \
-        fn -= (V)((I)one & over);                                                                                 \
-        n += over; /* -1 where it was rounded up */                                                               \
-        x = x - fn * 0.693359375f - fn * -2.12194440e-4f;                                                         \
-        V y = 1.9875691500e-4f * x + 1.3981999507e-3f;                                                            \
-        y = y * x + 8.3334519073e-3f;                                                                             \
-        y = y * x + 4.1665795894e-2f;                                                                             \
-        y = y * x + 1.6666665459e-1f;                                                                             \
-        y = y * x + 5.0000001201e-1f;                                                                             \
-        y = y * x * x + x + one;                                                                                  \
-        V scale = (V)((n + 127) << 23);                                                                           \
-        return (V)((I)(y * scale) & ~tiny);                                                                       \
-    }
-EXP(exp8, v8, v8i)
-#if LANES == 16
-typedef int vwi __attribute__((vector_size(64)));
-EXP(expw, vw, vwi)
+/* The larger (smaller) of a's and b's lanes, neither a NaN. */
+#if defined(__AVX__) && defined(__x86_64__)
+static inline v8 max8(v8 a, v8 b) { return (v8)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline v8 min8(v8 a, v8 b) { return (v8)_mm256_min_ps((__m256)a, (__m256)b); }
 #else
-EXP(expw, vw, v8i)
+static inline v8 max8(v8 a, v8 b) { return blend(a > b, a, b); }
+static inline v8 min8(v8 a, v8 b) { return blend(a < b, a, b); }
 #endif
+#if LANES == 16
+static inline vw maxw(vw a, vw b) { return (vw)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline vw minw(vw a, vw b) { return (vw)_mm512_min_ps((__m512)a, (__m512)b); }
+#else
+static inline vw maxw(vw a, vw b) { return max8(a, b); }
+static inline vw minw(vw a, vw b) { return min8(a, b); }
+#endif
+
+/* e^x per lane, to about 1 ulp (Cephes' expf: x = n ln 2 + r, n = x log2(e) rounded to nearest, a
+   degree-6 polynomial in r, times 2^n), the multiply-adds fused (FMA: fma8 / fmaw, the same on every
+   call); 0 below -87.3 (and at -inf), the largest float's neighbourhood above 88.7. EXP(name, V, I,
+   FMA, MAX, MIN) defines it for vectors V with lanes of int I (same lanes, same results: exp8, and
+   expw on LANES lanes). */
+#define EXP(name, V, I, FMA, MAX, MIN)                                                                            \
+    static inline V name(V x) {                                                                                   \
+        const V zero = {0};                                                                                       \
+        I tiny = x < -87.33654f;                                                                                  \
+        x = MIN(MAX(x, zero - 87.33654f), zero + 88.72283f);                                                      \
+        V fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* 1.5 x 2^23: rounded to nearest */     \
+        I n = __builtin_convertvector(fn, I);                                                                     \
+        V r = FMA(fn, zero - 0.693359375f, x);                                                                    \
+        r = FMA(fn, zero + 2.12194440e-4f, r);                                                                    \
+        V y = FMA(zero + 1.9875691500e-4f, r, zero + 1.3981999507e-3f);                                           \
+        y = FMA(y, r, zero + 8.3334519073e-3f);                                                                   \
+        y = FMA(y, r, zero + 4.1665795894e-2f);                                                                   \
+        y = FMA(y, r, zero + 1.6666665459e-1f);                                                                   \
+        y = FMA(y, r, zero + 5.0000001201e-1f);                                                                   \
+        y = FMA(y, r * r, r + 1.0f);                                                                              \
+        return (V)((I)(y * (V)((n + 127) << 23)) & ~tiny);                                                        \
+    }
+EXP(exp8, v8, v8i, fma8, max8, min8)
+EXP(expw, vw, vwi, fmaw, maxw, minw)
