@@ -107,10 +107,11 @@ static float score(const float *q, const float *k, long D) {
     return t;
 }
 
-/* Queries of one key/value head attended together, a chunk of up to QMAX at a time (attend): each
-   key and value loaded once for the chunk (GQA's heads of a group, and a verify step's rows, share
-   one head's cache). QMAX queries keep up to 24 accumulators in registers (32 with AVX-512; AVX2's
-   16 hold one query's). Every query's sums are those it has alone: its chunk-mates change nothing. */
+/* Queries of one key/value head attended together, their scores a chunk of up to QMAX at a time
+   (attend; the values QV at a time, below): each key loaded once for the chunk (GQA's heads of a
+   group, and a verify step's rows, share one head's cache). QMAX queries keep up to 24 accumulators
+   in registers (32 with AVX-512; AVX2's 16 hold one query's). Every query's sums are those it has
+   alone: its chunk-mates change nothing. */
 #if defined(__AVX512VL__)
 #define QMAX 3
 #else
@@ -347,7 +348,8 @@ static void values_of(int Q, float *const *pq, const float *sum, const float *v,
    sums stay bitwise what skipping gives). */
 static void attend(long n, const float *const *q, const float *k, const float *v, long D, const uint8_t *const *mask,
                    long bound, float scale, float *p, float *part, float *const *out) {
-    long padded = (bound + LANES - 1) & -(long)LANES, whole = bound & ~7L, kb = KEY_BYTES / (D * (long)sizeof(float)) & ~7L;
+    long padded = (bound + LANES - 1) & -(long)LANES, whole = bound & ~7L;
+    long kb = KEY_BYTES / (D * (long)sizeof(float)) & ~7L;
     if (kb < 8) kb = 8;
     float *pq[n], sum[n], *parts[n];
     long open = bound; /* the first slot some query does not attend to */

@@ -101,7 +101,7 @@ static inline float hsumw(vw s) { return hsum(fold8(s)); }
 static inline v8 blend(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); }
 static inline vw blendw(vwi m, vw a, vw b) { return (vw)(((vwi)a & m) | ((vwi)b & ~m)); }
 
-/* The larger (smaller) of a's and b's lanes, neither a NaN. */
+/* The larger (smaller) of a's and b's lanes; b where either is a NaN (as vmaxps, vminps). */
 #if defined(__AVX__) && defined(__x86_64__)
 static inline v8 max8(v8 a, v8 b) { return (v8)_mm256_max_ps((__m256)a, (__m256)b); }
 static inline v8 min8(v8 a, v8 b) { return (v8)_mm256_min_ps((__m256)a, (__m256)b); }
@@ -126,7 +126,7 @@ static inline vw minw(vw a, vw b) { return min8(a, b); }
     static inline V name(V x) {                                                                                   \
         const V zero = {0};                                                                                       \
         I tiny = x < -87.33654f;                                                                                  \
-        x = MIN(MAX(x, zero - 87.33654f), zero + 88.72283f);                                                      \
+        x = MIN(zero + 88.72283f, MAX(zero - 87.33654f, x)); /* a NaN stays one (MAX and MIN return b then) */  \
         V fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* 1.5 x 2^23: rounded to nearest */     \
         I n = __builtin_convertvector(fn, I);                                                                     \
         V r = FMA(fn, zero - 0.693359375f, x);                                                                    \
