@@ -334,10 +334,13 @@ static void values_of(int Q, float *const *pq, const float *sum, const float *v,
    turns at a block (QMAX at a time), it stays in L1 instead of being read from L2 again for each
    chunk of queries (a 9-row verify step's attention, 27 queries a head, in ~0.9x the time at 900
    cached slots on the 2-core EPYC; 32 KiB blocks against 16: 9-row verify steps in 0.98-0.99x the
-   time at 300-1500 slots, 8 KiB and 64 KiB no faster; segments of 12, 18 or 32 queries slower
-   than 24 by 2-4% at 1500). */
+   time at 300-1500 slots, 8 KiB and 64 KiB no faster). A segment holds a 12-row step's queries of
+   a head (36 with 3 heads a group), so a head's keys and values are read once a thread: against
+   segments of 24, 9- and 12-row steps in 0.975 / 0.982x the time at 3000 cached slots, the same at
+   200-1000 (segments of 32 had been 2-4% slower than 24 at 1500, before the values went 5-6
+   queries at a time). */
 #define KEY_BYTES 32768
-#define SEGMENT 24 /* queries at most a pass over a head's keys */
+#define SEGMENT 36 /* queries at most a pass over a head's keys */
 
 /* out[i] [D] = softmax(q[i] . k_j * scale over the slots j < bound that mask[i] allows) @ v for n
    queries of one key/value head (k, v [S, D]). p: scratch of n x (bound rounded up to LANES) floats,
