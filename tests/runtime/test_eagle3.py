@@ -17,6 +17,7 @@ from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, gro
 from specdec_runtime.eagle3_format import is_eagle3_folder, read_speculators, save_speculators
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
+from specdec_runtime.model import PREFILL_CHUNK
 from specdec_runtime.sampling import Sampler
 from tests.conftest import runtime_from_hf, tiny_hf_model
 from train.eagle3 import Eagle3Training, shifted, target_states, warm_start
@@ -219,6 +220,38 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
             trees.append(drafted_logits(d, target, prompt, gamma=3)[2])
         assert trees[0].tree == trees[1].tree and torch.equal(trees[0].tokens, trees[1].tokens)
         assert len(trees[0].tree) == budget
+
+
+@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
+@pytest.mark.parametrize("budget", [0, 8])
+@torch.no_grad()
+def test_a_prompt_longer_than_a_kernel_call_is_caught_up_in_chunks_as_the_torch_ops_do(budget):
+    """The first draft after a prompt longer than a kernel call takes (cpu_kernel.max_rows()) runs
+    its leading rows through the kernel in chunks of PREFILL_CHUNK (causal over the slots before
+    each), then the draft as usual: every prompt row's keys and values in the drafter's cache are
+    the torch ops' (the whole prompt in one pass) to rounding, and so is the draft: the chain's
+    tokens, the tree node for node."""
+    P = cpu_kernel.max_rows() + 2 * PREFILL_CHUNK + 9  # two chunks, then a last call of max_rows() - 119
+    _, target, model = tiny(warm=True, initializer_range=0.05, max_position_embeddings=P + 64)
+    prompt = torch.randint(0, 256, (P,), generator=torch.Generator().manual_seed(3))
+    drafts = []
+    for kernel in (True, False):
+        d = Eagle3Drafter(model, target, tree_budget=budget, top_k=3, cpu_bf16=False)  # fp32: to rounding
+        if not kernel:
+            d.kernel_w = None  # the torch ops: the whole prompt in one pass
+        calls: list[int] = []
+        d._run = lambda t, *a, calls=calls, run=d._run, **kw: calls.append(t.shape[0]) or run(t, *a, **kw)
+        target.setup_cache(1, P + 16)
+        prefill = target.prefill(prompt[None], logits_to_keep=1, taps=d.hidden_layers)
+        ids = torch.cat([prompt, prefill.logits[0, -1].argmax().view(1)])
+        d.start(prompt, P + 16)
+        d.observe(prefill.hidden[0])
+        drafts.append((d.draft(ids, 3, Sampler()), calls, d.kv[:, :, :P].clone()))
+    (fused, chunks, fused_kv), (ops, _, ops_kv) = drafts
+    assert chunks[:2] == [PREFILL_CHUNK, PREFILL_CHUNK]  # then the rest in one call (the tree's, or the chain's)
+    torch.testing.assert_close(fused_kv, ops_kv, rtol=1e-5, atol=1e-5)  # every prompt row's keys and values
+    assert torch.equal(fused.tokens, ops.tokens) and fused.tree == ops.tree
+    assert len(fused.tokens) == (budget or 3)
 
 
 @pytest.mark.parametrize("budget", [0, 8])
