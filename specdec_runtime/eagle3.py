@@ -426,7 +426,8 @@ class Eagle3Drafter(Drafter):
         k = taps.shape[0]
         # More rows than a kernel call takes (a long prompt's, at its first draft): the leading ones in
         # chunks through the kernel, each causal over the slots before it, as the target's prefill runs
-        # (the torch ops' one pass took 0.38 s against ~0.17 for 2,975 rows on the 2-core EPYC).
+        # (the first draft after 2,975 prompt tokens: 88 ms, against 362-379 for the torch ops' one pass
+        # and 126 for one kernel call of every row; 2-core EPYC).
         while self.kernel_w is not None and k > cpu_kernel.max_rows():
             first = L - 1 - k
             pos = self.slots[first : first + PREFILL_CHUNK]
