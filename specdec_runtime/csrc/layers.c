@@ -241,11 +241,12 @@ typedef float v16 __attribute__((vector_size(64)));
             for (int i = 0; i < Q; i++) any |= p[i][j] != 0.0f;                                                   \
             if (!any) return;                                                                                     \
         }                                                                                                         \
-        V vc[C];                                                                                                  \
-        for (int c = 0; c < C; c++) __builtin_memcpy(&vc[c], vj + W * c, sizeof vc[c]);                           \
-        for (int i = 0; i < Q; i++) {                                                                             \
-            V w = (V){0} + p[i][j];                                                                               \
-            for (int c = 0; c < C; c++) acc[i][c] = FMA(w, vc[c], acc[i][c]);                                     \
+        V w[QV];                                                                                                  \
+        for (int i = 0; i < Q; i++) w[i] = (V){0} + p[i][j];                                                      \
+        for (int c = 0; c < C; c++) {                                                                             \
+            V vc;                                                                                                 \
+            __builtin_memcpy(&vc, vj + W * c, sizeof vc);                                                         \
+            for (int i = 0; i < Q; i++) acc[i][c] = FMA(w[i], vc, acc[i][c]);                                     \
         }                                                                                                         \
     }                                                                                                             \
     /* The slots [j0, j1) of out[i] [d0, d0 + C W) for the Q queries, each summed in slot order, the sums       \
