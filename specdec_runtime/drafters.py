@@ -45,6 +45,11 @@ class Draft(NamedTuple):
     tree: Tree | None = None
     lookup: bool = False  # drafted by LookupFirst's prompt lookup, not its model (stats count it apart)
 
+    @property
+    def depth(self) -> int:
+        """The most tokens verification can accept from it: a tree's depth, a chain's length."""
+        return self.tree.depth if self.tree is not None else self.tokens.shape[0]
+
 
 class Drafter(Protocol):
     """What the generate loop asks of a drafter. Drafters subclass it to inherit the defaults of

@@ -243,7 +243,7 @@ def generate(
         room = max_new_tokens - len(out) - 1  # never verify past the budget
         g_max = min(gamma, room)
         draft = drafter.draft(ids[:L], g_max, sampler) if drafter is not None and g_max > 0 else None
-        if draft is not None and (draft.tree.depth if draft.tree is not None else draft.tokens.shape[0]) > room:
+        if draft is not None and draft.depth > room:
             draft = cut(draft, room)  # a longer lookup (a chain, or merged with the model's nodes)
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps, argmax_only)
@@ -270,7 +270,7 @@ def generate(
             if t in stop_ids:
                 new, stop = new[: i + 1], True
                 break
-        depth = 0 if draft is None else (draft.tree.depth if draft.tree is not None else draft.tokens.shape[0])
+        depth = 0 if draft is None else draft.depth
         lookup = draft is not None and draft.lookup
         stats.record_round(depth, min(n, len(new)), lookup)  # accepted drafts after a stop token are not output
         out += new
