@@ -34,10 +34,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdec_runtime.errors import SpecdecError
+from specdec_runtime.hub import check_push, push_command, push_folder
 from specdec_runtime.loading import (
     cache_root,
     cpu_threads,
     fast_bf16,
+    hub_id_of,
     load_hf_model,
     resolve_device,
     resolve_dtype,
@@ -57,7 +59,6 @@ from train.data import (
     spread,
     with_responses,
 )
-from train.export import push_to_hub
 from train.launch import MIXED_PRECISION, make_accelerator, whole
 from train.loop import (
     Horizon,
@@ -156,11 +157,14 @@ def refuse(problems: list[str]) -> None:
 
 
 def run_or_exit(run_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
-    """A recipe's entry point: a user's mistake (SpecdecError) prints its message and exits 2."""
+    """A recipe's entry point: a user's mistake (SpecdecError) prints its message and exits 2; so
+    does a Hub push that failed after the run (finish said what failed and how to retry it)."""
     try:
-        run_fn(cfg)
+        result = run_fn(cfg)
     except SpecdecError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if isinstance(result, dict) and result.get("hub_error"):
         sys.exit(2)
 
 
@@ -244,11 +248,12 @@ def start(cfg: DictConfig) -> Run:
         project_dir=str(out),
         cpu=True if cfg.get("device") == "cpu" else None,
     )
-    outcome: list[Any] = [None]  # rank 0 locks and compares; every process learns the outcome
+    outcome: list[Any] = [None]  # rank 0 locks, compares and asks the Hub; every process learns the outcome
     if accelerator.is_main_process:
         try:
             RunLock(out)
             outcome[0] = {"changes": resumed_changes(cfg, out)}
+            check_hub(cfg)
         except SpecdecError as e:
             outcome[0] = {"error": str(e)}
     broadcast_object_list(outcome)
@@ -256,6 +261,35 @@ def start(cfg: DictConfig) -> Run:
         raise SpecdecError(outcome[0]["error"])
     threads = choose_threads(accelerator, training=trainer is not None)
     return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"], threads=threads)
+
+
+def check_hub(cfg: DictConfig) -> None:
+    """With hub.repo_id: refuse, before any weights load, a push that cannot work (no token, a
+    read-only one, a namespace not the user's); where the Hub cannot be reached, stop unless
+    hub.offline_ok (then say that the push is tried at the end, and how to retry it)."""
+    hub = cfg.get("hub")
+    if not hub or not hub.repo_id:
+        return
+    check = check_push(hub.repo_id)
+    if check.problems:
+        raise SpecdecError(f"hub.repo_id={hub.repo_id}: " + "; ".join(check.problems))
+    if check.unreachable:
+        later = push_command(Path(cfg.output_dir) / "export", hub.repo_id, private=hub.private, revision=hub.revision)
+        if not hub.get("offline_ok", False):
+            raise SpecdecError(
+                f"hub.repo_id={hub.repo_id}: the Hub cannot be reached ({check.unreachable}). Connect, or add "
+                f"hub.offline_ok=true to train and export now (the push is tried at the end; `{later}` retries it)"
+            )
+        print(f"hub: cannot reach the Hub now ({check.unreachable}); training anyway (hub.offline_ok): the push is "
+              f"tried at the end, `{later}` retries it", file=sys.stderr)  # fmt: skip
+
+
+def target_card(cfg: DictConfig, run: "Run") -> dict[str, Any]:
+    """train.export.Card's fields naming the target: specdec's name, its Hub id (model.hub_id for a
+    local folder; what engines and exported configs name it by), its config.json."""
+    config = json.loads((run.target_path / "config.json").read_text())
+    return {"target": cfg.model.name, "target_hub_id": hub_id_of(cfg.model.name, cfg.model.get("hub_id")),
+            "target_config": config}  # fmt: skip
 
 
 def choose_threads(accelerator: Any, training: bool) -> dict[str, int]:
@@ -583,14 +617,14 @@ def validation_due(cfg: DictConfig, done: int, last: int) -> bool:
 def finish(
     cfg: DictConfig, run: Run, result: dict[str, Any], export: Path, generate_cmd: str, tracker: Tracker, recipe: str
 ) -> None:
-    """Rank 0: optional Hub push, metrics.json, the export as a W&B artifact, and the closing lines
-    (tau, speedup, how to use it)."""
+    """Rank 0: metrics.json, the optional Hub push (a failed one said last, with the command that
+    retries it; run_or_exit then exits 2), the export as a W&B artifact, and the closing lines."""
     result["export"] = str(export)
     RunLock(run.out).release()  # the folder is free once its results are written
+    (run.out / "metrics.json").write_text(json.dumps(result, indent=2))  # kept whatever the push does
     if cfg.hub.repo_id:
-        result["hub"] = push_to_hub(export, cfg.hub.repo_id, private=cfg.hub.private, revision=cfg.hub.revision)
-        run.say(f"pushed to {result['hub']}")
-    (run.out / "metrics.json").write_text(json.dumps(result, indent=2))
+        push(cfg, run, result, export)
+        (run.out / "metrics.json").write_text(json.dumps(result, indent=2))
     m = result.get("validation") or {}
     summary = {"recipe": recipe, "target": cfg.model.name} | {k: m[k] for k in ("tau", "speedup", "lossless") if k in m}
     tracker.log_artifact(export, f"{recipe}-{run.out.name}", metadata=summary)
@@ -606,3 +640,18 @@ def finish(
             + f", lossless {m['lossless']:.0%} ({m['prompts']} validation prompts)"
         )
     run.say(f"exported to {export}\ngenerate with it:\n  {generate_cmd}")
+    if result.get("hub_error"):
+        print(f"\nerror: the push to {cfg.hub.repo_id} failed: {result['hub_error']}\nThe export and the run's "
+              f"results are kept in {run.out}; push it with:\n  {result['hub_retry']}", file=sys.stderr)  # fmt: skip
+
+
+def push(cfg: DictConfig, run: Run, result: dict[str, Any], export: Path) -> None:
+    """Push the export to hub.repo_id: the commit URL in result["hub"], or what failed in
+    result["hub_error"] and the command that retries it in result["hub_retry"]."""
+    h = cfg.hub
+    try:
+        result["hub"] = push_folder(export, h.repo_id, private=h.private, revision=h.revision)
+        run.say(f"pushed to {result['hub']}")
+    except Exception as e:  # no network, a refused token, a failed check: the run's results stay
+        result["hub_error"] = str(e) if isinstance(e, SpecdecError) else f"{type(e).__name__}: {e}"
+        result["hub_retry"] = push_command(export, h.repo_id, private=h.private, revision=h.revision)

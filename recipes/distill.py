@@ -32,6 +32,7 @@ from recipes.common import (
     resume,
     run_or_exit,
     start,
+    target_card,
     training_examples,
     validation_due,
 )
@@ -303,7 +304,7 @@ def write_export(
     """export/: a plain HF folder (+ draft_vocab.safetensors) with a model card."""
     d, acc = model.config, run.accelerator
     card = Card(
-        target=cfg.model.name,
+        **target_card(cfg, run),
         recipe="distill",
         data=cfg.data.train,
         setup={
@@ -320,7 +321,6 @@ def write_export(
         metrics=metrics,
         title=f"Distilled drafter for {cfg.model.name}",
         tags=["distillspec", "draft-model"],
-        base_model=cfg.model.name if "/" in cfg.model.name else None,
         hub_id=cfg.hub.repo_id,
     )
     return export_standalone(

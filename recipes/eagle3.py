@@ -38,6 +38,7 @@ from recipes.common import (
     resume,
     run_or_exit,
     start,
+    target_card,
     target_responses,
     training_examples,
     validation_due,
@@ -325,7 +326,7 @@ def write_export(
     """export/: the speculators folder (config.json, model.safetensors), the phrase table and a model card."""
     e, v = cfg.eagle3, cfg.validate
     card = Card(
-        target=cfg.model.name,
+        **target_card(cfg, run),
         recipe="eagle3",
         data=cfg.data.train,
         setup={
@@ -347,12 +348,10 @@ def write_export(
         metrics=metrics or None,
         title=f"EAGLE-3 drafter for {cfg.model.name}",
         tags=["eagle3", "eagle"],
-        base_model=cfg.model.name if "/" in cfg.model.name else None,
         hub_id=cfg.hub.repo_id,
     )
     drafting = {"gamma": v.gamma, "tree_budget": v.tree_budget, "top_k": v.top_k}
-    return export_eagle3(copy.deepcopy(model).float(), run.out / "export", card, verifier=cfg.model.name,
-                         verifier_path=run.target_path, drafting=drafting, phrases=phrases)  # fmt: skip
+    return export_eagle3(copy.deepcopy(model).float(), run.out / "export", card, drafting=drafting, phrases=phrases)
 
 
 @hydra.main(config_path="../conf", config_name="eagle3", version_base=None)

@@ -28,7 +28,7 @@ from recipes.common import Run, check_tracking, finish, make_tracker, record_con
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter
-from specdec_runtime.loading import LoadedModel, load_hf_config, load_model, resolve_model
+from specdec_runtime.loading import LoadedModel, hub_id_of, load_hf_config, load_model, resolve_model
 from train.data import prompts_of
 from train.export import Card, export_skipset
 from train.layerskip import (
@@ -330,7 +330,7 @@ def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str
         metrics=metrics,
         title=f"Layer-skip set for {cfg.model.name}",
         tags=["self-speculative-decoding", "layer-skip"],
-        base_model=cfg.model.name if "/" in cfg.model.name else None,
+        target_hub_id=hub_id_of(cfg.model.name, cfg.model.get("hub_id")),
         hub_id=cfg.hub.repo_id,
     )
     return export_skipset(skipset, out / "export", card)

@@ -38,6 +38,7 @@ from recipes.common import (
     resume,
     run_or_exit,
     start,
+    target_card,
     target_responses,
     training_examples,
 )
@@ -372,7 +373,7 @@ def write_export(
         result["export_target"] = str(out / "target")
     m = cfg.medusa
     card = Card(
-        target=cfg.model.name,
+        **target_card(cfg, run),
         recipe="medusa",
         data=cfg.data.train,
         setup={
@@ -386,7 +387,6 @@ def write_export(
         metrics=result.get("validation") or None,
         title=f"Medusa heads for {cfg.model.name}",
         tags=["medusa"],
-        base_model=cfg.model.name if "/" in cfg.model.name else None,
         hub_id=cfg.hub.repo_id,
     )
     calibration = result.get("calibration")
@@ -394,7 +394,6 @@ def write_export(
         copy.deepcopy(model.heads).float(),
         out,
         card,
-        base=result.get("export_target", cfg.model.name),
         lm_head=causal_lm(model.base).get_output_embeddings().weight.float(),
         tree=calibration or ({"paths": [list(p) for p in tree.paths]} if tree is not None else None),
         target_model=served if joint else None,

@@ -4,6 +4,8 @@
     specdec generate --prompt "Write a haiku about GPUs"                     # bundled target, autoregressive
     specdec generate --target smollm2-135m-instruct --drafter ngram \\
         --prompts prompts.jsonl --max-new-tokens 256 --temperature 0 --gamma 4 --output out.jsonl
+    specdec check-export runs/eagle3/export                                   # will vLLM, SGLang, ... load it?
+    specdec push runs/eagle3/export me/smollm2-eagle3                         # checked, then uploaded
 
 Drafter specs: none | ngram[:N] | truncate:K | a draft model (bundled alias, local folder, Hub id)
 | a Medusa export folder (`--tree` picks its tree; `--typical` enables Medusa's lossy typical acceptance)
@@ -123,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("prepare", help="download or convert models once; print their local folders")
     prep.add_argument("models", nargs="*", default=["smollm2-135m-instruct"])
+    check = sub.add_parser(
+        "check-export",
+        help="whether each engine an export is for (vLLM, SGLang, transformers, FasterDecoding) will load it",
+    )
+    check.add_argument("folder", type=Path, help="an export folder (a run's export/)")
+    check.add_argument("--engine", action="append", help="check this engine, claimed or not (repeatable)")
+    push = sub.add_parser("push", help="check an export, then upload it to a Hugging Face Hub repo")
+    push.add_argument("folder", type=Path)
+    push.add_argument("repo_id", help="OWNER/NAME (created if needed)")
+    push.add_argument("--public", action="store_true", help="a public repo (default: private)")
+    push.add_argument("--revision", help="a branch to push to (created if needed)")
+    push.add_argument("--force", action="store_true", help="push even where check-export says an engine would fail")
     return parser
 
 
@@ -399,6 +413,24 @@ def main(argv: list[str] | None = None) -> None:
 
             for name in args.models:
                 print(resolve_model(name))
+        elif args.command == "check-export":
+            from specdec_runtime.export_check import check_export
+
+            report = check_export(args.folder, args.engine)
+            print(report.text())
+            if not report.ok:
+                sys.exit(2)
+        elif args.command == "push":
+            from specdec_runtime.hub import push_folder
+
+            try:
+                url = push_folder(args.folder, args.repo_id, private=not args.public, revision=args.revision,
+                                  check=not args.force)  # fmt: skip
+            except SpecdecError:
+                raise
+            except Exception as e:  # the network, the token, the Hub's answer: said in one line
+                raise SpecdecError(f"the push to {args.repo_id} failed: {type(e).__name__}: {e}") from e
+            print(f"pushed {args.folder} to {url}")
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         sys.exit(2)

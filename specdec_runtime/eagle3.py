@@ -77,7 +77,10 @@ class Eagle3Config:
 
     @classmethod
     def for_target(cls, target: DecoderConfig, *, aux_layers: tuple[int, ...] | None, draft_vocab_size: int, **kw):
-        """A drafter as wide as the target (EAGLE-3's choice), one layer with the target's heads and rope."""
+        """A drafter as wide as the target (EAGLE-3's choice): one plain Llama layer with the target's
+        heads and rope and no biases, whatever the target's (a Qwen2 target's q/k/v biases are its
+        own): the layer is new, and the engines build a bias-free one (vLLM's and SGLang's contracts
+        in specdec_runtime.engines)."""
         n = target.num_layers
         aux = tuple(aux_layers) if aux_layers else default_aux_layers(n)
         if n < 4:
@@ -92,7 +95,9 @@ class Eagle3Config:
             raise SpecdecError(
                 f"eagle3 draft vocabulary of {draft_vocab_size} tokens: need 1..{target.vocab_size} (the target's)"
             )
-        return cls(replace(target, num_layers=1), target.hidden_size, aux, draft_vocab_size, **kw)
+        layer = replace(target, num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None,
+                        model_type="llama")  # fmt: skip
+        return cls(layer, target.hidden_size, aux, draft_vocab_size, **kw)
 
 
 class RMSNorm(nn.Module):

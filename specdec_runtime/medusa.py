@@ -15,7 +15,9 @@ projection serves every head). Training (recipes/medusa.py) imports this module.
 Layouts on disk (both hold the same tensors; shared heads are written as copies of the lm_head
 so serving engines load them unchanged):
   FasterDecoding: config.json {medusa_num_heads, medusa_num_layers, base_model_name_or_path},
-                  medusa_lm_head.safetensors {h}.{l}.linear.weight|bias, {h}.{num_layers}.weight
+                  medusa_lm_head.pt (what FasterDecoding reads: torch.save of the dict) {h}.{l}.linear.weight|bias,
+                  {h}.{num_layers}.weight; or the same tensors in medusa_lm_head.safetensors (specdec reads
+                  either; an export writes that where FasterDecoding would load the heads wrong)
   vLLM:           config.json {model_type: medusa, num_heads, num_hidden_layers, hidden_size,
                   vocab_size, ...}, model.safetensors blocks.{h}.layers.{l}.weight|bias, lm_heads.{h}.weight
 """
@@ -39,6 +41,7 @@ from specdec_runtime.tree import Tree
 if TYPE_CHECKING:
     from specdec_runtime.loading import LoadedModel
 
+FASTER_DECODING_PT = "medusa_lm_head.pt"
 FASTER_DECODING_WEIGHTS = "medusa_lm_head.safetensors"
 VLLM_WEIGHTS = "model.safetensors"
 LAYOUTS = ("faster_decoding", "vllm")
@@ -138,8 +141,8 @@ def to_layout(heads: MedusaHeads, layout: str, lm_head_weight: Tensor | None = N
     return out
 
 
-def layout_config(heads: MedusaHeads, layout: str, base_model: str) -> dict:
-    """config.json for a layout."""
+def layout_config(heads: MedusaHeads, layout: str, base_model: str | None) -> dict:
+    """config.json for a layout (base_model: the target's Hub id, None where it has none)."""
     if layout == "faster_decoding":
         return {
             "medusa_num_heads": heads.num_heads,
@@ -163,17 +166,20 @@ def layout_config(heads: MedusaHeads, layout: str, base_model: str) -> dict:
 
 
 def write_layout(
-    heads: MedusaHeads, folder: Path, layout: str, base_model: str, lm_head_weight: Tensor | None = None
+    heads: MedusaHeads, folder: Path, layout: str, base_model: str | None, lm_head_weight: Tensor | None = None
 ) -> Path:
-    """Write config.json + weights of one layout ("faster_decoding" or "vllm") into `folder`."""
+    """Write config.json + weights of one layout ("faster_decoding": medusa_lm_head.pt, or "vllm") into `folder`."""
     from safetensors.torch import save_file
 
     if layout not in LAYOUTS:
         raise SpecdecError(f"Medusa layout '{layout}': use one of {', '.join(LAYOUTS)}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(layout_config(heads, layout, base_model), indent=2))
-    weights = FASTER_DECODING_WEIGHTS if layout == "faster_decoding" else VLLM_WEIGHTS
-    save_file(to_layout(heads, layout, lm_head_weight), str(folder / weights), metadata={"format": "pt"})
+    tensors = to_layout(heads, layout, lm_head_weight)
+    if layout == "faster_decoding":
+        torch.save(tensors, folder / FASTER_DECODING_PT)
+    else:
+        save_file(tensors, str(folder / VLLM_WEIGHTS), metadata={"format": "pt"})
     return folder
 
 
@@ -185,7 +191,9 @@ def read_layout(folder: Path) -> tuple[MedusaHeads, str]:
     cfg = json.loads((folder / "config.json").read_text())
     if "medusa_num_heads" in cfg:
         layout, n_heads, n_layers = "faster_decoding", cfg["medusa_num_heads"], cfg["medusa_num_layers"]
-        file = folder / FASTER_DECODING_WEIGHTS
+        file = folder / FASTER_DECODING_PT
+        if not file.is_file():
+            file = folder / FASTER_DECODING_WEIGHTS
         block = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
         head = re.compile(r"^(\d+)\.(\d+)\.weight$")
     elif cfg.get("model_type") == "medusa":
@@ -199,7 +207,10 @@ def read_layout(folder: Path) -> tuple[MedusaHeads, str]:
         )
     if not file.is_file():
         raise SpecdecError(f"{folder} has a Medusa config but no {file.name}: copy the weights next to config.json")
-    raw = load_file(str(file))
+    if file.suffix == ".safetensors":
+        raw = load_file(str(file))
+    else:
+        raw = torch.load(file, map_location="cpu", weights_only=True)
     own: dict[str, Tensor] = {}
     for key, t in raw.items():
         if m := block.match(key):

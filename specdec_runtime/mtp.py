@@ -6,8 +6,9 @@ the heads of a model trained by recipes.mtp (Gloeckle et al. 2024).
     out = generate(target.model, prompt, drafter, gamma=3)
 
 The exported model is a plain causal LM: its first L layers are the shared trunk and its last
-layer is head 0 (the next token). Heads 1..n-1 live beside it in mtp_heads.safetensors (the same
-layer type, keys heads.{i}.*; mtp_config.json says how many and where the trunk ends). Head i
+layer is head 0 (the next token). Heads 1..n-1 live beside it in specdec/mtp_heads.safetensors (the
+same layer type, keys heads.{i}.*; specdec/mtp_config.json says how many and where the trunk ends;
+older exports kept both in the root, where vLLM's weight glob feeds the heads to the model). Head i
 reads the trunk's output z at position t and predicts the token t+1+i, through the shared final
 norm and vocabulary projection.
 
@@ -30,14 +31,15 @@ from torch import Tensor, nn
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
+from specdec_runtime.loading import SIDE_FOLDER
 from specdec_runtime.model import Block, Decoder, KVCache, Linear, attention, block_state_dict, mlp, rms_norm
 from specdec_runtime.sampling import Sampler
 
 if TYPE_CHECKING:
     from specdec_runtime.loading import LoadedModel
 
-MTP_CONFIG = "mtp_config.json"
-MTP_WEIGHTS = "mtp_heads.safetensors"
+MTP_CONFIG = f"{SIDE_FOLDER}/mtp_config.json"  # specdec/: no engine's weight glob reads it (loading.SIDE_FOLDER)
+MTP_WEIGHTS = f"{SIDE_FOLDER}/mtp_heads.safetensors"
 
 
 class MTPHeads(nn.Module):
@@ -124,8 +126,16 @@ class MTPDrafter(Drafter):
         return Draft(sampler.sample(probs), probs)
 
 
+def mtp_files(folder: Path) -> tuple[Path, Path]:
+    """(config, weights) of an MTP export: in specdec/, or in the root for an older export."""
+    folder = Path(folder)
+    if (folder / MTP_CONFIG).is_file():
+        return folder / MTP_CONFIG, folder / MTP_WEIGHTS
+    return folder / Path(MTP_CONFIG).name, folder / Path(MTP_WEIGHTS).name
+
+
 def read_mtp_config(folder: Path) -> dict | None:
-    path = Path(folder) / MTP_CONFIG
+    path = mtp_files(folder)[0]
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -134,8 +144,8 @@ def load_mtp(target: "LoadedModel", folder: str | Path | None = None) -> MTPDraf
     from safetensors.torch import load_file
 
     folder = Path(folder) if folder is not None else Path(target.path)
-    meta = read_mtp_config(folder)
-    if meta is None or not (folder / MTP_WEIGHTS).is_file():
+    meta, weights = read_mtp_config(folder), mtp_files(folder)[1]
+    if meta is None or not weights.is_file():
         raise SpecdecError(
             f"--drafter mtp needs {MTP_CONFIG} and {MTP_WEIGHTS} next to the target's weights, and {folder} "
             "has none: pass --target the export/ folder of an mtp run (python -m recipes.mtp)"
@@ -144,6 +154,6 @@ def load_mtp(target: "LoadedModel", folder: str | Path | None = None) -> MTPDraf
         raise SpecdecError(f"{folder}/{MTP_CONFIG}: num_heads={meta['num_heads']}, so there is no head to draft with")
     m = target.model
     heads = MTPHeads.from_hf_state_dict(
-        target.config, load_file(str(folder / MTP_WEIGHTS)), meta["num_heads"], meta["trunk_layers"], m.device, m.dtype
+        target.config, load_file(str(weights)), meta["num_heads"], meta["trunk_layers"], m.device, m.dtype
     )
     return MTPDrafter(heads, m, name=f"mtp:{meta['num_heads']}")

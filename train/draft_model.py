@@ -6,7 +6,7 @@
     ids = draft_vocab(responses, size=8192, vocab_size=V, always=stop_ids)   # most frequent tokens
     use_draft_vocab(draft, ids)               # lm_head keeps only those rows (untied from the embeddings)
     logits = SelectedLogits(draft)(input_ids, attention_mask, select)  # [N, V'] at chosen positions
-    sd = full_state_dict(draft, ids)          # HF layout with a full-size lm_head (zero rows elsewhere)
+    sd = full_state_dict(draft, ids)          # HF layout with a full-size lm_head (rows elsewhere: their mean)
 
 Cost model: a drafter pays only when one of its forwards costs a small fraction of the target's;
 for small targets the vocabulary projection (hidden x vocab) is a large share of that cost, which
@@ -171,12 +171,14 @@ class SelectedLogits(nn.Module):
 
 def full_state_dict(model: Any, vocab_ids: Tensor | None) -> dict[str, Tensor]:
     """The model's HF state dict; with a draft vocabulary, lm_head.weight as a full [V, H] matrix
-    whose rows outside the vocabulary are zero (what transformers and the runtime load)."""
+    (what transformers, vLLM and the runtime load) whose rows outside the vocabulary are the mean of
+    the rows inside: their logit is the mean of the vocabulary's, never above its maximum, so no
+    loader's argmax drafts outside it (a zero row's 0 would, wherever every logit inside is negative)."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     if vocab_ids is None:
         return sd
-    head = sd["lm_head.weight"]
-    full = head.new_zeros(model.config.vocab_size, head.shape[1])
+    head = sd["lm_head.weight"]  # [N, H]
+    full = head.mean(0, keepdim=True).expand(model.config.vocab_size, -1).clone()  # [V, H]
     full[vocab_ids.to(head.device)] = head
     sd["lm_head.weight"] = full
     return sd

@@ -1,29 +1,35 @@
-"""Exporting every drafter type in the formats serving stacks load, with a model card, and pushing
-it to the Hub. One module for all four recipes:
+"""Exporting every drafter type in the formats serving stacks load, with a model card, checked
+against each engine's loader. One module for all recipes:
 
-    card = Card(target="HuggingFaceTB/SmolLM2-135M-Instruct", recipe="distill", data="builtin", setup={...},
-                metrics=validation)
+    card = Card(target="smollm2-135m-instruct", target_hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                target_config=config, recipe="distill", data="builtin", setup={...}, metrics=validation)
     export_standalone(model, tokenizer, out / "export", card, vocab_ids=ids, generation_config=gen_cfg, gamma=4)
-    export_medusa(heads, out / "export", card, base=target_name, lm_head=w, tree=calibration)
+    export_medusa(heads, out / "export", card, lm_head=w, tree=calibration)
     export_mtp(model.lm, heads_sd, meta, tokenizer, out / "export", card, generation_config=gen_cfg)
     export_skipset(skipset, out / "export", card)
-    export_eagle3(model, out / "export", card, verifier=target_name, verifier_path=path, drafting={"gamma": 5, ...})
-    push_to_hub(out / "export", "me/smollm2-drafter", private=True, revision="v1")   # token: $HF_TOKEN
+    export_eagle3(model, out / "export", card, drafting={"gamma": 5, ...})
+    push_folder(out / "export", "me/smollm2-drafter", private=True, revision="v1")   # specdec_runtime.hub
 
 Formats: a stand-alone drafter is a plain transformers folder (config, model.safetensors, tokenizer,
-generation config): AutoModelForCausalLM loads it and transformers' assisted generation takes it as
-assistant_model. With a draft vocabulary, lm_head is saved full-size with zero rows outside it
-(transformers sees ordinary logits there, 0) and the vocabulary ids go to draft_vocab.safetensors,
-from which the runtime builds the small head. Medusa heads are written in the FasterDecoding layout
-(folder root) and vLLM's (vllm/); MTP as the causal LM (trunk + head 0) plus mtp_heads.safetensors;
-a layer-skip set as skipset.json; an EAGLE-3 drafter in the speculators format (config.json with
-speculators_config, model.safetensors). Every folder gets a README.md model card (target, recipe, data,
-measured tau and speedup, usage with specdec, transformers and vLLM where they apply) and
+generation config): AutoModelForCausalLM loads it, transformers' assisted generation takes it as
+assistant_model and vLLM as a draft model. With a draft vocabulary, lm_head is saved full-size, its
+rows outside the vocabulary the mean of those inside (no argmax picks them), the generation config
+suppresses those tokens (transformers then never drafts them), and the ids go to
+specdec/draft_vocab.safetensors, from which the runtime builds the small head. Medusa heads are
+written in the FasterDecoding layout (folder root, where FasterDecoding can load them right) and
+vLLM's (vllm/); MTP as the causal LM (trunk + head 0) plus specdec/mtp_heads.safetensors; a
+layer-skip set as skipset.json; an EAGLE-3 drafter in the speculators format (config.json with
+speculators_config, model.safetensors) and SGLang's (sglang/). Files only specdec reads go to
+specdec/, where no engine's weight glob finds them. Every folder gets specdec_export.json (the
+engines it is for: specdec_runtime.export_check), a README.md model card (target, recipe, data,
+measured tau and speedup, what `specdec check-export` said of each engine, usage per engine) and
 specdec_metrics.json, and is written to NAME.tmp and renamed, so a reader never sees half of one.
+The exported configs name the target by its Hub id (Card.target_id), never by a path on this
+machine or specdec's short name.
 """
 
+import copy
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +39,8 @@ from typing import Any
 import torch
 
 from specdec_runtime.drafter_spec import LOOKUP
-from specdec_runtime.loading import DRAFT_VOCAB_FILE
+from specdec_runtime.export_check import Claim, Report, check_export, target_facts, write_manifest
+from specdec_runtime.loading import DRAFT_VOCAB_FILE, HUB_ID
 from specdec_runtime.phrases import PhraseTable
 from train.draft_model import full_state_dict
 
@@ -54,10 +61,20 @@ def write_hf_model(
     model.config.save_pretrained(folder)
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
+    if vocab_ids is not None:
+        from transformers import GenerationConfig
+
+        # transformers' assisted generation fills what the target's generation config leaves unset
+        # from the assistant's own: suppressed here, the tokens outside the vocabulary are never drafted.
+        generation_config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+        outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
+        outside[vocab_ids.cpu()] = False
+        suppressed = set(generation_config.suppress_tokens or []) | set(outside.nonzero().flatten().tolist())
+        generation_config.suppress_tokens = sorted(suppressed)
+        (folder / DRAFT_VOCAB_FILE).parent.mkdir(exist_ok=True)
+        save_file({"ids": vocab_ids.to("cpu", torch.long).contiguous()}, str(folder / DRAFT_VOCAB_FILE))
     if generation_config is not None:
         generation_config.save_pretrained(folder)
-    if vocab_ids is not None:
-        save_file({"ids": vocab_ids.to("cpu", torch.long).contiguous()}, str(folder / DRAFT_VOCAB_FILE))
     return folder
 
 
@@ -82,8 +99,21 @@ class Card:
     title: str | None = None
     summary: str | None = None
     tags: list[str] = field(default_factory=list)
-    base_model: str | None = None
     hub_id: str | None = None  # where it will be pushed: usage then downloads it from there
+    target_hub_id: str | None = None  # the target's Hub id where `target` is not one (recipes: model.hub_id)
+    target_config: dict[str, Any] | None = None  # its config.json: what the engines' checks need of it
+
+    @property
+    def target_id(self) -> str | None:
+        """How the target is named outside this machine (engines, configs, the card): its Hub id, or None."""
+        if self.target_hub_id:
+            return self.target_hub_id
+        return self.target if HUB_ID.match(self.target) and not self.target.startswith((".", "/", "~")) else None
+
+    @property
+    def served(self) -> str:
+        """The target in an engine's command line."""
+        return self.target_id or "TARGET_HUB_ID"
 
 
 METRIC_NAMES = {
@@ -124,13 +154,14 @@ SUMMARIES = {  # {target}, {recipe}: a card's opening paragraph unless it brings
 }
 
 
-def model_card(kind: str, card: Card, usage: str) -> str:
-    """A README.md with YAML front matter, the measured numbers, the training setup and the usage."""
+def model_card(kind: str, card: Card, usage: str, engines: Report | None = None) -> str:
+    """A README.md with YAML front matter, the measured numbers, the training setup, what each
+    serving engine was checked to do with it, and the usage."""
     if kind not in KINDS:
         raise ValueError(f"drafter kind '{kind}': use one of {', '.join(KINDS)}")
     front = ["---", "library_name: transformers" if kind in ("standalone", "mtp") else "library_name: specdec"]
-    if card.base_model:
-        front.append(f"base_model: {card.base_model}")
+    if card.target_id:
+        front.append(f"base_model: {card.target_id}")
     tags = ["speculative-decoding", "specdec", f"specdec-{kind}", *card.tags]
     front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
     summary = card.summary or SUMMARIES[kind].format(target=card.target, recipe=card.recipe)
@@ -147,14 +178,15 @@ def model_card(kind: str, card: Card, usage: str) -> str:
     setup = {"target": card.target, "recipe": card.recipe, "data": card.data, **card.setup}
     lines += ["## Training setup", "", "| setting | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in setup.items()]
+    if engines is not None and (engines.verdicts or engines.unclaimed):
+        lines += ["", "## Serving engines", "", engines.card().strip()]
+    if "TARGET_HUB_ID" in usage:
+        usage += (
+            f"\n\nTARGET_HUB_ID: {card.target} has no Hub id here; train with `model.hub_id=ORG/NAME` (or edit "
+            "the exported configs) so that engines find it."
+        )
     lines += ["", "## Usage", "", usage.strip(), ""]
     return "\n".join(lines)
-
-
-def write_card(folder: Path, kind: str, card: Card, usage: str) -> None:
-    (folder / "README.md").write_text(model_card(kind, card, usage))
-    if card.metrics is not None:
-        (folder / "specdec_metrics.json").write_text(json.dumps(card.metrics, indent=2))
 
 
 def _fetch(card: Card, local: Path) -> tuple[str, str]:
@@ -165,13 +197,30 @@ def _fetch(card: Card, local: Path) -> tuple[str, str]:
     return f"hf download {card.hub_id} --local-dir {name}\n", name
 
 
-def _atomic(out: Path, write: Callable[[Path], None]) -> Path:
+def _atomic(
+    out: Path,
+    kind: str,
+    card: Card,
+    usage: str,
+    write: Callable[[Path], dict[str, str] | None],
+    claims: list[Claim],
+) -> Path:
+    """Write an export to out.tmp (write returns {engine: why} for the claims it gives up), record
+    its claims, check them (`specdec check-export`: said here, and in the card), then rename."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write(tmp)
+    unclaimed = write(tmp) or {}
+    claims = [c for c in claims if c.engine not in unclaimed]
+    target = target_facts(card.target_config, card.target_id) if card.target_config else None
+    write_manifest(tmp, kind, target, claims, unclaimed)
+    report = check_export(tmp)
+    (tmp / "README.md").write_text(model_card(kind, card, usage, report))
+    if card.metrics is not None:
+        (tmp / "specdec_metrics.json").write_text(json.dumps(card.metrics, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    print(report.text(out))
     return out
 
 
@@ -197,25 +246,26 @@ With transformers' assisted generation:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-target = AutoModelForCausalLM.from_pretrained("{card.target}")
+target = AutoModelForCausalLM.from_pretrained("{card.served}")
 drafter = AutoModelForCausalLM.from_pretrained("{folder}")
 tok = AutoTokenizer.from_pretrained("{folder}")
 ids = tok.apply_chat_template([{{"role": "user", "content": "Hi!"}}], add_generation_prompt=True, return_tensors="pt")
 out = target.generate(ids, assistant_model=drafter, max_new_tokens=128, do_sample=False)
 ```
 
-With vLLM (draft-model speculation; not run by specdec's tests):
+With vLLM (draft-model speculation):
 
 ```python
 from vllm import LLM
-llm = LLM(model="{card.target}", speculative_config={{"model": "{folder}", "num_speculative_tokens": {gamma}}})
+spec = {{"method": "draft_model", "model": "{folder}", "num_speculative_tokens": {gamma}}}
+llm = LLM(model="{card.served}", speculative_config=spec)
 ```"""
 
     def write(tmp: Path) -> None:
         write_hf_model(model, tokenizer, tmp, vocab_ids=vocab_ids, generation_config=generation_config)
-        write_card(tmp, "standalone", card, usage)
 
-    return _atomic(out, write)
+    claims = [Claim("transformers", ".", "draft_model"), Claim("vllm", ".", "draft_model")]
+    return _atomic(out, "standalone", card, usage, write, claims)
 
 
 def export_medusa(
@@ -223,7 +273,6 @@ def export_medusa(
     out: Path,
     card: Card,
     *,
-    base: str,
     lm_head: torch.Tensor,
     tree: dict[str, Any] | None,
     target_model: Any | None = None,
@@ -231,33 +280,43 @@ def export_medusa(
     generation_config: Any | None = None,
     lora: Any | None = None,
 ) -> Path:
-    """Medusa heads: the FasterDecoding layout at the root, vLLM's in vllm/, the calibrated tree;
-    Medusa-2 adds target/ (the adapted target, merged) and lora/ (the adapter alone)."""
-    from specdec_runtime.medusa import TREE_FILE, write_layout
+    """Medusa heads: the FasterDecoding layout at the root (medusa_lm_head.pt where FasterDecoding
+    loads them right, else medusa_lm_head.safetensors, which it does not read), vLLM's in vllm/, the
+    calibrated tree; Medusa-2 adds target/ (the adapted target, merged) and lora/ (the adapter alone)."""
+    from specdec_runtime.engines import Folder, faster_decoding
+    from specdec_runtime.medusa import FASTER_DECODING_PT, FASTER_DECODING_WEIGHTS, TREE_FILE, write_layout
 
     get, folder = _fetch(card, out)
-    target = f"{folder}/target" if target_model is not None else card.target
+    joint = target_model is not None
+    target = f"{folder}/target" if joint else card.target
+    served = f"{folder}/target" if joint else card.served
+    base = None if joint else card.target_id  # Medusa-2's base is target/, which no Hub id names
     usage = f"""With specdec's runtime (tree decoding; greedy output identical to the target's):
 
 ```bash
 {get}specdec generate --target {target} --drafter {folder} --prompt "Write a haiku about the sea." --baseline
 ```
 
-`{folder}` is the FasterDecoding layout (`medusa_lm_head.safetensors`, `config.json` with
-`medusa_num_heads`); `{folder}/vllm` is vLLM's Medusa layout (`model_type: medusa`; not run by
-specdec's tests):
+With FasterDecoding's Medusa, where `specdec check-export` says it loads them (the root:
+`medusa_lm_head.pt`, `config.json` with `medusa_num_heads`):
+
+```bash
+python -m medusa.inference.cli --model {folder}
+```
+
+With vLLM up to 0.32 (Medusa was removed in 0.33), from its layout in `{folder}/vllm`:
 
 ```python
 from vllm import LLM
 spec = {{"method": "medusa", "model": "{folder}/vllm", "num_speculative_tokens": {heads.num_heads}}}
-llm = LLM(model="{target}", speculative_config=spec)
+llm = LLM(model="{served}", speculative_config=spec)
 ```
 
 transformers has no Medusa decoding. `{TREE_FILE}` holds the calibrated tree (`medusa_choices`) and
 the measured per-head top-k accuracies."""
 
-    def write(tmp: Path) -> None:
-        if target_model is not None:
+    def write(tmp: Path) -> dict[str, str]:
+        if joint:
             write_hf_model(target_model, tokenizer, tmp / "target", vocab_ids=None, generation_config=generation_config)
             if lora is not None:
                 lora.save_pretrained(tmp / "lora")
@@ -265,9 +324,29 @@ the measured per-head top-k accuracies."""
         write_layout(heads, tmp / "vllm", "vllm", base, lm_head_weight=lm_head)
         if tree is not None:
             (tmp / TREE_FILE).write_text(json.dumps(tree))
-        write_card(tmp, "medusa", card, usage)
+        target_info = target_facts(card.target_config, base) if card.target_config else None
+        problems = faster_decoding.medusa(Folder(tmp), target_info).problems
+        if joint:
+            problems = [
+                "Medusa-2: FasterDecoding loads the base from one Hub id or path, and the adapted target is target/ "
+                "here: push target/ as a repo of its own, set base_model_name_or_path to it and rename "
+                f"{FASTER_DECODING_WEIGHTS} to {FASTER_DECODING_PT} (torch.save of the same tensors)"
+            ]
+        if not problems:
+            return {}
+        # It would load them wrong (or not at all): keep the heads where it does not look, so it says so.
+        heads_pt = tmp / FASTER_DECODING_PT
+        from safetensors.torch import save_file
 
-    return _atomic(out, write)
+        tensors = torch.load(heads_pt, weights_only=True)
+        save_file(tensors, str(tmp / FASTER_DECODING_WEIGHTS), metadata={"format": "pt"})
+        heads_pt.unlink()
+        return {"faster_decoding": "; ".join(problems)}
+
+    claims = [Claim("faster_decoding", ".", "medusa"), Claim("vllm", "vllm", "medusa")]
+    if joint:
+        claims += [Claim("transformers", "target", "model"), Claim("vllm", "target", "model")]
+    return _atomic(out, "medusa", card, usage, write, claims)
 
 
 def export_mtp(
@@ -280,8 +359,8 @@ def export_mtp(
     *,
     generation_config: Any | None,
 ) -> Path:
-    """An MTP model: the causal LM (trunk + head 0) that transformers loads, plus the extra heads
-    (mtp_heads.safetensors, described by mtp_config.json)."""
+    """An MTP model: the causal LM (trunk + head 0) that transformers and vLLM load, plus the extra
+    heads (specdec/mtp_heads.safetensors, described by specdec/mtp_config.json)."""
     from safetensors.torch import save_file
 
     from specdec_runtime.mtp import MTP_CONFIG, MTP_WEIGHTS
@@ -299,16 +378,17 @@ MTP self-speculation (heads 1..{n - 1} draft, the model verifies; output identic
 specdec generate --target {folder} --drafter mtp --no-chat-template --prompt "def parse_args("
 ```
 
-vLLM's `mtp` speculation loads the MTP modules of DeepSeek-V3-style checkpoints, not this layout."""
+vLLM serves it as an ordinary model; its `mtp` speculation loads the MTP modules of
+DeepSeek-V3-style checkpoints, not these heads (in `{MTP_WEIGHTS}`, where no weight glob reads them)."""
 
     def write(tmp: Path) -> None:
         write_hf_model(lm, tokenizer, tmp, vocab_ids=None, generation_config=generation_config)
+        (tmp / MTP_WEIGHTS).parent.mkdir(exist_ok=True)
         sd = {k: v.to("cpu").contiguous() for k, v in heads_sd.items()}
         save_file(sd, str(tmp / MTP_WEIGHTS), metadata={"format": "pt"})
         (tmp / MTP_CONFIG).write_text(json.dumps(meta, indent=2))
-        write_card(tmp, "mtp", card, usage)
 
-    return _atomic(out, write)
+    return _atomic(out, "mtp", card, usage, write, [Claim("transformers", ".", "model"), Claim("vllm", ".", "model")])
 
 
 def export_skipset(skipset: Any, out: Path, card: Card) -> Path:
@@ -320,32 +400,10 @@ def export_skipset(skipset: Any, out: Path, card: Card) -> Path:
 
 The set is a list of sublayers of {card.target}; transformers and vLLM have no layer-skip
 self-speculation that reads it."""
-
     def write(tmp: Path) -> None:
         skipset.save(tmp / "skipset.json")
-        write_card(tmp, "layerskip", card, usage)
 
-    return _atomic(out, write)
-
-
-def push_to_hub(
-    folder: Path,
-    repo_id: str,
-    *,
-    private: bool = True,
-    revision: str | None = None,
-    token: str | None = None,
-    commit_message: str = "Upload drafter trained with specdec",
-) -> str:
-    """Create the repo if needed and upload the folder; returns the commit URL. Token: argument or $HF_TOKEN."""
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token or os.environ.get("HF_TOKEN"))
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    if revision:
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, commit_message=commit_message)
-    return str(getattr(info, "commit_url", info))
+    return _atomic(out, "layerskip", card, usage, write, [])
 
 
 def export_eagle3(
@@ -353,50 +411,62 @@ def export_eagle3(
     out: Path,
     card: Card,
     *,
-    verifier: str,
-    verifier_path: Path,
     drafting: dict[str, int],
     phrases: PhraseTable | None = None,
 ) -> Path:
     """An EAGLE-3 drafter in the speculators format (specdec_runtime.eagle3_format) and SGLang's
     flat layout (sglang/), with its card and, given one, the phrase table (specdec_runtime.phrases:
-    specdec's runtime drafts from it with DIR+lookup; in specdec_phrases/, which serving engines do not read)."""
+    specdec's runtime drafts from it with DIR+lookup; in specdec_phrases/, which serving engines do not
+    read). The verifier is the card's target_id; card.target_config gives its architectures and the
+    dtype SGLang runs the drafter in (the target's, else bf16: SGLang runs an fp32 drafter in fp16)."""
     from specdec_runtime.eagle3_format import save_speculators
 
-    target_config = json.loads((Path(verifier_path) / "config.json").read_text())
-    architectures = target_config.get("architectures") or []
+    target_config = card.target_config or {}
+    dtype = target_config.get("torch_dtype") or target_config.get("dtype")
     get, folder = _fetch(card, out)
     k, tree = drafting["gamma"], drafting["tree_budget"]
     topk, draft_tokens = (drafting["top_k"], tree + 1) if tree else (1, k + 1)  # SGLang: a chain is top-k 1
     drafts = f"a tree of {tree} nodes up to {k} deep" if tree else f"chains of {k} tokens"
     lookup, first = (LOOKUP, ", prompt lookup and the phrase table first") if phrases is not None else ("", "")
+    serve_dir = (
+        f"""
+
+or, as the folder names its target (`speculators_config.verifier`):
+
+```bash
+vllm serve {folder}
+```"""
+        if card.target_id
+        else ""
+    )
     usage = f"""With specdec's runtime ({drafts}{first}; greedy output identical to the target's):
 
 ```bash
 {get}specdec generate --target {card.target} --drafter {folder}{lookup} --baseline --prompt "A haiku about the sea."
 ```
 
-With vLLM, which reads the speculators format (not run by specdec's tests):
+With vLLM, which reads the speculators format:
 
 ```bash
-vllm serve {card.target} \\
+vllm serve {card.served} \\
     --speculative-config '{{"model": "{folder}", "num_speculative_tokens": {k}, "method": "eagle3"}}'
-```
+```{serve_dir}
 
-With SGLang, from its flat layout in `{folder}/sglang` (not run by specdec's tests):
+With SGLang, from its flat layout in `{folder}/sglang`:
 
 ```bash
-python -m sglang.launch_server --model-path {card.target} --speculative-algorithm EAGLE3 \\
+python -m sglang.launch_server --model-path {card.served} --speculative-algorithm EAGLE3 \\
     --speculative-draft-model-path {folder}/sglang --speculative-num-steps {k} \\
     --speculative-eagle-topk {topk} --speculative-num-draft-tokens {draft_tokens}
 ```"""
 
     def write(tmp: Path) -> None:
-        layers = target_config.get("num_hidden_layers")
-        save_speculators(model, tmp, verifier=verifier, verifier_architectures=architectures, drafting=drafting,
-                         num_target_layers=layers)  # fmt: skip
+        architectures = target_config.get("architectures") or []
+        sglang_dtype = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
+        save_speculators(model, tmp, verifier=card.target_id, verifier_architectures=architectures, drafting=drafting,
+                         sglang_dtype=sglang_dtype)  # fmt: skip
         if phrases is not None:
             phrases.save(tmp / phrases.FILE)
-        write_card(tmp, "eagle3", card, usage)
 
-    return _atomic(out, write)
+    claims = [Claim("vllm", ".", "eagle3"), Claim("sglang", "sglang", "eagle3")]
+    return _atomic(out, "eagle3", card, usage, write, claims)

@@ -385,7 +385,7 @@ def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
         verifier="org/target",
         verifier_architectures=arch,
         drafting=drafting,
-        num_target_layers=4,
+        sglang_dtype="bfloat16",
     )
     from safetensors.torch import load_file
 
@@ -425,10 +425,11 @@ def test_speculators_format_names_shapes_dtypes_and_round_trip(tmp_path):
     t = c["transformer_layer_config"]
     assert (t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]) == (H, 1, V)
     assert is_eagle3_folder(folder)
-    # SGLang's flat layout: midlayer.* names, ids "after layer i" (aux (1, 2, 3) is not its default (2, 2, 1))
+    # SGLang's flat layout: midlayer.* names, id j the output of layer j (SGLang taps j + 1), its serving dtype
     sg = json.loads((folder / "sglang" / "config.json").read_text())
     assert sg["architectures"] == ["LlamaForCausalLMEagle3"] and sg["draft_vocab_size"] == N
-    assert sg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]} and sg["num_hidden_layers"] == 1
+    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and sg["num_hidden_layers"] == 1
+    assert sg["torch_dtype"] == "bfloat16" and c["dtype"] == "float32"
     flat = load_file(str(folder / "sglang" / "model.safetensors"))
     assert set(flat) == {k.replace("layers.0.", "midlayer.") for k in expected}
     loaded, drafting = read_speculators(folder)

@@ -219,7 +219,7 @@ def test_recipe_pinned_losses_selfspeculation_and_export(tiny, tmp_path):
     assert v["lossless"] == 1.0 and v["tau"] > 1.5  # the heads learned the phrases: drafts get accepted
 
     export = out / "export"
-    meta = json.loads((export / "mtp_config.json").read_text())
+    meta = json.loads((export / "specdec" / "mtp_config.json").read_text())
     assert meta["num_heads"] == 3 and meta["trunk_layers"] == 2
     # trunk + head 0 is an ordinary transformers causal LM with head 0's logits
     from transformers import AutoModelForCausalLM
@@ -261,8 +261,8 @@ def recipe_model_from_export(export: Path) -> MTPModel:
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(export).eval()
-    model = MTPModel.attach(lm, json.loads((export / "mtp_config.json").read_text())["num_heads"])
-    sd = load_file(str(export / "mtp_heads.safetensors"))
+    model = MTPModel.attach(lm, json.loads((export / "specdec" / "mtp_config.json").read_text())["num_heads"])
+    sd = load_file(str(export / "specdec" / "mtp_heads.safetensors"))
     for i, layer in enumerate(model.heads, 1):
         layer.load_state_dict({k.split(".", 2)[2]: v for k, v in sd.items() if k.startswith(f"heads.{i}.")})
     return model.eval()
@@ -382,7 +382,7 @@ def test_heads_on_a_pretrained_model_leave_it_unchanged(tiny, tmp_path):
     assert before.keys() == after.keys()
     for k in before:
         assert torch.equal(before[k], after[k]), k
-    heads = load_file(str(out / "export" / "mtp_heads.safetensors"))
+    heads = load_file(str(out / "export" / "specdec" / "mtp_heads.safetensors"))
     last = f"model.layers.{AutoModelForCausalLM.from_pretrained(model_dir).config.num_hidden_layers - 1}."
     start = {k[len(last) :]: v for k, v in before.items() if k.startswith(last)}
     assert heads and {k.split(".", 2)[2] for k in heads} == set(start)

@@ -3,12 +3,14 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from recipes import distill
+from specdec_runtime.export_check import check_export
+from specdec_runtime.hub import push_folder
 from tests.conftest import offline_run
 from tests.train.test_distill_recipe import config, tiny  # noqa: F401  (the module fixture)
-from train.export import push_to_hub
 
 
 def test_wandb_offline_run_has_config_losses_throughput_validation_and_the_drafter(tiny, tmp_path, monkeypatch):  # noqa: F811
@@ -39,6 +41,18 @@ class FakeApi:
     def __init__(self, token=None):
         FakeApi.calls.append(("init", token))
 
+    def whoami(self):
+        FakeApi.calls.append(("whoami",))
+        return {"name": "me", "orgs": [{"name": "my-org"}], "auth": {"accessToken": {"role": "write"}}}
+
+    def repo_info(self, repo_id, **kw):
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        FakeApi.calls.append(("repo_info", repo_id))
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # (its constructor wants an HTTP response)
+        Exception.__init__(error, f"{repo_id} not found")
+        raise error
+
     def create_repo(self, repo_id, **kw):
         FakeApi.calls.append(("create_repo", repo_id, kw))
 
@@ -57,7 +71,7 @@ def test_push_to_hub_creates_the_repo_and_uploads_the_export(tmp_path, monkeypat
     monkeypatch.setenv("HF_TOKEN", "hf_env_token")
     (tmp_path / "config.json").write_text("{}")
     FakeApi.calls = []
-    url = push_to_hub(tmp_path, "me/drafter", private=True, revision="v1")
+    url = push_folder(tmp_path, "me/drafter", private=True, revision="v1", check=False)
     assert url == "https://hub.invalid/me/drafter/commit/1"
     assert FakeApi.calls == [
         ("init", "hf_env_token"),
@@ -71,6 +85,7 @@ def test_recipe_pushes_its_export_when_a_repo_is_set(tiny, tmp_path, monkeypatch
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_env_token")
     FakeApi.calls = []
     result = distill.run(config(tiny, tmp_path / "run", "hub.repo_id=me/tiny-drafter", "validate.enabled=false"))
     upload = [c for c in FakeApi.calls if c[0] == "upload_folder"]
@@ -110,7 +125,7 @@ def test_every_drafter_type_exports_a_card_and_pushes_through_the_hub_client(tmp
             model, tok, tmp_path / "standalone", card("distill"), vocab_ids=None, generation_config=None, gamma=5
         ),
         "medusa": export_medusa(
-            heads, tmp_path / "medusa", card("medusa"), base="org/target", lm_head=model.lm_head.weight, tree=None
+            heads, tmp_path / "medusa", card("medusa"), lm_head=model.lm_head.weight, tree=None
         ),
         "mtp": export_mtp(
             mtp.lm, heads_state_dict(mtp), {"num_heads": 3}, tok, tmp_path / "mtp", card("mtp"), generation_config=None
@@ -126,13 +141,13 @@ def test_every_drafter_type_exports_a_card_and_pushes_through_the_hub_client(tmp
         got = read_layout(layout)[0].state_dict()
         for k, v in heads.state_dict().items():
             torch.testing.assert_close(got[k], v)
-    assert set(load_file(exports["mtp"] / "mtp_heads.safetensors")) == set(heads_state_dict(mtp))
+    assert set(load_file(exports["mtp"] / "specdec" / "mtp_heads.safetensors")) == set(heads_state_dict(mtp))
     assert SkipSet.load(exports["layerskip"] / "skipset.json").attn == [1]
 
     usage = {  # what each card must show how to use (transformers/vLLM only where they apply)
         "standalone": ["specdec generate", "assistant_model=drafter", "speculative_config", "hf download me/distill"],
         "medusa": ["specdec generate", '"method": "medusa"', '"model": "medusa/vllm"', "has no Medusa"],
-        "mtp": ["--drafter mtp", "AutoModelForCausalLM.from_pretrained", "vLLM's `mtp`"],
+        "mtp": ["--drafter mtp", "AutoModelForCausalLM.from_pretrained", "its `mtp` speculation"],
         "layerskip": ["--drafter layerskip/skipset.json", "transformers and vLLM have no"],
     }
     for kind, folder in exports.items():
@@ -145,7 +160,7 @@ def test_every_drafter_type_exports_a_card_and_pushes_through_the_hub_client(tmp
         assert not folder.with_name(folder.name + ".tmp").exists()
 
         FakeApi.calls = []
-        url = push_to_hub(folder, f"me/{kind}", private=False, revision="main")
+        url = push_folder(folder, f"me/{kind}", private=False, revision="main")
         assert url == f"https://hub.invalid/me/{kind}/commit/1"
         assert FakeApi.calls[0] == ("init", "hf_env_token")
         assert FakeApi.calls[1] == (
@@ -155,3 +170,84 @@ def test_every_drafter_type_exports_a_card_and_pushes_through_the_hub_client(tmp
         )
         (upload,) = [c for c in FakeApi.calls if c[0] == "upload_folder"]
         assert upload[1] == sorted(p.name for p in folder.iterdir()) and upload[3] == "main"
+
+
+class Unreachable(FakeApi):
+    """A Hub that cannot be reached (as httpx says it: no ConnectionError, no OSError)."""
+
+    def whoami(self):
+        raise RuntimeError("[Errno -2] Name or service not known")
+
+    def upload_folder(self, *args, **kwargs):
+        raise RuntimeError("[Errno -2] Name or service not known")
+
+
+def test_a_push_that_cannot_work_is_refused_before_anything_is_loaded(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """No token, a read-only one, a namespace that is not the user's: said at start, nothing trained."""
+    import huggingface_hub
+
+    from specdec_runtime.errors import SpecdecError
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    out = tmp_path / "run"
+    with pytest.raises(SpecdecError, match="no Hugging Face token: set HF_TOKEN or run `hf auth login`"):
+        distill.run(config(tiny, out, "hub.repo_id=me/drafter"))
+    monkeypatch.setenv("HF_TOKEN", "hf_env_token")
+    with pytest.raises(SpecdecError, match="cannot create it under 'someone': push to one of me, my-org"):
+        distill.run(config(tiny, out, "hub.repo_id=someone/drafter"))
+    monkeypatch.setattr(FakeApi, "whoami", lambda self: {"name": "me", "auth": {"accessToken": {"role": "read"}}})
+    with pytest.raises(SpecdecError, match="read-only"):
+        distill.run(config(tiny, out, "hub.repo_id=me/drafter"))
+    assert not (out / "checkpoints").exists() and not (out / "export").exists()
+
+
+def test_without_a_network_the_run_stops_at_start_or_trains_and_says_how_to_push(tiny, tmp_path, monkeypatch, capsys):  # noqa: F811, E501
+    """hub.repo_id with no network: stopped before training; with hub.offline_ok the run trains and
+    exports, the push fails, and the run keeps its export and results and prints the retry command."""
+    import huggingface_hub
+
+    from recipes.common import run_or_exit
+    from specdec_runtime.errors import SpecdecError
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Unreachable)
+    monkeypatch.setenv("HF_TOKEN", "hf_env_token")
+    out = tmp_path / "run"
+    with pytest.raises(SpecdecError, match="the Hub cannot be reached .* hub.offline_ok=true"):
+        distill.run(config(tiny, out, "hub.repo_id=me/drafter"))
+    assert not (out / "export").exists()
+    cfg = config(tiny, out, "hub.repo_id=me/drafter", "hub.offline_ok=true", "validate.num_prompts=1")
+    with pytest.raises(SystemExit) as exit:
+        run_or_exit(distill.run, cfg)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the Hub now" in err and "the push to me/drafter failed: RuntimeError" in err
+    assert f"specdec push {out / 'export'} me/drafter" in err and "Traceback" not in err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["hub_retry"] == f"specdec push {out / 'export'} me/drafter" and "tau" in metrics["validation"]
+    assert check_export(out / "export").ok and (out / "export" / "model.safetensors").is_file()
+
+
+def test_specdec_push_checks_the_export_first(tmp_path, monkeypatch, capsys):
+    """`specdec push DIR REPO` uploads an export every engine it claims loads, and refuses, with
+    check-export's words, one an engine would load wrong (--force pushes it anyway)."""
+    import huggingface_hub
+
+    from specdec_runtime.cli import main
+    from tests.train.test_export_engines import export_all, rewrite
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_env_token")
+    folder = export_all(tmp_path, "llama")["eagle3"]
+    FakeApi.calls = []
+    main(["push", str(folder), "me/eagle3", "--revision", "v1"])
+    assert "pushed" in capsys.readouterr().out and FakeApi.calls[-1][0] == "upload_folder"
+    rewrite(folder / "sglang" / "config.json", lambda c: c.pop("torch_dtype") and c.pop("dtype"))
+    FakeApi.calls = []
+    with pytest.raises(SystemExit) as exit:
+        main(["push", str(folder), "me/eagle3"])
+    assert exit.value.code == 2 and not FakeApi.calls
+    assert "not pushing" in capsys.readouterr().err
+    main(["push", str(folder), "me/eagle3", "--force"])
+    assert FakeApi.calls[-1][0] == "upload_folder"
