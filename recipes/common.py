@@ -164,7 +164,10 @@ def run_or_exit(run_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
     except SpecdecError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if isinstance(result, dict) and result.get("hub_error"):
+    if isinstance(result, dict) and result.get("hub_error"):  # said last, after W&B's summary
+        print(f"\nerror: the push to {cfg.hub.repo_id} failed: {result['hub_error']}\nThe export and the run's "
+              f"results are kept in {Path(result['export']).parent}; push it with:\n  {result['hub_retry']}",
+              file=sys.stderr)  # fmt: skip
         sys.exit(2)
 
 
@@ -227,11 +230,12 @@ RESUMABLE = (
 
 
 def start(cfg: DictConfig) -> Run:
-    """The accelerator; the run folder, locked for this run, and checked against the settings it
-    was resumed with (a resumable run refuses other settings unless trainer.allow_changes); the
-    tokenizer, generation config and stop ids of cfg.model.name (no weights yet). Nothing in the
-    folder is written but the lock: resume() records config.yaml when the run goes on. A recipe
-    without a `trainer` section (no training: layerskip) runs in full precision."""
+    """The accelerator; with hub.repo_id, whether the push can work (check_hub); the run folder,
+    locked for this run, and checked against the settings it was resumed with (a resumable run
+    refuses other settings unless trainer.allow_changes); the tokenizer, generation config and stop
+    ids of cfg.model.name (no weights yet). Nothing in the folder is written but the lock: resume()
+    records config.yaml when the run goes on. A recipe without a `trainer` section (no training:
+    layerskip) runs in full precision."""
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise SpecdecError(f"output_dir={out} is a file: give a folder for the run (it is created if missing)")
@@ -251,9 +255,9 @@ def start(cfg: DictConfig) -> Run:
     outcome: list[Any] = [None]  # rank 0 locks, compares and asks the Hub; every process learns the outcome
     if accelerator.is_main_process:
         try:
+            check_hub(cfg)
             RunLock(out)
             outcome[0] = {"changes": resumed_changes(cfg, out)}
-            check_hub(cfg)
         except SpecdecError as e:
             outcome[0] = {"error": str(e)}
     broadcast_object_list(outcome)
@@ -617,8 +621,8 @@ def validation_due(cfg: DictConfig, done: int, last: int) -> bool:
 def finish(
     cfg: DictConfig, run: Run, result: dict[str, Any], export: Path, generate_cmd: str, tracker: Tracker, recipe: str
 ) -> None:
-    """Rank 0: metrics.json, the optional Hub push (a failed one said last, with the command that
-    retries it; run_or_exit then exits 2), the export as a W&B artifact, and the closing lines."""
+    """Rank 0: metrics.json, the optional Hub push (a failed one is said last by run_or_exit, with
+    the command that retries it, and exits 2), the export as a W&B artifact, and the closing lines."""
     result["export"] = str(export)
     RunLock(run.out).release()  # the folder is free once its results are written
     (run.out / "metrics.json").write_text(json.dumps(result, indent=2))  # kept whatever the push does
@@ -640,9 +644,6 @@ def finish(
             + f", lossless {m['lossless']:.0%} ({m['prompts']} validation prompts)"
         )
     run.say(f"exported to {export}\ngenerate with it:\n  {generate_cmd}")
-    if result.get("hub_error"):
-        print(f"\nerror: the push to {cfg.hub.repo_id} failed: {result['hub_error']}\nThe export and the run's "
-              f"results are kept in {run.out}; push it with:\n  {result['hub_retry']}", file=sys.stderr)  # fmt: skip
 
 
 def push(cfg: DictConfig, run: Run, result: dict[str, Any], export: Path) -> None:

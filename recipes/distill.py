@@ -319,7 +319,6 @@ def write_export(
             "processes": f"{acc.num_processes} ({launch})",
         },
         metrics=metrics,
-        title=f"Distilled drafter for {cfg.model.name}",
         tags=["distillspec", "draft-model"],
         hub_id=cfg.hub.repo_id,
     )

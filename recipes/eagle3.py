@@ -346,7 +346,6 @@ def write_export(
             + (" (prompt lookup first: `--drafter DIR+lookup`)" if v.lookup else ""),  # fmt: skip
         },
         metrics=metrics or None,
-        title=f"EAGLE-3 drafter for {cfg.model.name}",
         tags=["eagle3", "eagle"],
         hub_id=cfg.hub.repo_id,
     )

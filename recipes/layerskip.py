@@ -328,7 +328,6 @@ def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str
             "draft exit": f"threshold {cfg.draft.threshold}, adaptive {cfg.draft.adaptive}, gamma {cfg.draft.gamma}",
         },
         metrics=metrics,
-        title=f"Layer-skip set for {cfg.model.name}",
         tags=["self-speculative-decoding", "layer-skip"],
         target_hub_id=hub_id_of(cfg.model.name, cfg.model.get("hub_id")),
         hub_id=cfg.hub.repo_id,

@@ -385,7 +385,6 @@ def write_export(
             "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
         },
         metrics=result.get("validation") or None,
-        title=f"Medusa heads for {cfg.model.name}",
         tags=["medusa"],
         hub_id=cfg.hub.repo_id,
     )

@@ -154,6 +154,15 @@ SUMMARIES = {  # {target}, {recipe}: a card's opening paragraph unless it brings
 }
 
 
+TITLES = {
+    "standalone": "Distilled drafter for {target}",
+    "medusa": "Medusa heads for {target}",
+    "mtp": "Multi-token prediction model ({target})",
+    "eagle3": "EAGLE-3 drafter for {target}",
+    "layerskip": "Layer-skip set for {target}",
+}
+
+
 def model_card(kind: str, card: Card, usage: str, engines: Report | None = None) -> str:
     """A README.md with YAML front matter, the measured numbers, the training setup, what each
     serving engine was checked to do with it, and the usage."""
@@ -164,8 +173,8 @@ def model_card(kind: str, card: Card, usage: str, engines: Report | None = None)
         front.append(f"base_model: {card.target_id}")
     tags = ["speculative-decoding", "specdec", f"specdec-{kind}", *card.tags]
     front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
-    summary = card.summary or SUMMARIES[kind].format(target=card.target, recipe=card.recipe)
-    title = card.title or f"{card.recipe} drafter for {card.target}"
+    summary = card.summary or SUMMARIES[kind].format(target=card.target_id or card.target, recipe=card.recipe)
+    title = card.title or TITLES[kind].format(target=card.target_id or card.target)
     lines = [*front, f"# {title}", "", summary, ""]
     m = card.metrics
     if m:
@@ -284,7 +293,7 @@ def export_medusa(
     loads them right, else medusa_lm_head.safetensors, which it does not read), vLLM's in vllm/, the
     calibrated tree; Medusa-2 adds target/ (the adapted target, merged) and lora/ (the adapter alone)."""
     from specdec_runtime.engines import Folder, faster_decoding
-    from specdec_runtime.medusa import FASTER_DECODING_PT, FASTER_DECODING_WEIGHTS, TREE_FILE, write_layout
+    from specdec_runtime.medusa import FASTER_DECODING_PT, FASTER_DECODING_WEIGHTS, TREE_FILE, to_layout, write_layout
 
     get, folder = _fetch(card, out)
     joint = target_model is not None
@@ -329,18 +338,17 @@ the measured per-head top-k accuracies."""
         if joint:
             problems = [
                 "Medusa-2: FasterDecoding loads the base from one Hub id or path, and the adapted target is target/ "
-                "here: push target/ as a repo of its own, set base_model_name_or_path to it and rename "
-                f"{FASTER_DECODING_WEIGHTS} to {FASTER_DECODING_PT} (torch.save of the same tensors)"
+                "here: push target/ as a repo of its own, set base_model_name_or_path to it and save the tensors of "
+                f"{FASTER_DECODING_WEIGHTS} as {FASTER_DECODING_PT} (torch.save)"
             ]
         if not problems:
             return {}
-        # It would load them wrong (or not at all): keep the heads where it does not look, so it says so.
-        heads_pt = tmp / FASTER_DECODING_PT
+        # It would load them wrong (or not at all): the heads go where it does not look, so it fails instead.
         from safetensors.torch import save_file
 
-        tensors = torch.load(heads_pt, weights_only=True)
+        (tmp / FASTER_DECODING_PT).unlink()
+        tensors = to_layout(heads, "faster_decoding", lm_head)
         save_file(tensors, str(tmp / FASTER_DECODING_WEIGHTS), metadata={"format": "pt"})
-        heads_pt.unlink()
         return {"faster_decoding": "; ".join(problems)}
 
     claims = [Claim("faster_decoding", ".", "medusa"), Claim("vllm", "vllm", "medusa")]
