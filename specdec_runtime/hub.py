@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import HUB_ID
+from specdec_runtime.loading import is_hub_id
 
 
 def hub_token(token: str | None = None) -> str | None:
@@ -37,7 +37,7 @@ def check_push(repo_id: str, token: str | None = None) -> PushCheck:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     check = PushCheck()
-    if not HUB_ID.match(repo_id):
+    if not is_hub_id(repo_id):
         check.problems.append(f"hub.repo_id={repo_id!r} is no Hub repo id: give OWNER/NAME")
         return check
     token = hub_token(token)

@@ -61,16 +61,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser()
 
 
+def is_hub_id(name: Any) -> bool:
+    """Whether `name` reads as a Hugging Face Hub repo id (ORG/NAME), not a path."""
+    return isinstance(name, str) and bool(HUB_ID.match(name)) and not name.startswith((".", "/", "~"))
+
+
 def hub_id_of(name: str, given: str | None = None) -> str | None:
     """The Hub id that names a model outside this machine: `given` (a local folder's, e.g. model.hub_id),
     the bundled alias's, or the name itself where it is one; None for a local folder without one."""
     if given:
-        if not HUB_ID.match(given):
+        if not is_hub_id(given):
             raise SpecdecError(f"hub id '{given}' is not a Hugging Face Hub id: give ORG/NAME")
         return given
     if name in BUNDLED:
         return BUNDLED[name]["hub_id"]
-    return name if HUB_ID.match(name) and not name.startswith((".", "/", "~")) else None
+    return name if is_hub_id(name) else None
 
 
 def resolve_model(name: str) -> Path:
@@ -84,7 +89,7 @@ def resolve_model(name: str) -> Path:
         return path
     if path.exists():
         raise SpecdecError(f"'{name}' is a file; a model is a folder with config.json and weights")
-    if name.startswith((".", "/", "~")) or not HUB_ID.match(name):
+    if not is_hub_id(name):
         near = difflib.get_close_matches(name, list(BUNDLED), n=1)
         hint = f" Did you mean '{near[0]}'?" if near else ""
         raise SpecdecError(

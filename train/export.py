@@ -40,7 +40,7 @@ import torch
 
 from specdec_runtime.drafter_spec import LOOKUP
 from specdec_runtime.export_check import Claim, Report, check_export, target_facts, write_manifest
-from specdec_runtime.loading import DRAFT_VOCAB_FILE, HUB_ID
+from specdec_runtime.loading import DRAFT_VOCAB_FILE, is_hub_id
 from specdec_runtime.phrases import PhraseTable
 from train.draft_model import full_state_dict
 
@@ -108,7 +108,7 @@ class Card:
         """How the target is named outside this machine (engines, configs, the card): its Hub id, or None."""
         if self.target_hub_id:
             return self.target_hub_id
-        return self.target if HUB_ID.match(self.target) and not self.target.startswith((".", "/", "~")) else None
+        return self.target if is_hub_id(self.target) else None
 
     @property
     def served(self) -> str:

@@ -102,9 +102,10 @@ def compare(
     return problems
 
 
-def names(names: list[str]) -> str:
-    shown = ", ".join(names[:4])
-    return shown + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+def names(items: list[str]) -> str:
+    """The first few of them, and how many more."""
+    shown = ", ".join(items[:4])
+    return shown + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
 
 
 def layer_dims(c: dict[str, Any]) -> tuple[int, int, int, int, int]:
@@ -133,6 +134,14 @@ def eagle3_layer(prefix: str, c: dict[str, Any], *, qkv_bias: bool, o_bias: bool
     return out
 
 
+def fits_target(vocab: int, hidden: int, target: dict[str, Any] | None) -> list[str]:
+    """An EAGLE-3 drafter reads the target's embedding (its vocabulary) and hidden states (their width)."""
+    if not target:
+        return []
+    want = {"vocabulary": (vocab, target.get("vocab_size")), "hidden size": (hidden, target.get("hidden_size"))}
+    return [f"{what} {got}: the target's is {its}" for what, (got, its) in want.items() if its not in (None, got)]
+
+
 def weight_files(folder: Folder) -> list[str]:
     files = folder.root_weights()
     if not files:
@@ -143,8 +152,8 @@ def weight_files(folder: Folder) -> list[str]:
 
 
 def hf_parameters(folder: Folder, v: Verdict) -> tuple[Expected, set[str], Any] | None:
-    """(parameters and shapes, those a checkpoint may leave out, the config) of the transformers
-    model class config.json names, built on the meta device (no memory)."""
+    """(parameters and shapes, those a checkpoint may leave out, the model) of the transformers model
+    class config.json names, built on the meta device (no memory)."""
     if folder.json() is None:
         v.problems.append("no config.json")
         return None

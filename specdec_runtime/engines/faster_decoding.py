@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from specdec_runtime.engines.common import Engine, Expected, Folder, Verdict, compare
-from specdec_runtime.loading import HUB_ID
+from specdec_runtime.loading import is_hub_id
 
 ENGINE = Engine(
     "FasterDecoding Medusa",
@@ -36,7 +36,7 @@ def medusa(folder: Folder, target: dict[str, Any] | None = None) -> Verdict:
         v.problems.append("no base_model_name_or_path: FasterDecoding loads lmsys/vicuna-7b-v1.3 as the base")
     elif base is None:
         v.problems.append("base_model_name_or_path is null: FasterDecoding has no base to load (the target's Hub id)")
-    elif not HUB_ID.match(str(base)) or str(base).startswith((".", "/", "~")):
+    elif not is_hub_id(base):
         v.problems.append(f"base_model_name_or_path {base!r} is no Hub id: it names a folder on one machine")
     if n_heads != 5:
         v.problems.append(

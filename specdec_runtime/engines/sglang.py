@@ -5,7 +5,7 @@
 
 from typing import Any
 
-from specdec_runtime.engines.common import Engine, Folder, Verdict, compare, eagle3_layer, weight_files
+from specdec_runtime.engines.common import Engine, Folder, Verdict, compare, eagle3_layer, fits_target, weight_files
 
 ENGINE = Engine(
     "SGLang",
@@ -54,6 +54,7 @@ def eagle3(folder: Folder, target: dict[str, Any] | None = None) -> Verdict:
     H, V = c["hidden_size"], c["vocab_size"]
     Vd = c.get("draft_vocab_size") or V
     T = c.get("target_hidden_size") or H
+    v.problems += fits_target(V, T, target)
     bias = bool(c.get("bias", False))
     o_bias = bool(c.get("attention_bias")) or bias
     expected = eagle3_layer("midlayer.", c, qkv_bias=False, o_bias=o_bias, mlp_bias=False)

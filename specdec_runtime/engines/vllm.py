@@ -14,12 +14,13 @@ from specdec_runtime.engines.common import (
     compare,
     draft_vocab_rows,
     eagle3_layer,
+    fits_target,
     hf_parameters,
     layer_dims,
     names,
     weight_files,
 )
-from specdec_runtime.loading import HUB_ID
+from specdec_runtime.loading import is_hub_id
 
 ENGINE = Engine(
     "vLLM",
@@ -60,6 +61,7 @@ def eagle3(folder: Folder, target: dict[str, Any] | None = None) -> Verdict:
     H, V = layer["hidden_size"], layer["vocab_size"]
     Vd = c.get("draft_vocab_size") or V
     T = c.get("target_hidden_size") or H
+    v.problems += fits_target(V, T, target)
     aux = c.get("eagle_aux_hidden_state_layer_ids")
     # The Llama drafter sizes fc from num_aux_hidden_states (or eagle_config's ids), else 3; the target
     # hands its taps over sorted and distinct (interfaces.py), so fc's columns follow ascending ids.
@@ -111,6 +113,7 @@ def eagle3(folder: Folder, target: dict[str, Any] | None = None) -> Verdict:
     prefixed = sorted(k for k in tensors if k.startswith("model."))
     if prefixed:
         v.problems.append(f"{names(prefixed)}: vLLM prefixes every name with 'model.' itself (an error)")
+        tensors = {k: s for k, s in tensors.items() if k not in prefixed}
     biases = {k for k in tensors if k.endswith(".bias") and k not in expected}
     v.problems += compare(
         {k: s for k, s in tensors.items() if k not in biases},
@@ -136,7 +139,7 @@ def _verifier(c: dict[str, Any], v: Verdict) -> None:
             "no verifier Hub id (speculators_config.verifier.name_or_path): `vllm serve DIR` cannot find the target; "
             "`vllm serve TARGET --speculative-config '{\"model\": DIR, \"method\": \"eagle3\", ...}'` works"
         )
-    elif not HUB_ID.match(str(name)) or str(name).startswith((".", "/", "~")):
+    elif not is_hub_id(name):
         v.problems.append(
             f"verifier {name!r} is no Hub id: `vllm serve DIR` serves the target named there and refuses local paths "
             "(set model.hub_id when training, or edit speculators_config.verifier.name_or_path)"
