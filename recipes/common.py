@@ -255,6 +255,7 @@ def start(cfg: DictConfig) -> Run:
     outcome: list[Any] = [None]  # rank 0 locks, compares and asks the Hub; every process learns the outcome
     if accelerator.is_main_process:
         try:
+            check_target_id(cfg)
             check_hub(cfg)
             RunLock(out)
             outcome[0] = {"changes": resumed_changes(cfg, out)}
@@ -265,6 +266,14 @@ def start(cfg: DictConfig) -> Run:
         raise SpecdecError(outcome[0]["error"])
     threads = choose_threads(accelerator, training=trainer is not None)
     return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"], threads=threads)
+
+
+def check_target_id(cfg: DictConfig) -> None:
+    """The Hub id the exports name the target by (hub_id_of): model.hub_id, if given, must be one; a
+    local folder without one is said now, not found missing in the export."""
+    if hub_id_of(cfg.model.name, cfg.model.get("hub_id")) is None:
+        print(f"note: model.name={cfg.model.name} has no Hub id, so the export cannot name its target for vLLM "
+              "(`vllm serve DIR`) or FasterDecoding: add model.hub_id=ORG/NAME", file=sys.stderr)  # fmt: skip
 
 
 def check_hub(cfg: DictConfig) -> None:

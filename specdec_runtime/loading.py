@@ -71,7 +71,7 @@ def hub_id_of(name: str, given: str | None = None) -> str | None:
     the bundled alias's, or the name itself where it is one; None for a local folder without one."""
     if given:
         if not is_hub_id(given):
-            raise SpecdecError(f"hub id '{given}' is not a Hugging Face Hub id: give ORG/NAME")
+            raise SpecdecError(f"model.hub_id='{given}' is not a Hugging Face Hub id: give ORG/NAME")
         return given
     if name in BUNDLED:
         return BUNDLED[name]["hub_id"]

@@ -251,3 +251,16 @@ def test_specdec_push_checks_the_export_first(tmp_path, monkeypatch, capsys):
     assert "not pushing" in capsys.readouterr().err
     main(["push", str(folder), "me/eagle3", "--force"])
     assert FakeApi.calls[-1][0] == "upload_folder"
+
+
+def test_a_bad_target_hub_id_stops_the_run_and_a_missing_one_is_said_at_start(tiny, tmp_path, capsys):  # noqa: F811
+    from specdec_runtime.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match="model.hub_id='not a hub id' is not a Hugging Face Hub id"):
+        distill.run(config(tiny, tmp_path / "a", "model.hub_id='not a hub id'"))
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    distill.run(config(tiny, tmp_path / "b", "validate.enabled=false", "trainer.max_steps=1"))
+    assert "has no Hub id, so the export cannot name its target" in capsys.readouterr().err
+    distill.run(config(tiny, tmp_path / "c", "validate.enabled=false", "trainer.max_steps=1", "model.hub_id=org/tiny"))
+    assert "has no Hub id" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "c" / "export" / "specdec_export.json").read_text())["target"]["hub_id"] == "org/tiny"
