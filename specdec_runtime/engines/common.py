@@ -77,6 +77,7 @@ class Folder:
 
 
 Expected = dict[str, tuple[int, ...]]  # parameter name -> shape
+INTEGERS = {"I64", "I32", "I16", "I8", "U8", "int64", "int32", "int16", "int8", "uint8"}  # safetensors', torch's names
 
 
 def compare(
@@ -99,7 +100,10 @@ def compare(
     for name in sorted(set(tensors) & set(expected)):
         if tuple(tensors[name][0]) != tuple(expected[name]):
             problems.append(f"{name} is {list(tensors[name][0])}, the engine's parameter {list(expected[name])}")
+    if "d2t" in tensors and tensors["d2t"][1] not in INTEGERS:  # vLLM's long parameter, SGLang's d2t + arange
+        problems.append(f"d2t is {tensors['d2t'][1]}: the engines read it as integer token offsets")
     return problems
+
 
 
 def names(items: list[str]) -> str:

@@ -229,6 +229,10 @@ def test_vllm_refuses_d2t_beside_a_full_vocabulary_a_short_name_as_verifier_and_
     assert any("is no Hub id" in p for p in vllm.eagle3(Folder(e3)).problems)
     rewrite(e3 / "config.json", verifier("org/t"))
     assert vllm.eagle3(Folder(e3)).ok
+    d2t = load_file(e3 / "model.safetensors")["d2t"]
+    add_tensors(e3 / "model.safetensors", d2t=d2t.float())
+    assert any("d2t is F32" in p for p in vllm.eagle3(Folder(e3)).problems)
+    add_tensors(e3 / "model.safetensors", d2t=d2t)
     rewrite(e3 / "config.json", lambda c: c.pop("norm_before_residual"))
     assert any("takes a missing one as true" in p for p in vllm.eagle3(Folder(e3)).problems)
 
