@@ -158,7 +158,7 @@ def refuse(problems: list[str]) -> None:
 
 def run_or_exit(run_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
     """A recipe's entry point: a user's mistake (SpecdecError) prints its message and exits 2; so
-    does a Hub push that failed after the run (finish said what failed and how to retry it)."""
+    does a Hub push that failed after the run (said here, last: what failed and how to retry it)."""
     try:
         result = run_fn(cfg)
     except SpecdecError as e:
@@ -268,10 +268,15 @@ def start(cfg: DictConfig) -> Run:
     return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"], threads=threads)
 
 
+def target_hub_id(cfg: DictConfig) -> str | None:
+    """The Hub id the exports name the target by (hub_id_of): model.hub_id for a local folder."""
+    return hub_id_of(cfg.model.name, cfg.model.get("hub_id"))
+
+
 def check_target_id(cfg: DictConfig) -> None:
-    """The Hub id the exports name the target by (hub_id_of): model.hub_id, if given, must be one; a
-    local folder without one is said now, not found missing in the export."""
-    if hub_id_of(cfg.model.name, cfg.model.get("hub_id")) is None:
+    """model.hub_id, if given, must be a Hub id; a local folder without one is said now, not found
+    missing in the export."""
+    if target_hub_id(cfg) is None:
         print(f"note: model.name={cfg.model.name} has no Hub id, so the export cannot name its target for vLLM "
               "(`vllm serve DIR`) or FasterDecoding: add model.hub_id=ORG/NAME", file=sys.stderr)  # fmt: skip
 
@@ -301,8 +306,7 @@ def target_card(cfg: DictConfig, run: "Run") -> dict[str, Any]:
     """train.export.Card's fields naming the target: specdec's name, its Hub id (model.hub_id for a
     local folder; what engines and exported configs name it by), its config.json."""
     config = json.loads((run.target_path / "config.json").read_text())
-    return {"target": cfg.model.name, "target_hub_id": hub_id_of(cfg.model.name, cfg.model.get("hub_id")),
-            "target_config": config}  # fmt: skip
+    return {"target": cfg.model.name, "target_hub_id": target_hub_id(cfg), "target_config": config}
 
 
 def choose_threads(accelerator: Any, training: bool) -> dict[str, int]:

@@ -301,7 +301,7 @@ def write_export(
     launch: str,
     steps: int,
 ) -> Any:
-    """export/: a plain HF folder (+ draft_vocab.safetensors) with a model card."""
+    """export/: a plain HF folder (+ specdec/draft_vocab.safetensors) with a model card."""
     d, acc = model.config, run.accelerator
     card = Card(
         **target_card(cfg, run),

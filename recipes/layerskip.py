@@ -24,11 +24,21 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.common import Run, check_tracking, finish, make_tracker, record_config, refuse, run_or_exit, start
+from recipes.common import (
+    Run,
+    check_tracking,
+    finish,
+    make_tracker,
+    record_config,
+    refuse,
+    run_or_exit,
+    start,
+    target_hub_id,
+)
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter
-from specdec_runtime.loading import LoadedModel, hub_id_of, load_hf_config, load_model, resolve_model
+from specdec_runtime.loading import LoadedModel, load_hf_config, load_model, resolve_model
 from train.data import prompts_of
 from train.export import Card, export_skipset
 from train.layerskip import (
@@ -329,7 +339,7 @@ def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str
         },
         metrics=metrics,
         tags=["self-speculative-decoding", "layer-skip"],
-        target_hub_id=hub_id_of(cfg.model.name, cfg.model.get("hub_id")),
+        target_hub_id=target_hub_id(cfg),
         hub_id=cfg.hub.repo_id,
     )
     return export_skipset(skipset, out / "export", card)

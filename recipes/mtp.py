@@ -36,10 +36,11 @@ from recipes.common import (
     resume,
     run_or_exit,
     start,
+    target_hub_id,
     validation_due,
 )
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import cache_root, hub_id_of, load_hf_model, resolve_dtype
+from specdec_runtime.loading import cache_root, load_hf_model, resolve_dtype
 from specdec_runtime.mtp import MTP_WEIGHTS, MTPDrafter, MTPHeads
 from train.checkpoint import save_checkpoint
 from train.corpus import corpus_documents, packed_corpus, train_tokenizer
@@ -361,7 +362,7 @@ def write_export(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any
             "with exactly its own output."
         ),
         tags=["multi-token-prediction"],
-        target_hub_id=None if m.init == "scratch" else hub_id_of(cfg.model.name, cfg.model.get("hub_id")),
+        target_hub_id=None if m.init == "scratch" else target_hub_id(cfg),
         hub_id=cfg.hub.repo_id,
     )
     return export_mtp(

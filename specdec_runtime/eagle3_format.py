@@ -101,11 +101,14 @@ def speculators_config(
     }
 
 
-def sglang_layout(model: Eagle3Model, serving_dtype: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def sglang_layout(
+    model: Eagle3Model, sd: dict[str, torch.Tensor], serving_dtype: str
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, weights) in SGLang's flat EAGLE-3 layout: a one-layer Llama config with
-    architecture LlamaForCausalLMEagle3 and `midlayer.*` weights. SGLang reads aux layer id j as the
-    output of layer j and adds one (specdec's k is the residual stream entering layer k: j = k - 1).
-    Its dtype is the one SGLang runs the drafter in: with none, or float32, `--dtype auto` takes fp16."""
+    architecture LlamaForCausalLMEagle3 and `midlayer.*` weights (sd: weights(model), renamed).
+    SGLang reads aux layer id j as the output of layer j and adds one (specdec's k is the residual
+    stream entering layer k: j = k - 1). Its dtype is the one SGLang runs the drafter in: with none,
+    or float32, `--dtype auto` takes fp16."""
     cfg = model.config
     ids = [k - 1 for k in cfg.aux_layers]
     config = layer_config(cfg.layer) | {
@@ -115,8 +118,7 @@ def sglang_layout(model: Eagle3Model, serving_dtype: str) -> tuple[dict[str, Any
         "dtype": serving_dtype,
         "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids},
     }
-    sd = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights(model).items()}
-    return config, sd
+    return config, {k.replace("layers.0.", "midlayer.", 1): v for k, v in sd.items()}
 
 
 def save_speculators(
@@ -145,7 +147,7 @@ def save_speculators(
     save_file(sd, str(folder / WEIGHTS), metadata={"format": "pt"})
     (folder / DRAFTING).write_text(json.dumps(drafting, indent=2) + "\n")
     if sglang_dtype is not None:
-        sg_config, sg_weights = sglang_layout(model, sglang_dtype)
+        sg_config, sg_weights = sglang_layout(model, sd, sglang_dtype)
         (folder / SGLANG).mkdir(exist_ok=True)
         (folder / SGLANG / "config.json").write_text(json.dumps(sg_config, indent=2) + "\n")
         save_file(sg_weights, str(folder / SGLANG / WEIGHTS), metadata={"format": "pt"})

@@ -111,6 +111,11 @@ class Card:
         return self.target if is_hub_id(self.target) else None
 
     @property
+    def facts(self) -> dict[str, Any] | None:
+        """What the engines' checks need of the target (specdec_export.json), from its config."""
+        return target_facts(self.target_config, self.target_id) if self.target_config else None
+
+    @property
     def served(self) -> str:
         """The target in an engine's command line."""
         return self.target_id or "TARGET_HUB_ID"
@@ -221,8 +226,7 @@ def _atomic(
     tmp.mkdir(parents=True)
     unclaimed = write(tmp) or {}
     claims = [c for c in claims if c.engine not in unclaimed]
-    target = target_facts(card.target_config, card.target_id) if card.target_config else None
-    write_manifest(tmp, kind, target, claims, unclaimed)
+    write_manifest(tmp, kind, card.facts, claims, unclaimed)
     report = check_export(tmp)
     (tmp / "README.md").write_text(model_card(kind, card, usage, report))
     if card.metrics is not None:
@@ -333,14 +337,14 @@ the measured per-head top-k accuracies."""
         write_layout(heads, tmp / "vllm", "vllm", base, lm_head_weight=lm_head)
         if tree is not None:
             (tmp / TREE_FILE).write_text(json.dumps(tree))
-        target_info = target_facts(card.target_config, base) if card.target_config else None
-        problems = faster_decoding.medusa(Folder(tmp), target_info).problems
         if joint:
             problems = [
                 "Medusa-2: FasterDecoding loads the base from one Hub id or path, and the adapted target is target/ "
                 "here: push target/ as a repo of its own, set base_model_name_or_path to it and save the tensors of "
                 f"{FASTER_DECODING_WEIGHTS} as {FASTER_DECODING_PT} (torch.save)"
             ]
+        else:
+            problems = faster_decoding.medusa(Folder(tmp), card.facts).problems
         if not problems:
             return {}
         # It would load them wrong (or not at all): the heads go where it does not look, so it fails instead.
