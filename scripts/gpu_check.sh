@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, one command on a CUDA machine: the tests marked gpu, then scripts/bench_gpu.py for
-# the Llama-3.2-1B and Llama-3.1-8B shapes (bf16, the fast path), tables printed and kept in
-# ${OUT:-runs/gpu_check}/. Measured on one H100 (2026-11-25, as separate commands): the gpu tests
-# 101 s, the 1B bench 192 s; the 8B bench (2 prompts x 256 new tokens then) did not finish in 210 s,
-# so it now decodes 128. transformers' static-cache generate is left out of both (its compilation).
+# The GPU check, one command on a CUDA machine: the tests marked gpu, then scripts/bench_gpu.py:
+# the Llama-3.1-8B shape with a random EAGLE-3 drafter at forced acceptance (tau ~4: the runtime's
+# round cost against its bound, host syncs per round), then the Llama-3.2-1B shape with truncate:2
+# (bf16 honesty and the fp32 identity check). Tables printed and kept in ${OUT:-runs/gpu_check}/.
+# transformers' generate is left out of the 8B run (minutes of eager decoding at that size) and its
+# static-cache generate out of both (its compilation).
 #
 # What a bare CUDA machine with PyTorch, transformers, accelerate, peft, safetensors, tqdm, rich,
 # numpy, scipy and pytest lacks (all pure Python), as wheels in .whl/ (git-ignored):
@@ -13,6 +14,7 @@
 #   ./scripts/gpu_check.sh --fetch-wheels
 # On the GPU machine, from the repository root:
 #   ./scripts/gpu_check.sh            # gpu tests + both bench shapes
+#   ./scripts/gpu_check.sh --profile  # the same, with a torch.profiler trace of a few 8B rounds in $OUT/profile
 #   ./scripts/gpu_check.sh --tests    # the gpu tests only
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -43,13 +45,16 @@ SECONDS=0
 $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 echo "gpu_check: gpu tests took ${SECONDS}s"
 if [ "${1:-}" != "--tests" ]; then
+  profile=()
+  [ "${1:-}" = "--profile" ] && profile=(--profile "$OUT/profile")
   SECONDS=0
-  $PY scripts/bench_gpu.py --shape 1b --k 2 --prompts 4 --no-hf-static --fp32-check --output-dir "$OUT/1b" 2>&1 \
-    | tee "$OUT/bench_1b.log" || status=1
+  $PY scripts/bench_gpu.py --shape 8b --drafter eagle3 --tree-budget 8 --top-k 4 --gamma 5 --accept-rate 0.83 \
+    --prompts 4 --max-new-tokens 256 --no-hf "${profile[@]}" --output-dir "$OUT/8b_eagle3" 2>&1 \
+    | tee "$OUT/bench_8b_eagle3.log" || status=1
+  echo "gpu_check: 8B EAGLE-3 bench took ${SECONDS}s"
+  SECONDS=0
+  $PY scripts/bench_gpu.py --shape 1b --k 2 --prompts 2 --max-new-tokens 128 --no-hf-static --fp32-check \
+    --output-dir "$OUT/1b" 2>&1 | tee "$OUT/bench_1b.log" || status=1
   echo "gpu_check: 1B bench took ${SECONDS}s"
-  SECONDS=0
-  $PY scripts/bench_gpu.py --shape 8b --k 4 --prompts 2 --max-new-tokens 128 --no-hf-static --output-dir "$OUT/8b" 2>&1 \
-    | tee "$OUT/bench_8b.log" || status=1
-  echo "gpu_check: 8B bench took ${SECONDS}s"
 fi
 exit $status

@@ -29,7 +29,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, LayerSkip
 from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.sampling import Sampler
-from specdec_runtime.tree import Tree
+from specdec_runtime.tree import DeviceTree, Tree
 
 
 class Draft(NamedTuple):
@@ -42,7 +42,7 @@ class Draft(NamedTuple):
     resume_layer: int = 0
     # A token tree (Medusa): tokens are its nodes after the root, verified in one forward with
     # tree attention; the loop keeps the accepted branch's KV entries.
-    tree: Tree | None = None
+    tree: Tree | DeviceTree | None = None
     lookup: bool = False  # drafted by LookupFirst's prompt lookup, not its model (stats count it apart)
 
     @property
@@ -63,6 +63,11 @@ class Drafter(Protocol):
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         """Reset for a new prompt [P]; sequences will not exceed `capacity` tokens."""
+
+    def observe_tokens(self, tokens: list[int]) -> None:
+        """The tokens the sequence gained, on the host (the prompt and first token after start(),
+        then each round's): drafters that read tokens on the host take them here instead of reading
+        ids back from the device (a sync a round on a GPU)."""
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         """Propose up to gamma tokens to follow ids [L]. A chain may be longer where it costs nothing
@@ -271,7 +276,8 @@ class NgramDrafter(Drafter):
     after each occurrence, in order), so a round reads only its new tokens and looks its suffix up
     instead of scanning the sequence with a dozen small tensor ops (~0.35 ms a round on a 2-core
     CPU, its code cold after the target's forward: 2-3% of a decode step). start() begins a new
-    sequence; a shorter one than the indexed is indexed afresh."""
+    sequence; a shorter one than the indexed is indexed afresh. The generate loop hands it the new
+    tokens on the host (observe_tokens); a caller that does not, has them read from ids."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -283,17 +289,21 @@ class NgramDrafter(Drafter):
     def start(self, prompt: Tensor, capacity: int) -> None:
         self.seq, self.ends = [], {}
 
-    def _index(self, ids: Tensor) -> None:
-        """Index ids[len(seq):] (the tokens the sequence gained since the last draft)."""
-        L = ids.shape[0]
-        if L < len(self.seq):
-            self.start(ids, L)
+    def observe_tokens(self, tokens: list[int]) -> None:
         seq, ends = self.seq, self.ends
-        for token in ids[len(seq) : L].tolist():  # host copy of the new tokens (a device sync on GPU)
+        for token in tokens:
             seq.append(token)
             i = len(seq)
             for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
                 ends.setdefault(tuple(seq[i - n : i]), []).append(i)
+
+    def _index(self, ids: Tensor) -> None:
+        """Index ids[len(seq):] where nobody handed them over (observe_tokens)."""
+        L = ids.shape[0]
+        if L < len(self.seq):
+            self.start(ids, L)
+        if len(self.seq) < L:
+            self.observe_tokens(ids[len(self.seq) : L].tolist())  # host copy of the new tokens (a device sync on GPU)
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         self._index(ids)
@@ -365,6 +375,10 @@ class LookupFirst(Drafter):
 
     def observe(self, hidden: Tensor) -> None:
         self.drafter.observe(hidden)
+
+    def observe_tokens(self, tokens: list[int]) -> None:
+        self.lookup.observe_tokens(tokens)
+        self.drafter.observe_tokens(tokens)
 
     def longest(self, gamma: int) -> int:
         return max(self.drafter.longest(gamma), self.tokens)

@@ -4,6 +4,7 @@
     model = Eagle3Model(config)               # fc, one decoder layer, final norm, lm_head over the draft vocabulary
     out = model.step(embeds, features, cos, sin, attend)     # (prenorm [B, T, H], logits [B, T, N])
     drafter = Eagle3Drafter(model, target)                   # chain drafts; tree_budget > 0: EAGLE-2 trees
+    drafter = Eagle3Drafter(model, target, on_device=True)   # fixed shapes, captured steps (a GPU's default)
     specdec generate --drafter runs/eagle3/export --baseline  # (export and load: specdec_runtime.eagle3_format)
 
 The drafter reads the target's residual streams after three of its layers (low, middle, high:
@@ -21,17 +22,25 @@ next `draft` runs the drafter on those rows (it needs the tokens after them, whi
 which rewrites the rows it had drafted speculatively, then drafts ahead from the last one: a chain
 of gamma tokens, or an EAGLE-2 dynamic tree (expand the top_k most likely nodes of each level,
 keep the tree_budget most likely nodes overall), verified by the target with tree attention.
+
+On a GPU (on_device) a round is captured steps with fixed shapes and nothing read back, in the
+manner of SGLang's EAGLE worker: the catch-up over the accepted rows padded to one of CATCH_UP_ROWS,
+then the whole tree (each level a fixed frontier of top_k rows, their mask built by indexing, the
+final choice a device topk) or the whole greedy chain as one step, attending over the whole cache
+with masks. The draft carries the tree's tensors (tree.DeviceTree): the loop's one sync a round,
+after verification, is the only one. The nodes are the host tree's (_tree) up to tie order.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_runtime import cpu_kernel
+from specdec_runtime import cpu_kernel, graphs
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
 from specdec_runtime.drafters import Draft, Drafter, DraftExit
 from specdec_runtime.errors import SpecdecError
@@ -47,11 +56,12 @@ from specdec_runtime.model import (
     self_attention,
 )
 from specdec_runtime.sampling import Sampler
-from specdec_runtime.tree import Tree
+from specdec_runtime.tree import DeviceTree, Tree
 from specdec_runtime.verify import pick
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B, h, T, D], k, v [B, h_kv, T, D]) -> [B, h, T, D]
 MAX_DEPTH = 16  # the deepest tree the drafter builds
+CATCH_UP_ROWS = (1, 2, 4, 8, 16)  # on_device: the row counts a catch-up step is captured for (padded up)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -298,11 +308,16 @@ class Eagle3Drafter(Drafter):
     below it (DraftExit), so gamma can be long where the drafter is sure and a draft costs one
     drafter step where it is not. Lossless as any draft length is: where a chain stops depends
     only on tokens already drafted.
+
+    on_device (default: on a GPU): drafting in captured steps of fixed shapes that read nothing
+    back to the host (the module docstring); trees and greedy chains (sampled chains and draft
+    exits run as before). Off it, on a CPU, the runtime's kernel drafts where it can, else the torch
+    ops with host-side trees.
     """
 
     def __init__(self, model: Eagle3Model, target: Decoder, *, tree_budget: int = 0, top_k: int = 8,
                  gamma: int | None = None, name: str = "eagle3", cpu_bf16: bool = True,
-                 confidence: float = 0.0):  # fmt: skip
+                 confidence: float = 0.0, on_device: bool | None = None):  # fmt: skip
         cfg = model.config
         if cfg.target_hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
             raise SpecdecError(
@@ -342,6 +357,10 @@ class Eagle3Drafter(Drafter):
         self.dims = (layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.intermediate_size)
         self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
         self.kernel_w = cpu_kernel.eagle3_weights(*self.w) if target.lm_head.cpu_copy else None  # see _run
+        self.on_device = target.device.type == "cuda" if on_device is None else on_device
+        if self.on_device:
+            self.kernel_w = None  # the torch ops, in captured steps
+        self.steps: dict[tuple, graphs.CapturedStep] = {}  # on_device: by (kind, shape); they point at self.kv
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (model.rope_table)
@@ -349,8 +368,11 @@ class Eagle3Drafter(Drafter):
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         cfg = self.model.config.layer
-        size = capacity + MAX_DEPTH * self.top_k  # + the rows a tree's levels write
+        size = capacity + MAX_DEPTH * self.top_k + CATCH_UP_ROWS[-1]  # + a tree's rows, a catch-up's padding
         if self.kv is None or self.kv.shape[2] < size:
+            if self.on_device:
+                size = -(-size // 256) * 256  # grown in steps, as the target's cache: each growth captures again
+            self.steps.clear()
             shape = (1, 2 * cfg.num_kv_heads, size, cfg.head_dim)
             self.kv = torch.zeros(shape, device=self.target.device, dtype=self.target.dtype)
             self.rope = rope_table(cfg, size, self.target.device, self.target.dtype)
@@ -414,6 +436,8 @@ class Eagle3Drafter(Drafter):
         return prenorm, self._head(prenorm[head_from:])
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
+        if self.on_device and (self.tree_budget or (sampler.greedy and self.draft_exit is None)):
+            return self._draft_on_device(ids, gamma)
         return self._draft(ids, gamma, sampler, self.tree_budget)
 
     def draft_best(self, ids: Tensor, gamma: int, sampler: Sampler, nodes: int) -> Draft:
@@ -421,13 +445,17 @@ class Eagle3Drafter(Drafter):
         the greedy chain of that many tokens (Drafter.draft_best)."""
         return self._draft(ids, min(gamma, nodes), Sampler(), min(nodes, self.tree_budget))
 
-    @torch.inference_mode()
-    def _draft(self, ids: Tensor, gamma: int, sampler: Sampler, budget: int) -> Draft:
+    def _taps(self) -> Tensor:
+        """The target's features of the rows not yet run [k, 3 H_t] (observe)."""
         if not self.pending:
             raise RuntimeError("Eagle3Drafter.draft before observe(): the generate loop feeds it hidden states")
-        L = ids.shape[0]
-        taps = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]  # [k, 3 H_t]
+        taps = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
         self.pending = []
+        return taps
+
+    @torch.inference_mode()
+    def _draft(self, ids: Tensor, gamma: int, sampler: Sampler, budget: int) -> Draft:
+        L, taps = ids.shape[0], self._taps()
         k = taps.shape[0]
         # More rows than a kernel call takes (a long prompt's, at its first draft): the leading ones in
         # chunks through the kernel, each causal over the slots before it, as the target's prefill runs
@@ -551,3 +579,139 @@ class Eagle3Drafter(Drafter):
         tree, order = shape
         tokens = torch.tensor([self.target_ids[ids[i]] for i in order], device=self.draft_ids.device)
         return Draft(tokens, None, tree=tree)
+
+    # ------------------------------------------------------------ on the device (module docstring)
+
+    def _step(self, key: tuple, fn: Callable[..., Any], inputs: dict[str, Tensor]) -> graphs.CapturedStep:
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = graphs.CapturedStep(fn, inputs, host_reads=False)
+        return step
+
+    @torch.inference_mode()
+    def _draft_on_device(self, ids: Tensor, gamma: int) -> Draft:
+        """A tree (tree_budget) or a greedy chain of gamma tokens, every step captured."""
+        L, taps = ids.shape[0], self._taps()
+        k = taps.shape[0]
+        first = L - 1 - k  # rows first .. L-2: the accepted positions' features, the tokens after them
+        lead = max(0, k - CATCH_UP_ROWS[-1])
+        if lead:  # a prompt's rows (the first draft): all but the last ones eagerly, once a prompt
+            pos = self.slots[first : first + lead]
+            mask = self.slots[: first + lead][None, :] <= pos[:, None]
+            self._rows(ids[first + 1 : first + 1 + lead], linear(taps[:lead].to(self.w.dtype), self.w.fc), pos, pos,
+                       mask, first + lead)  # fmt: skip
+            first, k, taps = first + lead, k - lead, taps[lead:]
+        R = next(r for r in CATCH_UP_ROWS if r >= k)
+        inputs = dict(
+            tokens=F.pad(ids[L - k : L], (0, R - k)), taps=F.pad(taps.to(self.w.dtype), (0, 0, 0, R - k)),
+            first=self.slots[first], last=self.slots[k - 1],
+        )  # fmt: skip
+        if ("catch-up", R) not in self.steps:  # every row count at once: none is captured inside a timed round
+            for r in CATCH_UP_ROWS:  # (a capture runs the step: rows past k write the tree's scratch slots only)
+                m = min(k, r)
+                rows = dict(tokens=F.pad(ids[L - k : L - k + m], (0, r - m)), last=self.slots[m - 1],
+                            taps=F.pad(taps[:m].to(self.w.dtype), (0, 0, 0, r - m)))  # fmt: skip
+                self._step(("catch-up", r), self._catch_up, inputs | rows)
+        prenorm, logits = self._step(("catch-up", R), self._catch_up, inputs)(**inputs)
+        levels = min(gamma, MAX_DEPTH)
+        start = self.slots[L - 1]
+        if not self.tree_budget:
+            chain = self._step(("chain", levels), partial(self._chain_on_device, gamma=levels),
+                               dict(prenorm=prenorm, logits=logits, start=start))  # fmt: skip
+            return Draft(chain(prenorm=prenorm, logits=logits, start=L - 1), None)
+        budget = min(self.tree_budget, self.top_k + (levels - 1) * self.top_k**2)
+        key = ("tree", levels, budget)
+        tree = self._step(key, partial(self._tree_on_device, levels=levels, budget=budget),
+                          dict(prenorm=prenorm, logits=logits, start=start))  # fmt: skip
+        tokens, reached, tensors = tree(prenorm=prenorm, logits=logits, start=L - 1)
+        return Draft(tokens, None, tree=DeviceTree(tensors, levels, reached))
+
+    def _catch_up(self, tokens: Tensor, taps: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows tokens [R] and features taps [R, 3 H_t] at slots and positions first + 0..R-1, causal
+        over the whole cache (rows after `last` are padding: they write slots the tree rewrites and
+        nobody reads): the prenorm [H] and draft logits [N] of row `last`."""
+        R = tokens.shape[0]
+        pos = first + self.slots[:R]
+        mask = self.slots[None, :] <= pos[:, None]  # [R, S]
+        prenorm = pick(self._rows(tokens, linear(taps, self.w.fc), pos, pos, mask, self.slots.shape[0]), last)
+        return prenorm, self._head(prenorm[None])[0]
+
+    def _chain_on_device(self, prenorm: Tensor, logits: Tensor, start: Tensor, *, gamma: int) -> Tensor:
+        """_chain's greedy chain of gamma tokens: [gamma] target ids. Row i (the token just drafted,
+        the previous row's prenorm) at slot and position start + i, seeing the slots up to its own."""
+        tokens, prenorm = [], prenorm[None]
+        for i in range(gamma):
+            tokens.append(self.draft_ids[logits.argmax(-1, keepdim=True)])  # [1]
+            if i + 1 < gamma:
+                pos = (start + i).view(1)
+                prenorm = self._rows(tokens[-1], prenorm, pos, pos, self.slots[None, :] <= pos, self.slots.shape[0])
+                logits = self._head(prenorm)[0]
+        return torch.cat(tokens)
+
+    def _tree_on_device(
+        self, prenorm: Tensor, logits: Tensor, start: Tensor, *, levels: int, budget: int
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """_tree's EAGLE-2 tree with fixed shapes: the root row's prenorm [H] and logits [N] ->
+        (the chosen nodes' target ids [budget], the depth they reach, the tree's index tensors as
+        Tree.tensors). Candidates are numbered level by level (the root's top_k, then top_k x top_k
+        per level: frontier row r's child of rank c is r * top_k + c), their rows at slots start +
+        (depth - 1) * top_k + r, each seeing the prefix (slots < start) and its ancestors' rows."""
+        K, dev, S = self.top_k, prenorm.device, self.slots.shape[0]
+        ar = self.slots[:K]
+        top = logits.float().log_softmax(-1).topk(K)
+        scores, toks, parents, ranks, depths = [top.values], [top.indices], [ar - 1 - ar], [ar], [ar * 0 + 1]
+        frontier, front_scores, front_toks = ar, top.values, top.indices  # candidate indices, path scores, draft ids
+        features = prenorm[None].expand(K, -1)
+        W = max(levels - 1, 1) * K  # the tree's rows
+        rel = self.slots - start  # each cache slot relative to the tree's first row
+        prefix, row_of = rel < 0, rel.clamp(0, W - 1)
+        in_tree = (rel >= 0) & (rel < W)
+        seen = torch.zeros(K, W, dtype=torch.bool, device=dev)  # the frontier's ancestors' rows
+        base = K
+        for depth in range(1, levels):
+            own = (depth - 1) * K + ar  # the frontier's rows
+            seen = seen | (self.slots[None, :W] == own[:, None])
+            mask = prefix[None, :] | (in_tree[None, :] & seen[:, row_of])  # [K, S]
+            rows = self.draft_ids[front_toks]
+            position = (start - 1 + depth).expand(K)
+            out = self._rows(rows, features, position, start + own, mask, S)
+            child = self._head(out).float().log_softmax(-1).topk(K)  # [K, K]
+            cand = (front_scores[:, None] + child.values).flatten()  # [K * K]
+            keep = cand.topk(K).indices
+            scores.append(cand)
+            toks.append(child.indices.flatten())
+            parents.append(frontier.repeat_interleave(K))
+            ranks.append(ar.repeat(K))
+            depths.append(ar.repeat(K) * 0 + depth + 1)
+            r = keep // K
+            frontier, front_scores, front_toks = base + keep, cand[keep], toks[-1][keep]
+            features, seen = out[r], seen[r]
+            base += K * K
+        score, tok, parent, rank, depth = (torch.cat(x) for x in (scores, toks, parents, ranks, depths))
+        C = score.shape[0]
+        index = torch.arange(C, device=dev)
+        # The host sort's order, (-score, index): a child never scores above its parent and comes
+        # after it, so the best `budget` are a tree (parents first once sorted by index).
+        key = score.double() - index.double() * 1e-12
+        chosen = key.topk(budget).indices.sort().values  # [n]
+        ancestor = torch.zeros(C, C, dtype=torch.bool, device=dev)  # candidate -> its ancestors and itself
+        eye = index[:, None] == index[None, :]
+        ancestor[:K] = eye[:K]
+        for lo in range(K, C, K * K):
+            hi = lo + K * K
+            ancestor[lo:hi] = ancestor[parent[lo:hi]] | eye[lo:hi]
+        p = parent[chosen]
+        node_parent = torch.where(p >= 0, torch.searchsorted(chosen, p.clamp(min=0)) + 1, 0)
+        zero = index[:1] * 0
+        node_parent = torch.cat([zero, node_parent])
+        node_depth = torch.cat([zero, depth[chosen]])
+        node_rank = torch.cat([zero, rank[chosen]])
+        among = ancestor[chosen][:, chosen]  # [n, n]
+        # (built by concatenation: a Python scalar written into a CUDA tensor is a copy from the host)
+        anc = torch.cat([(node_depth >= 0)[:, None], torch.cat([among[:1] & False, among])], dim=1)
+        node = node_depth > 0  # the root is nobody's sibling
+        earlier = (node_parent[:, None] == node_parent[None, :]) & (node_rank[None, :] < node_rank[:, None])
+        earlier = earlier & node[:, None] & node[None, :]
+        tensors = dict(parent=node_parent, depth=node_depth, rank=node_rank, ancestor=anc, earlier=earlier,
+                       levels=self.slots[: levels + 1])  # fmt: skip
+        return self.draft_ids[tok[chosen]], node_depth.max(), tensors

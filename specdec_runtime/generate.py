@@ -32,8 +32,8 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.tree import Tree
-from specdec_runtime.verify import greedy_on_host, sample_on_host, verify
+from specdec_runtime.tree import DeviceTree, Tree
+from specdec_runtime.verify import greedy_on_host, sample_on_host, verify, verify_forced
 
 # Verification over host lists where the target runs on a CPU (decide_on_host): there the device
 # rules' dozen tensor ops a round cost more than the rules themselves. False: the device rules
@@ -190,6 +190,7 @@ def generate(
     typical: tuple[float, float] | None = None,
     capacity: int = 0,
     timed: bool = False,
+    accept_rate: float | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens after `prompt`, stopping at any of stop_ids.
 
@@ -202,7 +203,12 @@ def generate(
     capacity: KV slots to make room for (at least prompt + max_new_tokens): pass the largest over
     a set of prompts, and every call reuses the same caches (and, compiled, the same CUDA graphs).
     timed: make the stage times in the stats exact on a GPU (a host sync per stage).
+    accept_rate: for measuring the runtime's mechanics only (scripts/bench_gpu.py --accept-rate):
+    each drafted token is accepted with this probability whatever its value (a tree's first child
+    at each depth), as SGLang's simulated acceptance; the output is then NOT the target's.
     """
+    if accept_rate is not None and not 0 <= accept_rate <= 1:
+        raise SpecdecError(f"accept_rate is a probability in [0, 1] (got {accept_rate})")
     if max_new_tokens < 1 or gamma < 0 or max_gamma < 1:
         raise SpecdecError(
             f"need max_new_tokens >= 1, gamma >= 0, max_gamma >= 1 (got {max_new_tokens}, {gamma}, {max_gamma})"
@@ -210,7 +216,8 @@ def generate(
     sampler = sampler or Sampler()
     device = target.device
     # non_blocking: a list's copy to a GPU need not wait for the device (a sync the fast path avoids)
-    prompt = torch.as_tensor(prompt, dtype=torch.long).flatten().to(device, non_blocking=True)
+    prompt_in, on_cpu = prompt, torch.as_tensor(prompt, dtype=torch.long).flatten()
+    prompt = on_cpu.to(device, non_blocking=True)
     P = prompt.shape[0]
     check_fits(P, max_new_tokens, target.config.max_position_embeddings)
     capacity = max(capacity, P + max_new_tokens)
@@ -219,6 +226,7 @@ def generate(
     clock = Clock(device, timed)
     argmax_only = sampler.greedy  # greedy verification reads only the target's argmax
     on_host = HOST_RULES and device.type == "cpu"  # on a CPU the device is the host: rounds decide there
+    forced = None if accept_rate is None else sampler.generator(device)  # the draws: the sampler's seed
     t_start = clock()
 
     # A token tree writes all its nodes' K/V past the sequence before the branch is kept.
@@ -232,6 +240,7 @@ def generate(
     stats.target_forwards = 1
     if drafter is not None:
         drafter.start(prompt, capacity)
+        drafter.observe_tokens((list(map(int, prompt_in)) if isinstance(prompt_in, list) else on_cpu.tolist()) + out)
         if taps:
             drafter.observe(prefill.hidden[0])
     stats.prefill_s = clock() - t_start
@@ -248,18 +257,26 @@ def generate(
         t1 = clock()
         verified = verify_forward(target, ids, L, draft, taps, argmax_only)
         t2 = clock()
-        decided = decide_on_host(draft, verified, sampler, typical) if on_host else None
+        depth = 0 if draft is None else draft.depth
+        device_tree = draft is not None and isinstance(draft.tree, DeviceTree)  # decided by the device rules
+        host_rules = on_host and forced is None and not device_tree
+        decided = decide_on_host(draft, verified, sampler, typical) if host_rules else None
         if decided is not None:
             path, new = decided
             n = len(new) - 1
             ids[L : L + n + 1] = torch.tensor(new)
         else:
-            v = verify(draft, ids[L - 1], verified.logits, sampler, typical, verified.greedy)
+            if forced is not None and draft is not None and draft.tokens.numel():
+                v = verify_forced(draft, verified.logits, verified.greedy, accept_rate, forced)
+            else:
+                v = verify(draft, ids[L - 1], verified.logits, sampler, typical, verified.greedy)
             nodes = ids[L - 1 : L] if draft is None else torch.cat([ids[L - 1 : L], draft.tokens])
             branch = nodes[v.path]  # [D + 1] the drafted branch, root first
-            host = torch.cat([v.accept_len.view(1), branch[1:], v.token.view(1)]).tolist()  # the round's one host sync
+            reached = draft.tree.reached.view(1) if device_tree else v.accept_len.view(1)  # a device tree's depth
+            host = torch.cat([v.accept_len.view(1), reached, branch[1:], v.token.view(1)]).tolist()  # the one host sync
             n, path = host[0], v.path
-            new = host[1 : 1 + n] + host[-1:]
+            new = host[2 : 2 + n] + host[-1:]
+            depth = host[1] if device_tree else depth
             ids[L : L + n] = branch[1 : n + 1]
             ids[L + n] = v.token
         if draft is not None and draft.tree is not None and n:  # the accepted nodes' K/V move into place
@@ -270,8 +287,9 @@ def generate(
             if t in stop_ids:
                 new, stop = new[: i + 1], True
                 break
-        depth = 0 if draft is None else draft.depth
         lookup = draft is not None and draft.lookup
+        if drafter is not None:
+            drafter.observe_tokens(new)
         stats.record_round(depth, min(n, len(new)), lookup)  # accepted drafts after a stop token are not output
         out += new
         L += len(new)

@@ -13,6 +13,9 @@ copied in with one small kernel each (a Python int with `fill_`, so nothing wait
 Off CUDA the same object reruns `fn` on its static inputs and copies the result into its static
 outputs: the same lifetimes, so the CPU tests catch an output kept across steps by accident.
 `captures` counts the graphs recorded in this process (a warmed-up run must not add any).
+A step made with host_reads=False fails where its function reads a tensor's value on the host
+(`.item()`, `.tolist()`, `if tensor:`, indexing with a 0-dim tensor): on CUDA such a read cannot be
+captured, and off CUDA the emulation raises on it (NoHostReads), so the CPU tests catch it.
 """
 
 from collections.abc import Callable
@@ -20,14 +23,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 captures = 0  # CUDA graphs recorded (or emulated steps set up) in this process
 
 
 def _clone(out: Any) -> Any:
-    """A structure of tensors (tuple / NamedTuple / None) with every tensor cloned."""
+    """A structure of tensors (tuple / NamedTuple / dict / None) with every tensor cloned."""
     if isinstance(out, Tensor):
         return out.clone()
+    if isinstance(out, dict):
+        return {k: _clone(v) for k, v in out.items()}
     if isinstance(out, tuple):
         items = [_clone(o) for o in out]
         return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
@@ -40,14 +46,45 @@ def _copy_into(dst: Any, src: Any) -> None:
     elif isinstance(dst, tuple):
         for d, s in zip(dst, src):
             _copy_into(d, s)
+    elif isinstance(dst, dict):
+        for k, d in dst.items():
+            _copy_into(d, src[k])
+
+
+class HostRead(RuntimeError):
+    pass
+
+
+class NoHostReads(TorchDispatchMode):
+    """Raises HostRead on any tensor-to-Python read inside it: the scalar reads every one of them
+    dispatches to (`_local_scalar_dense`: item, bool, int, float, index), and tolist / numpy, which
+    read a CPU tensor's memory without dispatching anything."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise HostRead("a captured step read a tensor's value on the host (item / bool / int / indexing)")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.saved = Tensor.tolist, Tensor.numpy
+        Tensor.tolist = Tensor.numpy = _refuse  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        Tensor.tolist, Tensor.numpy = self.saved  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+
+def _refuse(self, *args, **kwargs):
+    raise HostRead("a captured step read a tensor's values on the host (tolist / numpy)")
 
 
 class CapturedStep:
     """fn(**inputs) with static inputs and outputs, recorded once (see the module docstring)."""
 
-    def __init__(self, fn: Callable[..., Any], inputs: dict[str, Tensor], warmup: int = 2):
+    def __init__(self, fn: Callable[..., Any], inputs: dict[str, Tensor], warmup: int = 2, host_reads: bool = True):
         global captures
-        self.fn = fn
+        self.fn = fn if host_reads else _guarded(fn)
         self.inputs = {k: v.clone() for k, v in inputs.items()}  # the static input buffers
         device = next(iter(self.inputs.values())).device
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -79,6 +116,18 @@ class CapturedStep:
         else:
             _copy_into(self.outputs, self.fn(**self.inputs))
         return self.outputs
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn run under NoHostReads off CUDA (on CUDA the capture itself refuses a host read)."""
+
+    def run(**inputs: Tensor) -> Any:
+        if next(iter(inputs.values())).device.type == "cuda":
+            return fn(**inputs)
+        with NoHostReads():
+            return fn(**inputs)
+
+    return run
 
 
 def compile_counts() -> tuple[int, int]:

@@ -168,3 +168,30 @@ class Tree:
         t = self.on(topk_ids.device)
         d, r = t["depth"][1:] - 1, t["rank"][1:]
         return torch.cat([root.view(1), topk_ids[d, r]])
+
+
+class DeviceTree:
+    """A token tree whose structure stays on the device: what a drafter that builds its tree there
+    hands over (Eagle3Drafter on a GPU), so that no round reads it back to the host. It gives what
+    verification and the generate loop read of a Tree: `on()` (its index tensors, as
+    Tree.tensors), `depth` (the most levels it can have, known on the host), len (its nodes, the
+    root excluded), and `reached` (0-dim: the depth its nodes reach, read with the round's one
+    sync). `structure`, for the host rules on a CPU, reads it back."""
+
+    def __init__(self, tensors: dict[str, Tensor], levels: int, reached: Tensor):
+        self.tensors, self.depth, self.reached = tensors, levels, reached
+
+    def __len__(self) -> int:
+        return self.tensors["parent"].shape[0] - 1
+
+    def on(self, device: torch.device) -> dict[str, Tensor]:
+        return {k: v.to(device) for k, v in self.tensors.items()}  # (no copy on its own device)
+
+    @property
+    def structure(self) -> tuple[list[int], list[int]]:
+        return self.tensors["parent"].tolist(), self.tensors["depth"].tolist()  # a host read: CPU rules only
+
+    def truncated(self, depth: int) -> "DeviceTree":
+        if depth < self.depth:  # its drafter builds no more levels than the loop asks for (draft gamma)
+            raise ValueError(f"a device tree of {self.depth} levels cannot be cut to {depth} on the host")
+        return self

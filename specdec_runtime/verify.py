@@ -89,6 +89,25 @@ def accepted_prefix(ok: Tensor) -> Tensor:
     return ok.long().cumprod(dim=0).sum()
 
 
+def verify_forced(
+    draft: Draft, logits: Tensor | None, greedy: Tensor | None, rate: float, generator: torch.Generator
+) -> Verdict:
+    """For measuring the runtime's mechanics only (generate's accept_rate), NOT lossless: each depth's
+    drafted token (a tree's first child there: no earlier sibling) is accepted with probability
+    `rate` whatever its value, as SGLang's simulated acceptance; the target then adds its argmax."""
+    tokens = draft.tokens
+    choice = argmax(logits) if greedy is None else greedy
+    # depth d's draw u[d]; as many every round (a tree's depth is not always known on the host)
+    u = torch.rand(max(64, draft.depth + 1), device=tokens.device, generator=generator) < rate
+    if draft.tree is None:
+        n = accepted_prefix(u[1 : tokens.shape[0] + 1])
+        return Verdict(chain_path(tokens.shape[0], tokens.device), n, pick(choice, n))
+    t = draft.tree.on(tokens.device)
+    chosen = ~t["earlier"].any(dim=1) & u[t["depth"]]
+    path, n = _walk_on_device(t, chosen)
+    return Verdict(path, n, pick(choice, pick(path, n)))
+
+
 def verify_greedy(draft: Tensor, target_logits: Tensor, greedy: Tensor | None = None) -> Verdict:
     """Accept the longest draft prefix equal to the target's argmax; the target then adds one token.
 

@@ -520,3 +520,88 @@ def test_lookups_merged_with_the_drafters_best_nodes_are_lossless(budget):
     spec = generate(target, prompt, drafter, max_new_tokens=40, gamma=3)
     assert spec.tokens == ar.tokens
     assert drafter.lookups == len(merged) > 0 and all(len(d.tokens) == 2 for d in merged)
+
+
+# ---------------------------------------------------------------- on the device (fixed shapes, captured steps)
+
+
+def node_paths(draft) -> list[tuple[int, ...]]:
+    """A draft's nodes as the target ids on the path from the root, sorted (a chain: its prefixes)."""
+    tokens = draft.tokens.tolist()
+    if draft.tree is None:
+        return [tuple(tokens[: i + 1]) for i in range(len(tokens))]
+    parent = draft.tree.structure[0]
+    paths = [()]
+    for i in range(1, len(parent)):
+        paths.append(paths[parent[i]] + (tokens[i - 1],))
+    return sorted(paths[1:])
+
+
+@pytest.mark.parametrize("budget, top_k, gamma", [(0, 3, 4), (5, 3, 3), (10, 4, 4), (16, 2, 6), (8, 3, 1)])
+@torch.no_grad()
+def test_device_drafts_are_the_host_drafts_round_by_round(budget, top_k, gamma):
+    """on_device (captured steps of fixed shapes, nothing read back): in every round, the same nodes
+    (target ids on their paths) as the host's dynamic tree or chain. Each depth is accepted with
+    probability 0.7 (forced acceptance, the same draws for both), so the catch-ups have rows of
+    every count; the prompt is longer than the largest catch-up step (its leading rows run eagerly).
+    The emulated steps raise on any host read (graphs.NoHostReads). Greedy output is the target's."""
+    _, target, model = tiny(warm=True, initializer_range=0.05)
+    prompt = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    drafts = {}
+    for on_device in (False, True):
+        d = Eagle3Drafter(model, target, tree_budget=budget, top_k=top_k, on_device=on_device)
+        d.kernel_w, seen, real = None, [], d.draft  # host: the torch ops (the kernel's trees are tested apart)
+        # (read at once: a captured step's outputs live until it runs again)
+        d.draft = lambda *a, seen=seen, real=real: seen.append(node_paths(x := real(*a))) or x
+        out = generate(target, prompt, d, Sampler(seed=0), max_new_tokens=60, gamma=gamma, accept_rate=0.7)
+        drafts[on_device] = (out, seen)
+        del d.draft
+        ar = generate(target, prompt, None, max_new_tokens=40).tokens
+        assert generate(target, prompt, d, max_new_tokens=40, gamma=gamma).tokens == ar
+    (host, host_nodes), (dev, dev_nodes) = drafts[False], drafts[True]
+    assert dev_nodes == host_nodes and len(dev_nodes) == dev.stats.rounds_with_draft
+    assert dev.tokens == host.tokens and dev.stats.drafted_at == host.stats.drafted_at
+    assert dev.stats.accepted_at == host.stats.accepted_at and dev.stats.accepted_at[0] > 5
+
+
+@torch.no_grad()
+def test_device_trees_verify_lossless_when_sampling():
+    """A device tree verified by the sampled tree rule: the joint of four sampled tokens equals the
+    target's, enumerated exactly (chi-square), as for the host's trees."""
+    from tests.conftest import assert_sequences_follow, sequence_joint
+
+    hf, target, model = tiny(warm=True, initializer_range=0.05)
+    prompt, w = [3, 1, 4], dict(temperature=1.0, top_k=3)
+
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        target.setup_cache(1, 8)
+        return target.prefill(torch.tensor([ids])).logits[0, -1]
+
+    joint = sequence_joint(next_logits, prompt, 4, **w)
+    drafter = Eagle3Drafter(model, target, tree_budget=5, top_k=2, on_device=True)
+    samples = [generate(target, prompt, drafter, Sampler(**w, seed=s), max_new_tokens=4, gamma=2).tokens
+               for s in range(2000)]  # fmt: skip
+    assert_sequences_follow(samples, joint)
+
+
+@torch.no_grad()
+def test_forced_acceptance_accepts_each_depth_with_the_rate_given():
+    """generate(accept_rate=P), for measuring mechanics: P = 0 accepts nothing (tau 1), P = 1 a whole
+    chain each round, and in between the mean accepted length of a chain of g is sum_{d<=g} P^d;
+    a rate outside [0, 1] is refused."""
+    _, target, model = tiny(warm=True, initializer_range=0.05)
+    prompt = [5, 9, 11, 2, 7, 3, 9, 11]
+    for budget in (0, 8):
+        d = Eagle3Drafter(model, target, tree_budget=budget, top_k=3, on_device=True)
+        assert generate(target, prompt, d, max_new_tokens=30, gamma=4, accept_rate=0.0).stats.tau == 1.0
+        full = generate(target, prompt, d, max_new_tokens=31, gamma=4, accept_rate=1.0).stats
+        assert full.accepted_at[0] == full.rounds_with_draft  # every round accepts its first depth at least
+        if not budget:  # the prefill's token, then 6 rounds of 4 drafts + 1
+            assert full.accepted_at == full.drafted_at == [6] * 4 and full.tau == 31 / 7
+    chain = Eagle3Drafter(model, target, on_device=True)
+    runs = [generate(target, prompt, chain, Sampler(seed=s), max_new_tokens=61, gamma=2, accept_rate=0.6).stats
+            for s in range(40)]  # fmt: skip
+    mean = sum(sum(r.accepted_at) for r in runs) / sum(r.rounds_with_draft for r in runs)  # ~1000 rounds
+    assert abs(mean - (0.6 + 0.6**2)) < 0.07  # 0.96; the standard error is ~0.025
+    with pytest.raises(SpecdecError, match="accept_rate"):
+        generate(target, prompt, chain, max_new_tokens=4, accept_rate=1.5)
