@@ -131,6 +131,10 @@ def warm_up(
             generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
             if isinstance(drafter, LookupFirst):
                 generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
+        if isinstance(drafter, LookupFirst) and g <= drafter.drafter.longest(max_gamma if adaptive_gamma else gamma):
+            # its model alone: where lookups or phrases draft every round of `prompt`, the model's own
+            # captured steps (an EAGLE-3 tree's on a GPU) would otherwise be captured in a timed prompt
+            generate(target, prompt, drafter.drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
         if g <= merged:  # merged trees of g nodes (the shape of a chain's tree: a step's key is its rows)
             generate(target, prompt, _Chains(drafter, tree=True), sampler(), max_new_tokens=short, gamma=g, **kw)
 

@@ -67,6 +67,9 @@ DRAFTERS = {
     "eagle3 tree on device": lambda m, hf: eagle3_tree(m, hf, on_device=True),  # captured steps (a GPU's default)
     "eagle3 chain on device": lambda m, hf: eagle3_tree(m, hf, budget=0, on_device=True),
     "eagle3 tree on device + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf, on_device=True), merge=0),
+    "eagle3 tree on device + lookup + phrases": lambda m, hf: LookupFirst(
+        eagle3_tree(m, hf, on_device=True), table=phrases(m, hf), merge=0
+    ),
     # lookups verify chains, the model trees (merge=0); merged: its 2 best nodes beside a lookup, trees of up to 10
     "eagle3 tree + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf), merge=0),
     "eagle3 tree + lookup + phrases": lambda m, hf: LookupFirst(eagle3_tree(m, hf), table=phrases(m, hf), merge=0),
@@ -161,6 +164,7 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     drafters += ["eagle3 tree + lookup + phrases"]  # the table's chains: lookups' lengths
     drafters += ["eagle3 tree + lookup, merged"]  # lookups merged with 2 of the model's nodes: trees of 2-11 rows
     drafters += ["eagle3 tree on device + lookup", "eagle3 chain on device"]  # the drafter's own captured steps
+    drafters += ["eagle3 tree on device + lookup + phrases"]  # its model drafts no round of the warm-up prompt
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
