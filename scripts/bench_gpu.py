@@ -184,6 +184,32 @@ def eagle3_costs(target: Decoder, drafter: Eagle3Drafter, gamma: int, tau: float
     return out
 
 
+@torch.inference_mode()
+def live_length_costs(model: Decoder, lengths: list[int], capacity: int, reps: int = 50) -> dict[int, tuple]:
+    """Device milliseconds of a decode step at each live length in a cache of `capacity` slots:
+    attending over the whole cache (live_spans False, the fast path before spans) and over the span
+    that holds the live slots. {length: (whole, span)}. Leaves the model with that cache."""
+    dev = model.device
+    model.setup_cache(1, capacity)
+    model.cache.kv.normal_()  # (stale slots are masked: any values do, but not zeros)
+    one = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    out = {}
+    for spans in (False, True):
+        model.live_spans = spans
+        model.steps.clear()
+        for n in lengths:
+            for _ in range(3):
+                model(one, n)
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                model(one, n)
+            sync(dev)
+            out.setdefault(n, []).append((time.perf_counter() - t0) / reps * 1000)
+    model.live_spans = True
+    return {n: tuple(v) for n, v in out.items()}
+
+
 def syncs_per_round(fn, device: torch.device) -> float | None:
     """Host syncs per target forward of fn() -> GenerationStats (CUDA's sync debug mode; None off CUDA)."""
     if device.type != "cuda":
@@ -233,6 +259,7 @@ def main() -> None:
     ap.add_argument("--accept-rate", type=float, default=None, help="forced acceptance (not the target's output)")
     ap.add_argument("--no-hf", action="store_true", help="skip every transformers method (large shapes)")
     ap.add_argument("--profile", type=Path, default=None, help="write a profiler trace of a few rounds here")
+    ap.add_argument("--live-lengths", default="", help="e.g. 256,1024,4000: decode step time by live length")
     ap.add_argument("--residual-scale", type=float, default=0.05, help="output scale of the layers after K")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
@@ -336,6 +363,11 @@ def main() -> None:
             "speculative": lambda: generate(ours, prompts[0], drafter, Sampler(seed=0), **short),
         }, args.profile, device)  # fmt: skip
 
+    live = {}
+    if args.live_lengths and fast:
+        lengths = [int(n) for n in args.live_lengths.split(",")]
+        live = live_length_costs(ours, lengths, ours.config.max_position_embeddings)
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bandwidth = args.bandwidth_gbs or next((v for k, v in BANDWIDTH.items() if k in name), None)
     kv_bytes = 2 * ours.config.num_layers * ours.config.num_kv_heads * ours.config.head_dim * dtype.itemsize
@@ -417,6 +449,11 @@ def main() -> None:
     ]
     if fp32_identical is not None:
         lines.append(f"float32 speculative output identical to autoregressive: {fp32_identical:.0%}")
+    if live:
+        size = ours.config.max_position_embeddings
+        lines += ["", f"decode step by live length, cache of {size} slots (ms, alone on the device):", "",
+                  f"| live slots | whole cache ({size}) | the span that holds them |", "|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {n} | {whole:.3f} | {span:.3f} |" for n, (whole, span) in live.items()]
     if table is not None:
         lines.append(f"\nprofile of {min(N, 24)} speculative tokens ({args.profile}):\n{table}")
     lines.append(f"\n(bench wall time {time.perf_counter() - t_start:.0f} s)")
@@ -438,6 +475,7 @@ def main() -> None:
                 "step_ms": cost,
                 "timed_compiles_captures": timed_compiles,
                 "syncs_per_forward": {"speculative": syncs, "autoregressive": ar_syncs},
+                "decode_ms_by_live_length": {n: {"whole": w, "span": s} for n, (w, s) in live.items()},
                 "identical": identical,
                 "divergences": report,
                 "fp32_identical": fp32_identical,

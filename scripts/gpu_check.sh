@@ -49,7 +49,8 @@ if [ "${1:-}" != "--tests" ]; then
   [ "${1:-}" = "--profile" ] && profile=(--profile "$OUT/profile")
   SECONDS=0
   $PY scripts/bench_gpu.py --shape 8b --drafter eagle3 --tree-budget 8 --top-k 4 --gamma 5 --accept-rate 0.83 \
-    --prompts 4 --max-new-tokens 256 --no-hf "${profile[@]}" --output-dir "$OUT/8b_eagle3" 2>&1 \
+    --prompts 4 --max-new-tokens 256 --no-hf --live-lengths 256,1024,2048,4000 "${profile[@]}" \
+    --output-dir "$OUT/8b_eagle3" 2>&1 \
     | tee "$OUT/bench_8b_eagle3.log" || status=1
   echo "gpu_check: 8B EAGLE-3 bench took ${SECONDS}s"
   SECONDS=0

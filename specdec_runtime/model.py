@@ -17,15 +17,18 @@ overwritten by the next forward. Logits match transformers' on the same weights
 One execution path. Every forward writes its K/V at its slots (an index_put_) and attends over
 the first `bound` slots of the cache under a mask built on the device from the start slot, a 0-dim
 tensor: causal, a token tree's ancestor pattern, a sliding window. Eagerly (CPU, and the prefill
-everywhere) bound is start + T, so a step reads only the live slots. On the fast path bound is the
-whole cache, so a step's shapes depend on its token count alone.
+everywhere) bound is start + T, so a step reads only the live slots. On the fast path bound is a
+span: the smallest of 256, 512, 1024, ... slots (and the whole cache) that holds start + T, each
+span its own captured step, so a step reads about the live slots while its shapes stay fixed. All
+spans of a step are captured together, and only its attention depends on the span: the compiled
+functions are the same for every span (the attention's two halves, with the SDPA between them).
 
 The fast path (`model.compile()`; `specdec generate --compile`, on by default on CUDA). Each
 distinct step, a role and a token count T (decode T = 1, a chain's g + 1, a tree's nodes, a
-drafter's exit layer, a verification resuming at layer K, ...), is captured once as one CUDA graph
-covering the whole forward, embedding to logits, with static input and output buffers
-(graphs.CapturedStep, one private memory pool each). A call copies its inputs in (the token ids, the
-start slot with one fill_ from the host's int: no host sync) and replays the graph. Lifetimes are
+drafter's exit layer, a verification resuming at layer K, ...), is captured once per span (above)
+as one CUDA graph covering the whole forward, embedding to logits, with static input and output
+buffers (graphs.CapturedStep, one private memory pool each). A call copies its inputs in (the token
+ids, the start slot with one fill_ from the host's int: no host sync) and replays the graph. Lifetimes are
 explicit: a step's outputs are valid until that same step runs again, and whoever keeps one longer
 copies it. Inside the graphs the layers' attention and MLP are torch.compile'd functions of plain
 tensors (kernel fusion; one compiled artifact serves every layer of a given T), compiled while the
@@ -239,6 +242,14 @@ def self_attention(
     layer's h is two normalized inputs side by side)."""
     if cpu_kernel.sublayer_usable(h, B, qkv, o):
         return cpu_kernel.attention(h, None, 0.0, residual, qkv, o, cos, sin, kv, slots, mask, bound)
+    q = queries(h, B, qkv, cos, sin, kv, slots)
+    return projected(attend(q, kv, mask, bound), residual, B, o)
+
+
+def queries(h: Tensor, B: int, qkv: Weights, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor) -> Tensor:
+    """Attention's first part: q/k/v of h [B*T, in] with rope, this layer's keys and values written
+    into kv at slots [T]: the queries [B, Hkv, group * T, D] (GQA without repeating keys: each kv
+    head's query group folded into the sequence axis)."""
     D = cos.shape[-1]
     Hkv = kv.shape[1] // 2
     H = qkv[0].shape[1] // D - 2 * Hkv
@@ -246,14 +257,35 @@ def self_attention(
     qkv_out = linear(h, qkv).view(B, T, H + 2 * Hkv, D)
     apply_rope_(qkv_out[:, :, : H + Hkv], cos, sin)  # q and k heads at once
     kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
-    # GQA without repeating keys: each kv head's query group is folded into the sequence axis.
-    q = qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
-    k, v = kv[:, :, :bound].split(Hkv, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    # [B, Hkv, group*T, D] -> [B*T, H*D]; CUDA's kernels may hand it back in another memory layout
-    # (the memory-efficient one's is [B, group*T, Hkv, D]): reshape copies only then.
+    return qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
+
+
+def attend(q: Tensor, kv: Tensor, mask: Tensor | None, bound: int) -> Tensor:
+    """The queries over kv's first `bound` slots under mask [group * T, bound] (None: all of them)."""
+    k, v = kv[:, :, :bound].split(kv.shape[1] // 2, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def projected(out: Tensor, residual: Tensor, B: int, o: Weights) -> Tensor:
+    """residual + o(out) for attend()'s [B, Hkv, group*T, D] -> [B*T, H*D] (CUDA's kernels may hand
+    it back in another memory layout, the memory-efficient one's [B, group*T, Hkv, D]: reshape
+    copies only then)."""
+    T = residual.shape[0] // B
+    H, D = o[0].shape[0] // out.shape[-1], out.shape[-1]
     out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
     return linear(out, o, residual=residual)
+
+
+def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, bound, eps) -> Tensor:
+    """attention() on the fast path: its compiled halves (first: norm and queries(); last:
+    projected()) around the SDPA over the step's span, which runs as it is inside the captured step,
+    so that one compiled version serves every span (Decoder.forward)."""
+    q = first(x, B, norm, qkv, cos, sin, kv, slots, eps)
+    return last(attend(q, kv, mask, bound), x, B, o)
+
+
+def _normed_queries(x, B, norm, qkv, cos, sin, kv, slots, eps) -> Tensor:
+    return queries(rms_norm(x, norm, eps), B, qkv, cos, sin, kv, slots)
 
 
 def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) -> Tensor:
@@ -347,6 +379,7 @@ class Decoder(nn.Module):
         self.row_start: Tensor | None = None  # [B] each row's first slot under left padding (left_pad())
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
+        self.live_spans = True  # fast-path steps attend over a span of the cache (spans()); False: all of it
         self._stack: cpu_kernel.Stack | None = None  # the layers' weights for the CPU kernel (kernel_stack())
         self._screen: cpu_kernel.Screen | None = None  # the lm_head's screen for the kernel (head_screen())
         # A bf16 model on a CPU with the kernel: fp32 parameters holding bf16 values, packed in bf16
@@ -406,7 +439,8 @@ class Decoder(nn.Module):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
-        self.layer_fns = (torch.compile(attention, **opts), torch.compile(mlp, **opts))
+        halves = torch.compile(_normed_queries, **opts), torch.compile(projected, **opts)
+        self.layer_fns = (partial(split_attention, *halves), torch.compile(mlp, **opts))
         self.steps = {}
 
     def keep_cpu_copies(self) -> None:
@@ -492,17 +526,24 @@ class Decoder(nn.Module):
         return self.embedding[:, :, None]
 
     def attention_inputs(
-        self, start: Tensor, T: int, bound: int | None, tree: tuple[Tensor, Tensor] | None = None, fold: bool = True
+        self,
+        start: Tensor,
+        T: int,
+        bound: int | None,
+        tree: tuple[Tensor, Tensor] | None = None,
+        fold: bool = True,
+        span: int | None = None,
     ) -> AttentionInputs:
         """Rope rows, slots and mask of T new tokens at slot `start` (0-dim). bound: the live slots
-        (start + T, known on the host) or None for the whole cache (the fast path). tree = (depth [T],
+        (start + T, known on the host) or None for the first `span` slots (the fast path; None: the
+        whole cache), stale ones masked. tree = (depth [T],
         ancestor [T, T]) for a token tree (positions start + depth). fold=False: the mask's rows
         once, not repeated per folded query head (the CPU kernel reads row t for every head)."""
         slots = start + self.slots[:T]  # [T]
         positions = slots if tree is None else start + tree[0]
         cs = self.rope[positions]  # [T, 2, D]
         live = bound is not None
-        bound = bound if live else self.slots.shape[0]
+        bound = bound if live else span or self.slots.shape[0]
         return AttentionInputs(
             cs[:, None, 0], cs[:, None, 1], slots, self._mask(slots, positions, tree, bound, live, fold), bound
         )
@@ -593,16 +634,40 @@ class Decoder(nn.Module):
         opts.pop("argmax_only")  # the captured step's head is torch's: its logits are computed anyway
         key = (tuple(x.shape), x.dtype, tree is not None, *opts.values())
         inputs = {"x": x} | ({"depth": tree[0], "ancestor": tree[1]} if tree is not None else {})
-        step = self.steps.get(key)
-        if step is None:
-            fn = partial(self._step, **opts)
-            step = self.steps[key] = CapturedStep(fn, inputs | {"start": self.slots[start]})
+        spans = self.spans()
+        span = next(s for s in spans if s >= start + T)
+        step = self.steps.get(key + (span,))
+        if step is None:  # every span at once, so that none is captured inside a timed prompt
+            for s in spans:
+                if key + (s,) not in self.steps:
+                    self.steps[key + (s,)] = self._capture(partial(self._step, span=s, **opts), inputs, start, T, s)
+            step = self.steps[key + (span,)]
         return step(start=start, **inputs)
 
-    def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None, **opts):
-        """A captured step's body: the forward over the whole cache, with the compiled layers."""
+    def _capture(self, fn, inputs: dict[str, Tensor], start: int, T: int, span: int) -> CapturedStep:
+        """fn captured at a start slot its span holds: `start`, or for a span that ends before start
+        + T, its last T slots, whose K/V the capture's runs overwrite and which are put back after
+        (a replay reads its start from its input buffer, whatever the capture's)."""
+        at = min(start, span - T)
+        kept = self.cache.kv[..., at : at + T, :].clone() if at != start else None
+        step = CapturedStep(fn, inputs | {"start": self.slots[at]})
+        if kept is not None:
+            self.cache.kv[..., at : at + T, :] = kept
+        return step
+
+    def spans(self) -> list[int]:
+        """The cache spans a fast-path step attends over (module docstring): 256, 512, ... below the
+        cache's size, and the size (live_spans False: the whole cache only)."""
+        size = self.cache.size
+        if not self.live_spans:
+            return [size]
+        return [256 << i for i in range(max(0, (size - 1) // 256).bit_length()) if 256 << i < size] + [size]
+
+    def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None, *,
+              span: int, **opts):  # fmt: skip
+        """A captured step's body: the forward over the first `span` slots, with the compiled layers."""
         tree = None if depth is None else (depth, ancestor)
-        return self._forward(x, start, None, tree=tree, layer_fns=self.layer_fns, **opts)
+        return self._forward(x, start, None, tree=tree, layer_fns=self.layer_fns, span=span, **opts)
 
     def _options(
         self,
@@ -650,13 +715,14 @@ class Decoder(nn.Module):
         head: bool,
         argmax_only: bool = False,
         layer_fns: tuple = (attention, mlp),
+        span: int | None = None,
     ) -> DecoderOutput:
-        """The forward itself, at 0-dim slot `start` (bound: see attention_inputs)."""
+        """The forward itself, at 0-dim slot `start` (bound, span: see attention_inputs)."""
         B, T = x.shape[:2]
         in_kernel = layer_fns == (attention, mlp) and self._stack_in_kernel(B * T, B)
         if first_layer == 0 and not in_kernel:
             x = self.embed_tokens(x)
-        a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel)
+        a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel, span=span)
         attn, ffn = layer_fns
         skip_attn = skip.attn if skip is not None else ()
         skip_mlp = skip.mlp if skip is not None else ()

@@ -206,6 +206,41 @@ def test_measure_warms_up_every_draft_length_before_timing():
         assert run.tokens == generate(eager, ids, None, max_new_tokens=20).tokens
 
 
+def test_steps_attend_over_the_span_that_holds_the_live_slots():
+    """A cache of 1,024 slots: a step at slot p attends over the smallest span of 256, 512, 1,024
+    that holds p + T, every span of a step captured at once (the ones that end before p at their
+    own last slots, whose K/V are put back), so generating across the spans captures nothing new,
+    leaves every live slot as the eager path writes it, and gives the eager path's tokens, for a
+    chain drafter, a tree drafter and none."""
+    eager, fast, hf = pair(max_position_embeddings=1024)
+    assert [fast.spans() for _ in [fast.setup_cache(1, 1024)]][0] == [256, 512, 1024]
+    fast.live_spans = False
+    assert fast.spans() == [1024]
+    fast.live_spans = True
+    prompt = torch.randint(0, 256, (480,), generator=torch.Generator().manual_seed(0)).tolist()
+    for name in ("autoregressive", "truncate", "eagle3 tree on device"):
+        want = generate(eager, prompt, DRAFTERS[name](eager, hf), max_new_tokens=60, gamma=3, capacity=1024)
+        d = DRAFTERS[name](fast, hf)
+        warm_up(fast, d, prompt[:200], Sampler, max_new_tokens=40, gamma=3, capacity=1024)  # captured in span 256
+        before = graphs.compile_counts()
+        got = generate(fast, prompt, d, max_new_tokens=60, gamma=3, capacity=1024)  # 480..540: spans 512, 1,024
+        assert got.tokens == want.tokens, name
+        assert graphs.compile_counts() == before, name  # the wider spans were captured with the first
+        torch.testing.assert_close(fast.cache.kv[..., :539, :], eager.cache.kv[..., :539, :], atol=1e-4, rtol=1e-4)
+    assert {key[-1] for key in fast.steps} == set(fast.spans()) == {256, 512, 1024, 1280}  # (a tree's 5 slots more)
+
+    # A step first seen past the smallest span: that span is captured at its own last slots, which
+    # hold live K/V and are put back; a shorter prompt later replays it without capturing.
+    _, fresh, _ = pair(max_position_embeddings=1024)
+    want = generate(eager, prompt, None, max_new_tokens=60, capacity=1024)
+    assert generate(fresh, prompt, None, max_new_tokens=60, capacity=1024).tokens == want.tokens
+    torch.testing.assert_close(fresh.cache.kv[..., :539, :], eager.cache.kv[..., :539, :], atol=1e-5, rtol=1e-5)
+    before = graphs.compile_counts()
+    short = generate(fresh, prompt[:100], None, max_new_tokens=20, capacity=1024).tokens
+    assert short == generate(eager, prompt[:100], None, max_new_tokens=20).tokens
+    assert graphs.compile_counts() == before
+
+
 def test_a_steps_outputs_live_until_that_step_runs_again():
     """The lifetime rule of model.py: a captured step's outputs are its static buffers, rewritten
     by its own next run and by no other step's."""
