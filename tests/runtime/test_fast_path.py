@@ -271,7 +271,8 @@ def test_one_host_sync_per_round(monkeypatch, compiled):
     eager, fast, hf = pair()
     target = fast if compiled else eager
     names = ("autoregressive", "truncate", "layer skip", "medusa tree", "stand-alone model", "mtp")
-    for name in names + ("eagle3 tree on device", "eagle3 chain on device", "eagle3 tree on device + lookup"):
+    names += ("ngram", "eagle3 tree on device", "eagle3 chain on device", "eagle3 tree on device + lookup")
+    for name in names + ("eagle3 tree on device + lookup + phrases",):
         d = DRAFTERS[name](target, hf)
         generate(target, PROMPT, d, max_new_tokens=30, gamma=3)  # warm-up (captures outside the count)
         count = {"n": 0}
