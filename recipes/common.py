@@ -467,8 +467,8 @@ def self_prompts(cfg: DictConfig, run: Run, target: Any) -> list[list[int]]:
     """responses.self_prompts user messages the target writes itself (Magpie: its chat template up
     to a user's turn, sampled), as prompt ids: the finished, distinct ones. More distinct prompts
     are what a drafter trained on a few thousand lacks: the GPU-trained EAGLE-3 drafter of the
-    bundled target reaches tau 2.22 on the built-in set's training prompts, 1.89 on held-out ones
-    (README)."""
+    bundled target reaches a higher tau on the built-in set's training prompts than on held-out ones
+    (docs/log/eagle3.md)."""
     n = cfg.responses.get("self_prompts", 0)
     if not n:
         return []
@@ -480,7 +480,7 @@ def self_prompts(cfg: DictConfig, run: Run, target: Any) -> list[list[int]]:
 
 def response_engine(cfg: DictConfig, run: Run) -> str:
     """What generates the target's responses: responses.engine, where auto is the runtime's batched
-    decoding on a CPU (the same tokens ~1.2x faster than transformers' generate on 2 cores: README)
+    decoding on a CPU (the same tokens, faster than transformers' generate: docs/log/drafters.md)
     and transformers' generate on GPUs (the runtime's batches run eagerly there; not measured)."""
     engine = cfg.responses.get("engine", "auto")
     if engine == "auto":

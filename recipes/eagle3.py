@@ -145,8 +145,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-# The phrase table's text: its Python index holds ~300 bytes a token while it is built (3.3M
-# tokens: 10 s, 1 GB), and each doubling of the text past 0.4M tokens bought ~+0.01 tau (README).
+# The phrase table's text: its Python index holds ~300 bytes a token while it is built, and more
+# text past ~0.4M tokens bought little tau (docs/log/eagle3.md).
 PHRASE_TOKENS = 4_000_000
 
 

@@ -1,26 +1,25 @@
 """Compiled kernels for a few rows on a CPU (decode, verify and draft steps): products and sublayers.
 
-A decode step multiplies one row by every weight matrix, so it is bound by reading the weights.
-MKL computes a one-row fp32 product on one core (16.6 GB/s on the developers' 2-core EPYC, with 1
-thread or 2, where two cores stream 28-34 GB/s), and its products of 2-16 rows re-read the weight
-for every few rows. `csrc/skinny.c` streams each weight once, split over torch's own OpenMP threads,
-for 1 to max_rows() rows, from a copy packed in panels of output columns (pack(): for each k, the
-panel's columns of W side by side, multiplied by x[k] broadcast: an outer product; fp32, or bf16 for
-a drafter's weights), up to 12 rows a pass from registers, the stream prefetched ahead while the
-rows' multiply-adds run, so up to ~12 rows cost about what one row costs and a prompt's prefill of
-up to max_rows() rows runs 2-4x faster than MKL's GEMM. It sums every output
-in one fixed order whatever the row count: row for row, a verify step's products (and a prefill's)
-are bitwise those of a decode step. scripts/bench_cost.py measures it against torch's products.
+A decode step multiplies one row by every weight matrix, so it is bound by reading the weights. MKL
+computes a one-row fp32 product on one core, and its products of 2-16 rows re-read the weight for
+every few rows (docs/cpu-backend.md). `csrc/skinny.c` streams each weight once, split over torch's
+own OpenMP threads, for 1 to max_rows() rows, from a copy packed in panels of output columns
+(pack(): for each k, the panel's columns of W side by side, multiplied by x[k] broadcast: an outer
+product; fp32, or bf16 for a drafter's weights), up to 12 rows a pass from registers, the stream
+prefetched ahead while the rows' multiply-adds run, so up to ~12 rows cost about what one row costs
+and a prompt's prefill beats MKL's GEMM up to max_rows() rows. It sums every output in one fixed
+order whatever the row count: row for row, a verify step's products (and a prefill's) are bitwise
+those of a decode step. scripts/bench_cost.py measures it against torch's products.
 
 `csrc/layers.c` runs a whole attention or MLP sublayer of such a step in one call (norm, products,
 rope, cache write, attention, gated activation), where torch dispatches some twenty small ops whose
-overhead was a third of a decode step, and a one-sequence step's whole layer stack in one call
-(decoder_layers(), from a Stack of pointers the model builds once); it keeps the same row-for-row
-guarantee. model.Decoder hands a step's layers to it (stack_takes()); model.attention(),
-self_attention() and mlp() their rows otherwise (sublayer_usable()), and an EAGLE-3 drafter's
-draft step runs in one call too (eagle3_rows()), as does its whole tree draft (eagle3_draft()).
-`csrc/argmax.c` takes greedy
-decoding's argmax of the logits (argmax(), sampling.argmax), ~4.5x torch's speed on a row.
+overhead is a large share of a small model's decode step, and a one-sequence step's whole layer
+stack in one call (decoder_layers(), from a Stack of pointers the model builds once); it keeps the
+same row-for-row guarantee. model.Decoder hands a step's layers to it (stack_takes());
+model.attention(), self_attention() and mlp() their rows otherwise (sublayer_usable()), and an
+EAGLE-3 drafter's draft step runs in one call too (eagle3_rows()), as does its whole tree draft
+(eagle3_draft()). `csrc/argmax.c` takes greedy decoding's argmax of the logits (argmax(),
+sampling.argmax) in one pass. Every change, measured: docs/log/cpu-kernel.md.
 
 It is compiled on first use (`cc -O3 -march=native -fopenmp`, about a second) into
 $SPECDEC_CACHE/kernels and loaded with ctypes. Where it cannot be built or used (not Linux, no C
@@ -51,13 +50,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-# The most rows a call takes. With the quads of an earlier kernel, built for AVX2, MKL's GEMM was
-# faster from ~256 rows on, and with AVX-512 the kernel's whole prefill ran in 0.58 / 0.69 / 0.82 /
-# 0.95 / 1.12x the time of torch's at 129 / 256 / 512 / 1024 / 2048 tokens (its attention reads
-# every slot up to the last row's, masked or not: SDPA skips them). The panels' products of 64 /
-# 128 / 256 / 512 rows take 0.34 / 0.39 / 0.51 / 0.52x MKL's time (AVX-512; scripts/bench_cost.py --rows).
-# max_rows() is this build's. A longer prompt runs in chunks of model.PREFILL_CHUNK rows, each
-# attending only to the slots up to its own last row (0.51-0.62x torch's time at 768-3000 tokens).
+# The most rows a call takes: past them MKL's GEMM (and SDPA, which skips masked slots) win
+# (docs/log/cpu-kernel.md; scripts/bench_cost.py --rows). max_rows() is this build's. A longer
+# prompt runs in chunks of model.PREFILL_CHUNK rows, each attending only to the slots up to its own
+# last row.
 MAX_ROWS, WIDE_MAX_ROWS = 128, 512
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "skinny.c", CSRC / "layers.c", CSRC / "argmax.c")

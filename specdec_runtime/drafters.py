@@ -274,8 +274,8 @@ class NgramDrafter(Drafter):
 
     The sequence's n-grams are indexed as it grows (a host dict: n-gram -> the positions right
     after each occurrence, in order), so a round reads only its new tokens and looks its suffix up
-    instead of scanning the sequence with a dozen small tensor ops (~0.35 ms a round on a 2-core
-    CPU, its code cold after the target's forward: 2-3% of a decode step). start() begins a new
+    instead of scanning the sequence with a dozen small tensor ops (a few percent of a CPU's decode
+    step: docs/log/drafters.md). start() begins a new
     sequence; a shorter one than the indexed is indexed afresh. The generate loop hands it the new
     tokens on the host (observe_tokens); a caller that does not, has them read from ids."""
 
@@ -328,10 +328,8 @@ class LookupFirst(Drafter):
 
     A lookup drafts `tokens` tokens where the round's gamma is shorter: its tokens cost nothing to
     draft and little to verify (a CPU verifies 5 tokens in ~1.2 decode steps and, with 512-bit
-    products, 9 in ~1.3; a GPU many more), and a copy that matched goes on being right. On the
-    quickstart's EAGLE-3 drafter (chains of 2), lookups of 4 measured tau 1.71 / 1.36x against 1.61
-    / 1.32x for lookups of 2; on the 2,048-prompt drafter with trees of 5 (48 prompts), lookups of
-    8 measured 2.18 / 1.508x against 2.07 / 1.480x for 4, and 11 2.21 / 1.515x (README).
+    products, 9 in ~1.3; a GPU many more), and a copy that matched goes on being right: longer
+    lookups raised tau and the speedup on every EAGLE-3 drafter tried (docs/log/eagle3.md).
 
     With a phrase table (specdec_runtime.phrases: what the target's training responses agree
     follows the last 4 tokens), a round the prompt does not match drafts the table's chain where it

@@ -259,8 +259,8 @@ class FusedLayer(NamedTuple):
         CPU kernel reads them (cpu_copies, fp32 on a CPU), the weight matrices rounded to bf16 and
         packed so: half the bytes a draft step reads. Every path then uses the rounded weights.
         Where the kernel multiplies bf16 pairs (cpu_kernel.pairs(): AVX512-BF16), it multiplies
-        them by rows rounded to bf16 too, summing in fp32 (twice the multiply-adds a cycle; a
-        draft step's products are bound by them, not by their bytes, on the 2-core EPYC)."""
+        them by rows rounded to bf16 too, summing in fp32 (twice the multiply-adds a cycle, which
+        bound a draft step's products on a CPU more than their bytes: docs/log/cpu-kernel.md)."""
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         prep = lambda w: w.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         own = block_state_dict(model.config.layer, sd, "layers.0.", "", prep)
@@ -343,11 +343,9 @@ class Eagle3Drafter(Drafter):
         self.target, self.name, self.gamma = target, name, gamma
         self.tree_budget, self.top_k = tree_budget, top_k
         self.tree_nodes = tree_budget  # the target's KV slots a tree writes past the sequence
-        # Its best 2 nodes beside each lookup (LookupFirst.merge), measured on the 2-core EPYC with
-        # the best drafter, 48 prompts (docs/history/eagle3.md): greedy tau 2.66 -> 2.74, tokens/s
-        # +0.5% on average over six runs (-0.5 to +1.6%); sampled +0.4-1.1%. 3 nodes: greedy
-        # +1.9-2.1%, sampled -1.3 to -1.7%; 8: greedy -2.6%. Off on a GPU, where it is unmeasured and
-        # its trees of up to 11 rows would add captured steps to the warm-up.
+        # Its best 2 nodes beside each lookup (LookupFirst.merge): on a CPU the best of 2, 3 and 8
+        # greedy and sampled (docs/log/eagle3.md). Off on a GPU, where it is unmeasured and its trees
+        # of up to 11 rows would add captured steps to the warm-up.
         self.lookup_merge = 2 if target.device.type == "cpu" else 0
         self.hidden_layers = tuple(cfg.aux_layers)
         self.draft_ids = self.model.draft_ids.to(target.device)  # [N] target id of each draft id
@@ -418,9 +416,9 @@ class Eagle3Drafter(Drafter):
         """A draft step of rows tokens [T]: (prenorm [T, H], draft logits [T - head_from, N] of rows
         head_from..). inputs: the target's features [T, 3 H_t] (project: fc first, Eagle3Model.project)
         or the previous step's prenorm [T, H]; row t at rope position first + t * step; slots, mask
-        and bound as _rows. On a CPU with the runtime's kernel, one call (cpu_kernel.eagle3_rows: a
-        5-node tree's drafting 1.47 -> 1.10 ms a round on the 2-core EPYC, where ~20 torch ops a
-        step had surrounded three kernel calls); its norms are the kernel's, so drafts agree with
+        and bound as _rows. On a CPU with the runtime's kernel, one call (cpu_kernel.eagle3_rows,
+        instead of ~20 torch ops around three kernel calls: docs/log/cpu-kernel.md); its norms are
+        the kernel's, so drafts agree with
         the torch ops' to rounding (tested), and the target decides either way."""
         cfg = self.model.config.layer
         inputs = inputs.to(self.w.dtype)
@@ -459,8 +457,7 @@ class Eagle3Drafter(Drafter):
         k = taps.shape[0]
         # More rows than a kernel call takes (a long prompt's, at its first draft): the leading ones in
         # chunks through the kernel, each causal over the slots before it, as the target's prefill runs
-        # (the first draft after 2,975 prompt tokens: 88 ms, against 362-379 for the torch ops' one pass
-        # and 126 for one kernel call of every row; 2-core EPYC).
+        # (a fraction of one pass of the torch ops: docs/log/cpu-kernel.md).
         while self.kernel_w is not None and k > cpu_kernel.max_rows():
             first = L - 1 - k
             pos = self.slots[first : first + PREFILL_CHUNK]

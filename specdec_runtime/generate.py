@@ -117,8 +117,8 @@ def warm_up(
     seen inside a timed prompt would put its compilation and capture in that prompt's time (a
     lookup of 8 tokens at gamma 2 verifies 9). LookupFirst's lookups are chains of any of those
     lengths whatever its model drafts (an EAGLE-3 tree drafter's: trees), so chains of each length
-    are verified too (_Chains: on an H200, the 8 chain shapes captured inside the timed prompts had
-    made EAGLE-3 + lookup 0.25x of autoregressive decoding)."""
+    are verified too (_Chains: captured inside timed prompts, they once made EAGLE-3 + lookup slower
+    than autoregressive decoding on an H200: docs/log/gpu.md); and a LookupFirst's model alone."""
     kw = dict(generate_kwargs, adaptive_gamma=False)
     if drafter is None or not target.compiled:
         generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)

@@ -59,8 +59,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.graphs import CapturedStep
 
 # A prompt longer than the CPU kernel takes in one call is prefilled this many tokens a call
-# (Decoder.prefill): chunks of 128 / 256 / 512 took 1.59 / 1.65 / 1.69 s for 1600 tokens, torch's
-# ops over the whole prompt 2.83 s (2-core EPYC).
+# (Decoder.prefill): the fastest chunk tried, all well under torch's one pass (docs/log/cpu-kernel.md).
 PREFILL_CHUNK = 128
 
 
@@ -518,8 +517,7 @@ class Decoder(nn.Module):
         tied to an lm_head the CPU kernel reads, that packed copy (cpu_kernel.pack: a token's H
         values 4 P bytes apart in one run, which the hardware prefetcher streams), else the table
         itself as [V, H, 1]. A tied table's [H, V] weight holds a token's values a row (4 V bytes)
-        apart, each on its own page: looking up 1 / 9 tokens took ~70 / ~150 us from memory on
-        the 2-core EPYC, against a ~8 ms decode step (README)."""
+        apart, each on its own page, which the prefetcher cannot stream (docs/log/cpu-kernel.md)."""
         packed = self.lm_head.weight_packed
         if self.embed is None and packed is not None and packed.dtype == self.lm_head.weight.dtype:
             return packed
@@ -580,8 +578,8 @@ class Decoder(nn.Module):
         Where the CPU kernel runs this model's layers (one sequence, fp32, packed weights), a prompt
         longer than a kernel call takes (cpu_kernel.max_rows()) runs in chunks of PREFILL_CHUNK
         tokens, each attending to the slots before it, instead of through torch's ops: its rows are
-        bitwise those of one kernel call and of decode steps, and 768-3000 tokens took 0.51-0.62x
-        the time on a 2-core EPYC (README)."""
+        bitwise those of one kernel call and of decode steps, and they take about half the time
+        (docs/log/cpu-kernel.md)."""
         opts, (B, T) = self._options(ids, **kwargs), ids.shape[:2]
         chunked = T > PREFILL_CHUNK  # (one chunk or none: the same call)
         if chunked:  # whether the kernel takes a chunk's rows, and one call would not take them all
@@ -724,8 +722,7 @@ class Decoder(nn.Module):
             x = self.embed_tokens(x)
         a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel, span=span)
         if span is not None and a.mask is not None:  # the fast path: an additive mask, made once a step
-            # (a boolean one is converted by the SDPA in every layer: 3.6 us a layer at 8B on an H200,
-            # outside the compiled code: docs/results.md)
+            # (the SDPA converts a boolean one in every layer, outside the compiled code: docs/log/gpu.md)
             additive = torch.zeros(a.mask.shape, dtype=self.dtype, device=a.mask.device)
             a = a._replace(mask=additive.masked_fill_(~a.mask, float("-inf")))
         attn, ffn = layer_fns

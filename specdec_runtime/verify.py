@@ -150,8 +150,8 @@ def _walk(tree: Tree, t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Ten
 
     chosen [N+1] bool (the root counts as chosen). Returns (path [D+1], accept_len): the node per
     depth, root first; entries past accept_len point at the root. On a CPU the device is the host,
-    so the tree's own lists are walked (_walk_on_host: a dozen small tensor ops cost ~0.2 ms a
-    round there, with the caches cold from the target's weight stream); elsewhere it stays on the
+    so the tree's own lists are walked (_walk_on_host: a dozen small tensor ops, cold after the
+    target's weight stream, cost more there: docs/log/cpu-kernel.md); elsewhere it stays on the
     device (_walk_on_device), so that the loop syncs once a round.
     """
     return _walk_on_host(tree, chosen) if chosen.device.type == "cpu" else _walk_on_device(t, chosen)
@@ -184,9 +184,8 @@ def greedy_on_host(tree: Tree | None, tokens: list[int], choice: list[int]) -> t
     node indices per depth, root first (as Verdict.path, entries past the accepted length
     pointing at the root), and its accepted tokens followed by the target's own.
     verify_greedy's and verify_tree_greedy's rule, over Python lists: on a CPU the device is the
-    host, and with the rule's and the loop's dozen tensor ops a round took ~0.27 ms of Python
-    there against ~0.17 ms so (an EAGLE-3 tree drafter with lookup on the 2-core EPYC: their code
-    is cold after the target's weight stream)."""
+    host, and the rule's and the loop's dozen tensor ops, cold after the target's weight stream,
+    cost more than the lists (docs/log/cpu-kernel.md)."""
     if tree is None:
         n = 0
         while n < len(tokens) and tokens[n] == choice[n]:
@@ -207,8 +206,7 @@ def sample_on_host(
     accepted with probability p(c) / (1 - the mass of the siblings rejected before it); where all
     are rejected, or at a leaf, the next token is drawn from p less the rejected children. Only the
     rows the walk reaches are warped, where the device rules warp every row and run a dozen [N + 1,
-    V] tensor ops (on the 2-core EPYC, 0.49 ms a round against ~0.8, cold after the target's
-    weight stream). Returns (path, new): the accepted nodes, root first, and their tokens
+    V] tensor ops (docs/log/cpu-kernel.md). Returns (path, new): the accepted nodes, root first, and their tokens
     followed by the target's."""
     parent = tree.structure[0] if tree is not None else list(range(-1, len(tokens)))
     # u[c]: node c's acceptance draw, drawn as the device rules draw them (a tree: one a node, the

@@ -5,8 +5,8 @@
     key = cache_key(target_path, prompts, settings)    # target + prompts + generation settings
 
 Generation is batched with left padding: by transformers' generate for a transformers model, by the
-runtime's generate_batch for a specdec_runtime Decoder (the same tokens ~1.2x faster on 2 CPU
-cores; recipes choose with responses.engine). With a cache_dir, every finished
+runtime's generate_batch for a specdec_runtime Decoder (the same tokens, faster on a CPU:
+docs/log/drafters.md; recipes choose with responses.engine). With a cache_dir, every finished
 batch is appended to a per-process part file, so an interrupted run resumes where it stopped, and
 a finished set is merged into responses.jsonl that later runs (any process count) read directly.
 Under several processes each one generates its share (prompt i goes to rank i % world).
