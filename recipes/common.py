@@ -34,18 +34,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdec_runtime.errors import SpecdecError
+from specdec_runtime.hardware import cpu_threads, fast_bf16, resolve_device, resolve_dtype
 from specdec_runtime.hub import check_push, push_command, push_folder
-from specdec_runtime.loading import (
-    cache_root,
-    cpu_threads,
-    fast_bf16,
-    hub_id_of,
-    load_hf_model,
-    resolve_device,
-    resolve_dtype,
-    resolve_model,
-    stop_token_ids,
-)
+from specdec_runtime.loading import load_hf_model, stop_token_ids
+from specdec_runtime.paths import cache_root, hub_id_of, resolve_model
 from train import checkpoint
 from train.data import (
     Batches,

@@ -47,7 +47,8 @@ from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafter_spec import LOOKUP
 from specdec_runtime.drafters import LookupFirst
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
-from specdec_runtime.loading import cache_root, load_hf_config, resolve_model
+from specdec_runtime.loading import load_hf_config
+from specdec_runtime.paths import cache_root, resolve_model
 from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint

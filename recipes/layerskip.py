@@ -38,7 +38,8 @@ from recipes.common import (
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter
-from specdec_runtime.loading import LoadedModel, load_hf_config, load_model, resolve_model
+from specdec_runtime.loading import LoadedModel, load_hf_config, load_model
+from specdec_runtime.paths import resolve_model
 from train.data import prompts_of
 from train.export import Card, export_skipset
 from train.layerskip import (

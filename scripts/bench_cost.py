@@ -29,7 +29,8 @@ import torch
 from specdec_runtime import cpu_kernel
 from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
-from specdec_runtime.loading import fast_bf16, load_model, resolve_dtype, using_threads
+from specdec_runtime.hardware import fast_bf16, resolve_dtype, using_threads
+from specdec_runtime.loading import load_model
 from specdec_runtime.medusa import MedusaHeads
 from specdec_runtime.model import Decoder, Linear, linear
 from specdec_runtime.sampling import Sampler

@@ -40,7 +40,8 @@ from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.drafters import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate, warm_up
-from specdec_runtime.loading import LoadedModel, resolve_model
+from specdec_runtime.loading import LoadedModel
+from specdec_runtime.paths import resolve_model
 from specdec_runtime.prompts import Prompt
 from specdec_runtime.reference import assisted_kwargs, hf_generate
 from specdec_runtime.sampling import Sampler

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every setting generate and bench share, checked before anything is loaded or written."""
-    from specdec_runtime.loading import resolve_device, resolve_dtype
+    from specdec_runtime.hardware import resolve_device, resolve_dtype
     from specdec_runtime.sampling import Sampler
 
     resolve_dtype(args.dtype, resolve_device(args.device))
@@ -166,7 +166,8 @@ def load_target(args: argparse.Namespace) -> "LoadedModel":  # noqa: F821
     """The target on its device, compiled for CUDA graphs when --compile asks (auto: on CUDA)."""
     import torch
 
-    from specdec_runtime.loading import cpu_threads, load_model, resolve_device
+    from specdec_runtime.hardware import cpu_threads, resolve_device
+    from specdec_runtime.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "bench":
             run_bench(args)
         elif args.command == "prepare":
-            from specdec_runtime.loading import resolve_model
+            from specdec_runtime.paths import resolve_model
 
             for name in args.models:
                 print(resolve_model(name))

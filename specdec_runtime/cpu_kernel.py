@@ -50,6 +50,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from specdec_runtime.paths import cache_root
+
 # The most rows a call takes: past them MKL's GEMM (and SDPA, which skips masked slots) win
 # (docs/log/cpu-kernel.md; scripts/bench_cost.py --rows). max_rows() is this build's. A longer
 # prompt runs in chunks of model.PREFILL_CHUNK rows, each attending only to the slots up to its own
@@ -81,8 +83,6 @@ def _openmp_runtimes() -> set[str]:
 def _build() -> Path:
     """The compiled kernel, built once per source, compiler and CPU (atomically: concurrent
     processes each compile to a temporary file and rename it into place)."""
-    from specdec_runtime.loading import cache_root  # loading imports the model, which imports this
-
     if not sys.platform.startswith("linux"):
         raise Unavailable(f"built only on Linux, not {sys.platform}")
     if "OpenMP" not in torch.__config__.parallel_info():

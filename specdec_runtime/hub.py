@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import is_hub_id
+from specdec_runtime.paths import is_hub_id
 
 
 def hub_token(token: str | None = None) -> str | None:

@@ -31,14 +31,14 @@ from torch import Tensor, nn
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import SIDE_FOLDER
 from specdec_runtime.model import Block, Decoder, KVCache, Linear, attention, block_state_dict, mlp, rms_norm
+from specdec_runtime.paths import SIDE_FOLDER
 from specdec_runtime.sampling import Sampler
 
 if TYPE_CHECKING:
     from specdec_runtime.loading import LoadedModel
 
-MTP_CONFIG = f"{SIDE_FOLDER}/mtp_config.json"  # specdec/: no engine's weight glob reads it (loading.SIDE_FOLDER)
+MTP_CONFIG = f"{SIDE_FOLDER}/mtp_config.json"  # specdec/: no engine's weight glob reads it (paths.SIDE_FOLDER)
 MTP_WEIGHTS = f"{SIDE_FOLDER}/mtp_heads.safetensors"
 
 

@@ -62,7 +62,7 @@ def test_installed_in_a_fresh_virtualenv_it_builds_and_uses_the_kernel(wheel, tm
         """
         import sys, torch, specdec_runtime
         from specdec_runtime import cpu_kernel
-        from specdec_runtime.loading import cache_root
+        from specdec_runtime.paths import cache_root
         from specdec_runtime.model import Weights, linear
         assert specdec_runtime.__file__.startswith(sys.argv[1]), specdec_runtime.__file__
         assert cpu_kernel.kernel() is not None, "the kernel was not built"

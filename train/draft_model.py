@@ -112,7 +112,8 @@ def drafter_from_pretrained(name: str, target_tokenizer: Any, dtype: torch.dtype
     """An existing small model; refused unless its tokenizer maps every token to the target's id."""
     from transformers import AutoTokenizer
 
-    from specdec_runtime.loading import load_hf_model, resolve_model
+    from specdec_runtime.loading import load_hf_model
+    from specdec_runtime.paths import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model(name))
     if tok.get_vocab() != target_tokenizer.get_vocab():

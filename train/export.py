@@ -40,7 +40,7 @@ import torch
 
 from specdec_runtime.drafter_spec import LOOKUP
 from specdec_runtime.export_check import Claim, Report, check_export, target_facts, write_manifest
-from specdec_runtime.loading import DRAFT_VOCAB_FILE, is_hub_id
+from specdec_runtime.paths import DRAFT_VOCAB_FILE, is_hub_id
 from specdec_runtime.phrases import PhraseTable
 from train.draft_model import full_state_dict
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters import Drafter
-from specdec_runtime.loading import resolve_dtype, using_threads
+from specdec_runtime.hardware import resolve_dtype, using_threads
 from specdec_runtime.measure import measure
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler

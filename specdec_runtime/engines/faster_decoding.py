@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from specdec_runtime.engines.common import Engine, Expected, Folder, Verdict, compare
-from specdec_runtime.loading import is_hub_id
+from specdec_runtime.paths import is_hub_id
 
 ENGINE = Engine(
     "FasterDecoding Medusa",

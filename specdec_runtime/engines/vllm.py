@@ -20,7 +20,7 @@ from specdec_runtime.engines.common import (
     names,
     weight_files,
 )
-from specdec_runtime.loading import is_hub_id
+from specdec_runtime.paths import is_hub_id
 
 ENGINE = Engine(
     "vLLM",

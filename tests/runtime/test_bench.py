@@ -8,7 +8,7 @@ import torch
 
 from specdec_runtime import bench
 from specdec_runtime.cli import main
-from specdec_runtime.loading import cpu_threads
+from specdec_runtime.hardware import cpu_threads
 from specdec_runtime.stats import GenerationStats
 from tests.conftest import offline_run, save_tiny_model, write_prompt_file
 

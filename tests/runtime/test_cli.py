@@ -189,11 +189,11 @@ def test_generate_runs_on_cuda_by_default_without_a_warning(tiny_dir, tmp_path, 
 def test_generate_decodes_on_the_measured_thread_count_unless_told(tiny_dir, tmp_path, capsys, monkeypatch):
     """--threads 0 (the default): the count decoding ran fastest on here (cpu_threads), said;
     --threads N: N, nothing timed."""
-    from specdec_runtime import loading
+    from specdec_runtime import hardware
 
-    choice = loading.ThreadChoice("decode", 1, ((1, 0.004), (2, 0.006)))
+    choice = hardware.ThreadChoice("decode", 1, ((1, 0.004), (2, 0.006)))
     asked = []
-    monkeypatch.setattr(loading, "cpu_threads", lambda work: asked.append(work) or choice)
+    monkeypatch.setattr(hardware, "cpu_threads", lambda work: asked.append(work) or choice)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
     common = ["generate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "4"]

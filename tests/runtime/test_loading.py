@@ -7,7 +7,8 @@ import torch
 
 from specdec_runtime.drafter_spec import build_drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import check_same_vocab, load_model, resolve_model
+from specdec_runtime.loading import check_same_vocab, load_model
+from specdec_runtime.paths import resolve_model
 from tests.conftest import save_tiny_model, save_tiny_tokenizer, tiny_hf_model
 
 
@@ -93,9 +94,9 @@ def test_drafter_specs(tiny_dir):
 
 def test_cached_conversion_is_reused(bundled, monkeypatch):
     """A second resolve reads the cached folder and never touches the GGUF converter."""
-    import specdec_runtime.loading as loading
+    import specdec_runtime.paths as paths
 
-    monkeypatch.setattr(loading, "convert_gguf", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr(paths, "convert_gguf", lambda *a: pytest.fail("converted twice"))
     assert resolve_model("smollm2-135m-instruct") == bundled.path
     config = json.loads((bundled.path / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
@@ -105,18 +106,18 @@ def test_fast_dtype_follows_the_measured_bf16_speed(monkeypatch):
     """'fast' is bf16 exactly when a bf16 matmul took under 0.8x of fp32's time on this device
     (measured once per process); both verdicts reach model.dtype and trainer.mixed_precision."""
     from recipes.common import mixed_precision
-    from specdec_runtime import loading
+    from specdec_runtime import hardware
 
     cpu = torch.device("cpu")
-    speed = loading.fast_bf16(cpu)
-    assert speed.ratio > 0 and speed.fast == (speed.ratio < 0.8) and loading.fast_bf16(cpu) is speed
+    speed = hardware.fast_bf16(cpu)
+    assert speed.ratio > 0 and speed.fast == (speed.ratio < 0.8) and hardware.fast_bf16(cpu) is speed
     assert f"on this CPU with {torch.get_num_threads()} thread" in str(speed)
-    assert loading.resolve_dtype("fast", cpu) == (torch.bfloat16 if speed.fast else torch.float32)
+    assert hardware.resolve_dtype("fast", cpu) == (torch.bfloat16 if speed.fast else torch.float32)
     for ratio, dtype, mp in ((0.3, torch.bfloat16, "bf16"), (9.0, torch.float32, "no")):
-        verdict = loading.Bf16Speed("CPU", ratio, ratio < 0.8)
-        monkeypatch.setattr(loading, "_bf16_speed", lambda device_type, v=verdict: v)
+        verdict = hardware.Bf16Speed("CPU", ratio, ratio < 0.8)
+        monkeypatch.setattr(hardware, "_bf16_speed", lambda device_type, v=verdict: v)
         monkeypatch.setattr("recipes.common.fast_bf16", lambda device, v=verdict: v)
-        assert loading.resolve_dtype("fast", cpu) == dtype and mixed_precision("fast", "cpu") == mp
+        assert hardware.resolve_dtype("fast", cpu) == dtype and mixed_precision("fast", "cpu") == mp
         assert ("using bf16" if dtype == torch.bfloat16 else "using fp32") in str(verdict)
 
 
@@ -133,13 +134,13 @@ def test_fast_dtype_follows_the_measured_bf16_speed(monkeypatch):
 def test_thread_candidates_are_the_cores_and_the_usable_cpus_within_a_quota(
     monkeypatch, default, usable, quota, env, candidates, why
 ):
-    from specdec_runtime import loading
+    from specdec_runtime import hardware
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: default)
-    monkeypatch.setattr(loading.os, "sched_getaffinity", lambda pid: set(range(usable)))
-    monkeypatch.setattr(loading, "_cgroup_cpus", lambda: quota)
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: set(range(usable)))
+    monkeypatch.setattr(hardware, "_cgroup_cpus", lambda: quota)
     monkeypatch.setenv("OMP_NUM_THREADS", env)
-    assert loading.thread_candidates() == (candidates, why)
+    assert hardware.thread_candidates() == (candidates, why)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +155,7 @@ def test_thread_candidates_are_the_cores_and_the_usable_cpus_within_a_quota(
     ],
 )
 def test_cgroup_quota_in_cpus(tmp_path, files, cpus):
-    from specdec_runtime.loading import _cgroup_cpus
+    from specdec_runtime.hardware import _cgroup_cpus
 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
@@ -163,7 +164,7 @@ def test_cgroup_quota_in_cpus(tmp_path, files, cpus):
 
 
 def test_thread_timing_runs_each_count_alternately_and_restores_torchs():
-    from specdec_runtime.loading import _median_times
+    from specdec_runtime.hardware import _median_times
 
     before, ran = torch.get_num_threads(), []
     median = _median_times(lambda: ran.append(torch.get_num_threads()), [1, 2], repeats=3)
@@ -177,42 +178,42 @@ def test_thread_timing_runs_each_count_alternately_and_restores_torchs():
     [({2: 1.0, 4: 0.90}, 4), ({2: 1.0, 4: 0.97}, 2), ({2: 1.0, 4: 1.30}, 2), ({2: 0.5, 4: 1.0}, 2)],
 )
 def test_a_count_other_than_torchs_must_be_5_percent_faster(monkeypatch, times, chosen):
-    from specdec_runtime import loading
+    from specdec_runtime import hardware
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(loading, "thread_candidates", lambda: ([2, 4], ""))
-    monkeypatch.setattr(loading, "_median_times", lambda work, candidates: times)
-    loading.cpu_threads.cache_clear()
+    monkeypatch.setattr(hardware, "thread_candidates", lambda: ([2, 4], ""))
+    monkeypatch.setattr(hardware, "_median_times", lambda work, candidates: times)
+    hardware.cpu_threads.cache_clear()
     try:
         for work in ("decode", "train"):
-            choice = loading.cpu_threads(work)
+            choice = hardware.cpu_threads(work)
             assert choice.threads == chosen and choice.timed == tuple(sorted(times.items()))
             assert f"on {chosen} CPU threads: its timed work took {1e3 * times[2]:.2f} ms with 2" in str(choice)
     finally:
-        loading.cpu_threads.cache_clear()
+        hardware.cpu_threads.cache_clear()
     with pytest.raises(ValueError, match="'decode' or 'train'"):
-        loading.cpu_threads("verify")
+        hardware.cpu_threads("verify")
 
 
 def test_thread_choice_on_this_machine_times_real_work_where_there_is_a_choice(monkeypatch):
     """Forced to choose between 1 thread and torch's count, both kinds of work run and are timed
     on this CPU, and the choice follows the rule from the times it recorded."""
-    from specdec_runtime import loading
+    from specdec_runtime import hardware
 
     default = torch.get_num_threads()
     if default < 2:
         pytest.skip("one CPU thread: nothing to choose between")
-    monkeypatch.setattr(loading, "thread_candidates", lambda: ([1, default], ""))
-    loading.cpu_threads.cache_clear()
+    monkeypatch.setattr(hardware, "thread_candidates", lambda: ([1, default], ""))
+    hardware.cpu_threads.cache_clear()
     try:
         for work in ("decode", "train"):
-            choice = loading.cpu_threads(work)
+            choice = hardware.cpu_threads(work)
             times = dict(choice.timed)
             assert set(times) == {1, default} and torch.get_num_threads() == default
             assert choice.threads == (1 if times[1] < 0.95 * times[default] else default)
     finally:
-        loading.cpu_threads.cache_clear()
+        hardware.cpu_threads.cache_clear()
     monkeypatch.undo()
-    candidates, why = loading.thread_candidates()  # unpatched: what this machine offers
-    assert max(candidates) <= len(loading.os.sched_getaffinity(0)) and min(candidates) == min(default, max(candidates))
+    candidates, why = hardware.thread_candidates()  # unpatched: what this machine offers
+    assert max(candidates) <= len(hardware.os.sched_getaffinity(0)) and min(candidates) == min(default, max(candidates))
     assert bool(why) == (len(candidates) == 1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.loading import resolve_model
+from specdec_runtime.paths import resolve_model
 from train.data import (
     Batches,
     Conversation,

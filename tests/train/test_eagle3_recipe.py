@@ -255,7 +255,7 @@ def test_training_and_validation_run_on_the_threads_measured_fastest_for_each(ti
     back to training's after validating; both choices are said up front."""
     import torch
 
-    from specdec_runtime.loading import ThreadChoice
+    from specdec_runtime.hardware import ThreadChoice
 
     choices = {
         "train": ThreadChoice("train", 1, ((1, 0.010), (2, 0.012))),
@@ -291,7 +291,7 @@ def test_thread_choices_are_one_line_when_nothing_was_timed_and_untouched_under_
     import torch
 
     from recipes.common import choose_threads
-    from specdec_runtime.loading import ThreadChoice
+    from specdec_runtime.hardware import ThreadChoice
 
     why = "one per core: 2 usable CPUs, no SMT siblings to try"
     monkeypatch.setattr("recipes.common.cpu_threads", lambda work: ThreadChoice(work, 2, why=why))
