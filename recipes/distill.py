@@ -15,25 +15,20 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from recipes.common import (
-    Conversations,
+from recipes.checks import check_conversations, refuse, run_or_exit
+from recipes.data import Conversations, conversations, generation_kwargs, training_examples
+from recipes.run import (
     Run,
-    check_conversations,
-    conversations,
     finish,
-    generation_kwargs,
     load_target,
     make_batches,
     make_horizon,
     make_optimizer_from,
     make_progress,
     make_tracker,
-    refuse,
     resume,
-    run_or_exit,
     start,
     target_card,
-    training_examples,
     validation_due,
 )
 from specdec_runtime.drafters import ModelDrafter

@@ -24,17 +24,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.common import (
-    Run,
-    check_tracking,
-    finish,
-    make_tracker,
-    record_config,
-    refuse,
-    run_or_exit,
-    start,
-    target_hub_id,
-)
+from recipes.checks import check_tracking, refuse, run_or_exit, target_hub_id
+from recipes.run import Run, finish, make_tracker, record_config, start
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layerskip import SkipSet, skip_drafter

@@ -22,11 +22,10 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from recipes.common import (
-    Conversations,
+from recipes.checks import check_conversations, refuse, run_or_exit
+from recipes.data import Conversations, conversations, target_responses, training_examples
+from recipes.run import (
     Run,
-    check_conversations,
-    conversations,
     finish,
     load_target,
     make_batches,
@@ -34,13 +33,9 @@ from recipes.common import (
     make_optimizer_from,
     make_progress,
     make_tracker,
-    refuse,
     resume,
-    run_or_exit,
     start,
     target_card,
-    target_responses,
-    training_examples,
 )
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.hardware import resolve_dtype

@@ -23,20 +23,17 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from recipes.common import (
+from recipes.checks import check_trainer, refuse, run_or_exit, target_hub_id
+from recipes.run import (
     Run,
-    check_trainer,
     finish,
     make_batches,
     make_horizon,
     make_optimizer_from,
     make_progress,
     make_tracker,
-    refuse,
     resume,
-    run_or_exit,
     start,
-    target_hub_id,
     validation_due,
 )
 from specdec_runtime.errors import SpecdecError

@@ -105,7 +105,7 @@ def test_cached_conversion_is_reused(bundled, monkeypatch):
 def test_fast_dtype_follows_the_measured_bf16_speed(monkeypatch):
     """'fast' is bf16 exactly when a bf16 matmul took under 0.8x of fp32's time on this device
     (measured once per process); both verdicts reach model.dtype and trainer.mixed_precision."""
-    from recipes.common import mixed_precision
+    from recipes.run import mixed_precision
     from specdec_runtime import hardware
 
     cpu = torch.device("cpu")
@@ -116,7 +116,7 @@ def test_fast_dtype_follows_the_measured_bf16_speed(monkeypatch):
     for ratio, dtype, mp in ((0.3, torch.bfloat16, "bf16"), (9.0, torch.float32, "no")):
         verdict = hardware.Bf16Speed("CPU", ratio, ratio < 0.8)
         monkeypatch.setattr(hardware, "_bf16_speed", lambda device_type, v=verdict: v)
-        monkeypatch.setattr("recipes.common.fast_bf16", lambda device, v=verdict: v)
+        monkeypatch.setattr("recipes.run.fast_bf16", lambda device, v=verdict: v)
         assert hardware.resolve_dtype("fast", cpu) == dtype and mixed_precision("fast", "cpu") == mp
         assert ("using bf16" if dtype == torch.bfloat16 else "using fp32") in str(verdict)
 

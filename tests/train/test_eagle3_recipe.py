@@ -261,7 +261,7 @@ def test_training_and_validation_run_on_the_threads_measured_fastest_for_each(ti
         "train": ThreadChoice("train", 1, ((1, 0.010), (2, 0.012))),
         "decode": ThreadChoice("decode", 2, ((1, 0.009), (2, 0.005))),
     }
-    monkeypatch.setattr("recipes.common.cpu_threads", choices.get)
+    monkeypatch.setattr("recipes.run.cpu_threads", choices.get)
     seen = []
 
     def validate(*args, **kwargs):
@@ -290,11 +290,11 @@ def test_thread_choices_are_one_line_when_nothing_was_timed_and_untouched_under_
 
     import torch
 
-    from recipes.common import choose_threads
+    from recipes.run import choose_threads
     from specdec_runtime.hardware import ThreadChoice
 
     why = "one per core: 2 usable CPUs, no SMT siblings to try"
-    monkeypatch.setattr("recipes.common.cpu_threads", lambda work: ThreadChoice(work, 2, why=why))
+    monkeypatch.setattr("recipes.run.cpu_threads", lambda work: ThreadChoice(work, 2, why=why))
     cpu = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
     before = torch.get_num_threads()
     try:

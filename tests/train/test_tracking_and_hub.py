@@ -208,7 +208,7 @@ def test_without_a_network_the_run_stops_at_start_or_trains_and_says_how_to_push
     exports, the push fails, and the run keeps its export and results and prints the retry command."""
     import huggingface_hub
 
-    from recipes.common import run_or_exit
+    from recipes.checks import run_or_exit
     from specdec_runtime.errors import SpecdecError
 
     monkeypatch.setattr(huggingface_hub, "HfApi", Unreachable)

@@ -1,4 +1,6 @@
-"""From a recipe's Hydra config to the plain arguments of train/'s pieces, the same way for every recipe.
+"""A recipe's run, from its Hydra config to the plain arguments of train/'s pieces, the same way for every
+recipe: its start, the pieces of its loop, its end (recipes.checks: the config checks; recipes.data: prompts,
+the target's responses and the training examples).
 
     refuse(check_trainer(cfg) + [...])            # bad values stop here, before anything loads
     run = start(cfg)                              # accelerator, run folder (config.yaml), tokenizer, stop ids
@@ -23,147 +25,35 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from recipes.checks import check_hub, check_target_id, target_hub_id
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.hardware import cpu_threads, fast_bf16, resolve_device, resolve_dtype
-from specdec_runtime.hub import check_push, push_command, push_folder
+from specdec_runtime.hub import push_command, push_folder
 from specdec_runtime.loading import load_hf_model, stop_token_ids
-from specdec_runtime.paths import cache_root, hub_id_of, resolve_model
+from specdec_runtime.paths import resolve_model
 from train import checkpoint
 from train.data import (
     Batches,
-    Conversation,
-    Example,
-    encode_conversation,
-    load_conversations,
-    pre_query_ids,
-    prompt_ids,
-    self_written,
-    spread,
-    with_responses,
 )
-from train.launch import MIXED_PRECISION, make_accelerator, whole
+from train.launch import make_accelerator, whole
 from train.loop import (
     Horizon,
     Progress,
     hyperparameters,
     make_optimizer,
-    minutes_problem,
     restore_hyperparameters,
-    until_problem,
 )
-from train.responses import DONE as RESPONSES_DONE
-from train.responses import cache_key, generate_responses
 from train.run_folder import RunLock, config_changes, describe_changes, truncate_log, write_config
-from train.tracking import KINDS as TRACKING_KINDS
 from train.tracking import Tracker
-from train.validate import runtime_decoder
-
-# ---------------------------------------------------------------- config checks
-
-
-def check_trainer(cfg: DictConfig) -> list[str]:
-    """Problems with the keys every training recipe has (trainer, tracking, validate, device)."""
-    problems = check_tracking(cfg)
-    if cfg.trainer.mixed_precision not in ("auto", "fast", *MIXED_PRECISION):
-        problems.append(f"trainer.mixed_precision='{cfg.trainer.mixed_precision}': use auto, fast, no, bf16 or fp16")
-    for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
-        if not isinstance(cfg.trainer[key], int) or cfg.trainer[key] < 1:
-            problems.append(f"trainer.{key}={cfg.trainer[key]} must be a positive integer")
-    if problem := minutes_problem(cfg.trainer.get("max_minutes")):
-        problems.append(problem)
-    if problem := until_problem(cfg.trainer.get("train_until")):
-        problems.append(problem)
-    if cfg.validate.max_new_tokens < 1:
-        problems.append("validate.max_new_tokens must be >= 1")
-    if cfg.device not in ("auto", "cpu"):
-        problems.append(f"device='{cfg.device}': use auto (the launcher's GPUs, else CPU) or cpu")
-    if cfg.trainer.max_grad_norm is not None and not cfg.trainer.max_grad_norm > 0:
-        problems.append(f"trainer.max_grad_norm={cfg.trainer.max_grad_norm} must be positive (or null: no clipping)")
-    return problems + check_optim(cfg.optim)
-
-
-def check_optim(o: DictConfig) -> list[str]:
-    """Problems with cfg.optim (the learning rate and its schedule, AdamW's settings)."""
-    problems = []
-    if not o.lr > 0:
-        problems.append(f"optim.lr={o.lr} must be positive")
-    if o.weight_decay < 0 or o.warmup_steps < 0:
-        problems.append(f"optim.weight_decay={o.weight_decay} and optim.warmup_steps={o.warmup_steps} must be >= 0")
-    if o.schedule not in ("cosine", "linear", "constant"):
-        problems.append(f"optim.schedule='{o.schedule}': use cosine, linear or constant")
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        problems.append(f"optim.betas={list(o.betas)}: two numbers in [0, 1)")
-    if not 0 <= o.min_lr_ratio <= 1:
-        problems.append(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    return problems
-
-
-def check_tracking(cfg: DictConfig) -> list[str]:
-    if cfg.tracking.kind not in TRACKING_KINDS:
-        return [f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb"]
-    return []
-
-
-ENGINES = ("auto", "runtime", "transformers")  # responses.engine (response_engine)
-
-
-def check_conversations(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
-    """Problems with the keys of the recipes that train on conversations (+ check_trainer's)."""
-    problems = check_trainer(cfg)
-    if cfg.responses.source not in sources:
-        problems.append(f"responses.source='{cfg.responses.source}': use one of {', '.join(sources)}")
-    if cfg.responses.get("engine", "auto") not in ENGINES:
-        problems.append(f"responses.engine='{cfg.responses.engine}': use one of {', '.join(ENGINES)}")
-    for key in ("max_new_tokens", "batch_size", "samples_per_prompt"):
-        if cfg.responses[key] < 1:
-            problems.append(f"responses.{key}={cfg.responses[key]} must be >= 1")
-    own = cfg.responses.get("self_prompts", 0)
-    if not isinstance(own, int) or own < 0:
-        problems.append(f"responses.self_prompts={own} must be a count >= 0")
-    elif own and cfg.responses.source == "dataset":
-        problems.append(
-            f"responses.self_prompts={own} adds prompts the target writes, which have no dataset responses: "
-            "use responses.source=target, or self_prompts=0"
-        )
-    if cfg.responses.samples_per_prompt > 1 and (cfg.responses.temperature <= 0 or cfg.responses.source != "target"):
-        problems.append(
-            f"responses.samples_per_prompt={cfg.responses.samples_per_prompt} samples the target several times "
-            "per prompt: it needs responses.source=target and responses.temperature > 0 (greedy repeats itself)"
-        )
-    return problems
-
-
-def refuse(problems: list[str]) -> None:
-    if problems:
-        raise SpecdecError("invalid config:\n  " + "\n  ".join(problems))
-
-
-def run_or_exit(run_fn: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
-    """A recipe's entry point: a user's mistake (SpecdecError) prints its message and exits 2; so
-    does a Hub push that failed after the run (said here, last: what failed and how to retry it)."""
-    try:
-        result = run_fn(cfg)
-    except SpecdecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if isinstance(result, dict) and result.get("hub_error"):  # said last, after W&B's summary
-        print(f"\nerror: the push to {cfg.hub.repo_id} failed: {result['hub_error']}\nThe export and the run's "
-              f"results are kept in {Path(result['export']).parent}; push it with:\n  {result['hub_retry']}",
-              file=sys.stderr)  # fmt: skip
-        sys.exit(2)
-
-
-# ---------------------------------------------------------------- the run
 
 
 @dataclass(frozen=True)
@@ -260,40 +150,6 @@ def start(cfg: DictConfig) -> Run:
     return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"], threads=threads)
 
 
-def target_hub_id(cfg: DictConfig) -> str | None:
-    """The Hub id the exports name the target by (hub_id_of): model.hub_id for a local folder."""
-    return hub_id_of(cfg.model.name, cfg.model.get("hub_id"))
-
-
-def check_target_id(cfg: DictConfig) -> None:
-    """model.hub_id, if given, must be a Hub id; a local folder without one is said now, not found
-    missing in the export."""
-    if target_hub_id(cfg) is None:
-        print(f"note: model.name={cfg.model.name} has no Hub id, so the export cannot name its target for vLLM "
-              "(`vllm serve DIR`) or FasterDecoding: add model.hub_id=ORG/NAME", file=sys.stderr)  # fmt: skip
-
-
-def check_hub(cfg: DictConfig) -> None:
-    """With hub.repo_id: refuse, before any weights load, a push that cannot work (no token, a
-    read-only one, a namespace not the user's); where the Hub cannot be reached, stop unless
-    hub.offline_ok (then say that the push is tried at the end, and how to retry it)."""
-    hub = cfg.get("hub")
-    if not hub or not hub.repo_id:
-        return
-    check = check_push(hub.repo_id)
-    if check.problems:
-        raise SpecdecError(f"hub.repo_id={hub.repo_id}: " + "; ".join(check.problems))
-    if check.unreachable:
-        later = push_command(Path(cfg.output_dir) / "export", hub.repo_id, private=hub.private, revision=hub.revision)
-        if not hub.get("offline_ok", False):
-            raise SpecdecError(
-                f"hub.repo_id={hub.repo_id}: the Hub cannot be reached ({check.unreachable}). Connect, or add "
-                f"hub.offline_ok=true to train and export now (the push is tried at the end; `{later}` retries it)"
-            )
-        print(f"hub: cannot reach the Hub now ({check.unreachable}); training anyway (hub.offline_ok): the push is "
-              f"tried at the end, `{later}` retries it", file=sys.stderr)  # fmt: skip
-
-
 def target_card(cfg: DictConfig, run: "Run") -> dict[str, Any]:
     """train.export.Card's fields naming the target: specdec's name, its Hub id (model.hub_id for a
     local folder; what engines and exported configs name it by), its config.json."""
@@ -366,30 +222,6 @@ def load_tokenizer(name: str) -> tuple[Path, Any, int, Any, frozenset[int]]:
     return path, tokenizer, pad_id, gen_cfg, stop_token_ids(tokenizer, gen_cfg.eos_token_id if gen_cfg else None)
 
 
-@dataclass(frozen=True)
-class Conversations:
-    """The conversation recipes' data: training conversations, and validation prompts."""
-
-    train: list[Conversation]
-    val: list[Conversation]  # validate.num_prompts of data.val, spread over its categories
-    val_prompts: list[list[int]]  # their token ids (chat template applied)
-    rest_val: list[Conversation]  # the validation conversations not used for validation (calibration)
-
-    @property
-    def val_categories(self) -> list[str | None]:
-        return [c.category for c in self.val]
-
-
-def conversations(cfg: DictConfig, run: Run) -> Conversations:
-    d = cfg.data
-    train = spread(load_conversations(d.train, split=d.split, column=d.column), d.max_samples or 0)
-    all_val = load_conversations(d.val, split=d.split, column=d.column)
-    val = spread(list(all_val), cfg.validate.num_prompts)
-    chosen = {id(c) for c in val}
-    rest = [c for c in all_val if id(c) not in chosen]
-    return Conversations(train, val, [prompt_ids(run.tokenizer, c) for c in val], rest)
-
-
 def load_target(cfg: DictConfig, run: Run, dtype: torch.dtype | None = None) -> Any:
     """The HF target on the run's device, frozen, in `dtype` (default: model.dtype)."""
     if dtype is None and cfg.model.dtype == "fast":
@@ -399,115 +231,6 @@ def load_target(cfg: DictConfig, run: Run, dtype: torch.dtype | None = None) -> 
     with whole(run.accelerator):
         model = load_hf_model(cfg.model.name, dtype=dtype)
     return model.to(run.device).eval().requires_grad_(False)
-
-
-# ---------------------------------------------------------------- responses and examples
-
-
-def generation_kwargs(cfg: DictConfig, run: Run) -> dict[str, Any]:
-    """generate_responses() settings: sampling from cfg.responses, the process group from the run."""
-    r, acc = cfg.responses, run.accelerator
-
-    def progress(todo: int, total: int) -> Any:
-        done = total - todo * acc.num_processes
-        return tqdm(total=todo, desc=f"responses ({done} cached)", unit="prompt", disable=not run.main)
-
-    return dict(
-        pad_id=run.pad_id,
-        stop_ids=run.stop_ids,
-        max_new_tokens=r.max_new_tokens,
-        batch_size=r.batch_size,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        rank=acc.process_index,
-        world=acc.num_processes,
-        barrier=acc.wait_for_everyone,
-        gather=lambda d: gather_object([d]),  # every process gets every share
-        progress=progress,
-    )
-
-
-def target_responses(
-    cfg: DictConfig, run: Run, target: Any, prompts: list[list[int]], sampling: dict[str, Any] | None = None
-) -> list[list[int]]:
-    """The target's responses to prompts, cached on disk by target + prompts + settings; sampling
-    (max_new_tokens, temperature, top_p, what) overrides cfg.responses' for another kind of text."""
-    r, sampling = cfg.responses, sampling or {}
-    settings = {k: r[k] for k in ("max_new_tokens", "temperature", "top_p")} | sampling
-    settings |= {"seed": cfg.seed, "dtype": str(target.dtype)}
-    engine = response_engine(cfg, run)
-    if engine == "runtime":  # (transformers' responses keep the cache keys they had before engines)
-        settings["engine"] = engine
-    elif settings["temperature"] > 0:  # transformers' sampled responses drew from its top 50 before top_k=0: not those
-        settings["top_k"] = 0
-    root = Path(r.cache_dir).expanduser() if r.cache_dir else cache_root() / "responses"
-    cache = root / cache_key(run.target_path, prompts, settings)
-    run.say(f"{sampling.get('what', 'self-distillation responses')} ({engine}): {cache}")
-    model = target
-    if engine == "runtime" and not (cache / RESPONSES_DONE).is_file():
-        model = runtime_decoder(target, None, run.device, fast_path=False)
-    kwargs = generation_kwargs(cfg, run) | {k: v for k, v in sampling.items() if k != "what"}
-    return generate_responses(model, prompts, seed=cfg.seed, cache_dir=cache, **kwargs)
-
-
-# Magpie's sampling of user messages (temperature 1); 96 tokens hold most questions, and a message
-# the limit cuts off is dropped.
-SELF_PROMPTS = {"what": "self-written prompts", "max_new_tokens": 96, "temperature": 1.0, "top_p": 0.95}
-
-
-def self_prompts(cfg: DictConfig, run: Run, target: Any) -> list[list[int]]:
-    """responses.self_prompts user messages the target writes itself (Magpie: its chat template up
-    to a user's turn, sampled), as prompt ids: the finished, distinct ones. More distinct prompts
-    are what a drafter trained on a few thousand lacks: the GPU-trained EAGLE-3 drafter of the
-    bundled target reaches a higher tau on the built-in set's training prompts than on held-out ones
-    (docs/log/eagle3.md)."""
-    n = cfg.responses.get("self_prompts", 0)
-    if not n:
-        return []
-    written = target_responses(cfg, run, target, [pre_query_ids(run.tokenizer)] * n, SELF_PROMPTS)
-    convs = self_written(run.tokenizer, written, run.stop_ids)
-    run.say(f"self-written prompts: {len(convs)} of {n} finished and distinct")
-    return [prompt_ids(run.tokenizer, c) for c in convs]
-
-
-def response_engine(cfg: DictConfig, run: Run) -> str:
-    """What generates the target's responses: responses.engine, where auto is the runtime's batched
-    decoding on a CPU (the same tokens, faster than transformers' generate: docs/log/drafters.md)
-    and transformers' generate on GPUs (the runtime's batches run eagerly there; not measured)."""
-    engine = cfg.responses.get("engine", "auto")
-    if engine == "auto":
-        return "runtime" if run.device.type == "cpu" else "transformers"
-    return engine
-
-
-def training_examples(
-    cfg: DictConfig, run: Run, target: Any, data: Conversations
-) -> tuple[list[Example], list[list[int]]]:
-    """Training examples (responses from the dataset or the target; none yet for on-policy data)
-    and the prompts they were made from (prompts too long for trainer.max_seq_len are skipped)."""
-    max_len = cfg.trainer.max_seq_len
-    if cfg.responses.source == "dataset" and not any(c.has_response for c in data.train):
-        raise SpecdecError(f"{cfg.data.train} has no assistant responses: use responses.source=target")
-    prompts = [prompt_ids(run.tokenizer, c) for c in data.train]
-    keep = [i for i, p in enumerate(prompts) if len(p) < max_len - 8]
-    if len(keep) < len(prompts):
-        run.say(f"skipping {len(prompts) - len(keep)} prompts longer than trainer.max_seq_len={max_len}")
-    prompts = [prompts[i] for i in keep]
-    if cfg.responses.source == "target" and cfg.responses.samples_per_prompt > 1:  # independent samples each
-        prompts = [p for p in prompts for _ in range(cfg.responses.samples_per_prompt)]
-    if cfg.responses.source == "dataset":
-        examples = [encode_conversation(run.tokenizer, data.train[i], max_len) for i in keep]
-        return [e for e in examples if e.n_targets], prompts
-    own = [p for p in self_prompts(cfg, run, target) if len(p) < max_len - 8]  # one response each
-    if cfg.responses.source == "target":
-        examples = with_responses(prompts, target_responses(cfg, run, target, prompts), max_len)
-        if own:  # their own cache: the data's responses are kept when only self_prompts changes
-            examples += with_responses(own, target_responses(cfg, run, target, own), max_len)
-        return examples, prompts + own
-    return [], prompts + own
-
-
-# ---------------------------------------------------------------- the loop's pieces
 
 
 def make_horizon(cfg: DictConfig, run: Run) -> Horizon:
@@ -618,9 +341,6 @@ def make_progress(
 def validation_due(cfg: DictConfig, done: int, last: int) -> bool:
     """A validation during training after `done` of `last` steps (the final one runs after the loop)."""
     return bool(cfg.validate.every) and done % cfg.validate.every == 0 and done < last
-
-
-# ---------------------------------------------------------------- the end
 
 
 def finish(
