@@ -42,10 +42,20 @@ class Conversations:
         return [c.category for c in self.val]
 
 
+def val_source(d: DictConfig) -> dict[str, Any]:
+    """The split and column of data.val: data.val_split and data.val_column, else the training set's
+    for a dataset, and detection for the built-in prompts (a ShareGPT column is not theirs)."""
+    builtin = str(d.val).startswith("builtin:")
+    return {"split": d.get("val_split") or d.split, "column": d.get("val_column") or (None if builtin else d.column)}
+
+
 def conversations(cfg: DictConfig, run: Run) -> Conversations:
+    """data.train and data.val: records a dataset holds that cannot be trained on (empty or one-sided
+    conversations) are left out and said; data.val is read with val_source()."""
     d = cfg.data
-    train = spread(load_conversations(d.train, split=d.split, column=d.column), d.max_samples or 0)
-    all_val = load_conversations(d.val, split=d.split, column=d.column)
+    train = load_conversations(d.train, split=d.split, column=d.column, skipped=run.say)
+    train = spread(train, d.max_samples or 0)
+    all_val = load_conversations(d.val, **val_source(d), skipped=run.say)
     val = spread(list(all_val), cfg.validate.num_prompts)
     chosen = {id(c) for c in val}
     rest = [c for c in all_val if id(c) not in chosen]

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from recipes.checks import check_tracking, refuse, run_or_exit, target_hub_id
+from recipes.data import val_source
 from recipes.run import Run, finish, make_tracker, record_config, start
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
@@ -234,7 +235,7 @@ def open_studies(cfg: DictConfig, run: Run, space: SearchSpace) -> dict[str, Any
 def calibration(cfg: DictConfig, run: Run, target: LoadedModel) -> Calibration:
     """The target's greedy outputs and autoregressive speed on the calibration prompts."""
     c, d = cfg.calibration, cfg.data
-    prompts, _ = prompts_of(target.tokenizer, d.train, c.num_prompts, d.split, d.column)
+    prompts, _ = prompts_of(target.tokenizer, d.train, c.num_prompts, d.split, d.column, skipped=run.say)
     run.say(f"calibration: {len(prompts)} prompts from {d.train}, {c.max_new_tokens} tokens")
     cal = calibrate(target.model, prompts, max_new_tokens=c.max_new_tokens, stop_ids=target.stop_ids)
     run.say(f"autoregressive on the calibration prompts: {cal.ar_tokens_per_s:.1f} tokens/s ({cal.tokens} tokens)")
@@ -292,7 +293,7 @@ def best_skipset(
 def validate_skipset(cfg: DictConfig, run: Run, target: LoadedModel, skipset: SkipSet) -> dict[str, Any]:
     """The set on held-out prompts (tau, speedup, losslessness); records tau and speedup in it."""
     d = cfg.data
-    prompts, cats = prompts_of(target.tokenizer, d.val, cfg.validate.num_prompts, d.split, d.column)
+    prompts, cats = prompts_of(target.tokenizer, d.val, cfg.validate.num_prompts, **val_source(d), skipped=run.say)
     metrics = validate(
         target.model,
         skip_drafter(target, skipset),

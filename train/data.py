@@ -20,7 +20,7 @@ Spec-Bench / MT-Bench prompt form {"turns": [...]} and {"prompt": "..."}. Only r
 (assistant turns) carry loss.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,22 +137,53 @@ def _records(source: str, split: str) -> list[tuple[str, dict[str, Any]]]:
     return [(f"{path} record {i}", r) for i, r in enumerate(records)]
 
 
+def unusable(messages: list[dict[str, str]]) -> str | None:
+    """Why a conversation cannot be trained on, or None: its prompt needs a user's turn with text
+    before the first reply (dumps of chat logs hold empty and one-sided conversations)."""
+    for m in messages:
+        if m["role"] == "assistant":
+            return "a reply before any user's turn"
+        if m["role"] == "user":
+            return None if m["content"].strip() else "an empty user's turn"
+    return "no user's turn"
+
+
 def load_conversations(
-    source: str, *, split: str = "train", column: str | None = None, max_samples: int | None = None
+    source: str,
+    *,
+    split: str = "train",
+    column: str | None = None,
+    max_samples: int | None = None,
+    skipped: Callable[[str], None] | None = None,
 ) -> list[Conversation]:
-    """Conversations from builtin:NAME, a local jsonl/json/parquet file, or hub:ID[@SUBSET] (HF datasets)."""
+    """Conversations from builtin:NAME, a local jsonl/json/parquet file, or hub:ID[@SUBSET] (HF datasets).
+    A malformed or unusable record (unusable()) is an error naming it, or with `skipped`, is left out
+    and the records left out are said once through it (how many, and the first one's reason);
+    none usable is an error either way."""
     records = _records(source, split)
     if max_samples:
         records = records[:max_samples]
-    convs = []
+    convs, left_out = [], []
     for i, (where, r) in enumerate(records):
-        if not isinstance(r, dict):
-            raise SpecdecError(f"{where}: expected a JSON object, got {type(r).__name__}")
-        messages = to_messages(r, column, where)
+        try:
+            if not isinstance(r, dict):
+                raise SpecdecError(f"{where}: expected a JSON object, got {type(r).__name__}")
+            messages = to_messages(r, column, where)
+            why = unusable(messages)
+            if why is not None:
+                raise SpecdecError(f"{where}: {why}")
+        except SpecdecError as e:
+            if skipped is None:
+                raise
+            left_out.append(str(e))
+            continue
         cid = str(r.get("question_id", r.get("id", i)))
         convs.append(Conversation(cid, messages, r.get("category")))
     if not convs:
-        raise SpecdecError(f"{source} has no records")
+        first = f" (the first: {left_out[0]})" if left_out else ""
+        raise SpecdecError(f"{source} has no usable records{first}")
+    if left_out and skipped is not None:
+        skipped(f"{source}: left out {len(left_out)} of {len(records)} records (the first: {left_out[0]})")
     return convs
 
 
@@ -341,9 +372,14 @@ def responses_of(examples: Iterable[Example]) -> list[list[int]]:
 
 
 def prompts_of(
-    tokenizer: Any, source: str, n: int, split: str = "train", column: str | None = None
+    tokenizer: Any,
+    source: str,
+    n: int,
+    split: str = "train",
+    column: str | None = None,
+    skipped: Callable[[str], None] | None = None,
 ) -> tuple[list[list[int]], list[Any]]:
     """Token ids (chat template and generation prompt applied) and categories of n prompts from a
-    data source, spread over its categories (all when n is 0)."""
-    convs = spread(load_conversations(source, split=split, column=column), n)
+    data source, spread over its categories (all when n is 0); skipped: as load_conversations."""
+    convs = spread(load_conversations(source, split=split, column=column, skipped=skipped), n)
     return [prompt_ids(tokenizer, c) for c in convs], [c.category for c in convs]

@@ -2,6 +2,8 @@
 
 import json
 from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -204,3 +206,71 @@ def test_length_grouped_batches_cut_padding_and_still_take_every_example_once_pe
     ]
     ids = lambda mbs: [e.ids[0] for mb in mbs for e in mb]  # noqa: E731
     assert ids(grouped.step(7)) == ids(two[0].step(7)) + ids(two[1].step(7))  # ranks partition the global batch
+
+
+def sharegpt_file(path, bad: bool = True):
+    """A ShareGPT-style dump: two usable conversations and, with bad, what real dumps also hold (an
+    empty conversation, one that starts with the reply, an empty user's turn, a turn without text)."""
+    turn = lambda who, text: {"from": who, "value": text}  # noqa: E731
+    rows = [
+        {"id": "a", "conversations": [turn("human", "Name a red fruit."), turn("gpt", "An apple.")]},
+        {"id": "b", "conversations": [turn("human", "Two plus two?"), turn("gpt", "Four."), turn("human", "And 3+3?")]},
+    ]
+    if bad:
+        rows[1:1] = [
+            {"id": "empty", "conversations": []},
+            {"id": "reply-first", "conversations": [turn("gpt", "Hello!"), turn("human", "Hi.")]},
+            {"id": "blank", "conversations": [turn("human", "  "), turn("gpt", "?")]},
+            {"id": "no-text", "conversations": [turn("human", None)]},
+        ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_records_that_hold_no_usable_conversation_are_left_out_and_said(tmp_path):
+    """With `skipped`, the empty and one-sided records of a dump are left out and said once (how
+    many, and the first one's reason); without it, the first is an error naming its line; a source
+    with none usable is an error either way."""
+    path = sharegpt_file(tmp_path / "dump.jsonl")
+    said = []
+    convs = load_conversations(str(path), column="conversations", skipped=said.append)
+    assert [c.id for c in convs] == ["a", "b"] and convs[1].prompt[-1]["content"] == "And 3+3?"
+    assert len(said) == 1 and "left out 4 of 6 records" in said[0] and "dump.jsonl:2" in said[0]
+    with pytest.raises(SpecdecError, match=r"dump.jsonl:2: column 'conversations' must be a non-empty list"):
+        load_conversations(str(path), column="conversations")
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "Hi"}]}) + "\n")
+    with pytest.raises(SpecdecError, match="no usable records .*a reply before any user's turn"):
+        load_conversations(str(only_bad), skipped=said.append)
+
+
+@pytest.mark.parametrize("preset, column", [("sharegpt", "conversations"), ("ultrachat", "messages")])
+def test_the_chat_presets_read_their_column_from_the_data_and_detect_the_builtin_prompts(
+    tmp_path, smol_tokenizer, preset, column
+):
+    """data=sharegpt / ultrachat with a local file of that form: the training set is read with the
+    preset's column, the built-in validation prompts with detection (they crashed the run at start:
+    'prompts-val.jsonl:1: no conversation column'), and a dump's bad records are left out and said."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.data import conversations
+
+    rows = sharegpt_file(tmp_path / "s.jsonl").read_text().splitlines()
+    if column == "messages":  # the same conversations in UltraChat's form
+        role = {"human": "user", "gpt": "assistant"}
+
+        def ultrachat(row: dict) -> str:
+            turns = [{"role": role[t["from"]], "content": t["value"]} for t in row["conversations"]]
+            return json.dumps({"id": row["id"], "messages": turns})
+
+        rows = [ultrachat(json.loads(r)) for r in rows]
+    (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose("eagle3", overrides=[f"data={preset}", f"data.train={tmp_path / 'd.jsonl'}", "data.max_samples=0",
+                                           "validate.num_prompts=8"])  # fmt: skip
+    said = []
+    run = SimpleNamespace(tokenizer=smol_tokenizer, say=said.append)
+    data = conversations(cfg, run)
+    assert [c.id for c in data.train] == ["a", "b"] and len(data.val) == 8 and all(data.val_prompts)
+    assert len(said) == 1 and "left out 4 of 6 records" in said[0]
