@@ -106,7 +106,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     loss = TTTLoss(wrapped, run, target, config, e.prompt_loss)
     tracker = make_tracker(cfg, run, "eagle3")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
-    validation = Validation(cfg, run, data, target, unwrap(accelerator, wrapped), held_out, loss, tracker, phrases)
+    # Rank 0 validates alone: the held-out estimate runs the unwrapped module, as a DDP module's
+    # forward is a collective the waiting ranks never join (the run hung there).
+    plain = unwrap(accelerator, wrapped)
+    held_out_loss = TTTLoss(plain, run, target, config, e.prompt_loss)
+    validation = Validation(cfg, run, data, target, plain, held_out, held_out_loss, tracker, phrases)
 
     # ---------------------------------------------------------------- loop
     steps = [f"step{k}" for k in range(e.ttt_steps)]

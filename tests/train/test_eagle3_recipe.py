@@ -221,6 +221,20 @@ def test_two_processes_match_one_on_the_same_global_batch_and_zero3_is_refused(t
     assert not (z3 / "checkpoints").exists() and not (z3 / "log.jsonl").exists()
 
 
+def test_two_processes_validate_and_export_as_a_user_runs_them(tiny, tmp_path):
+    """2 gloo processes with validation on (the training-time estimate, then the runtime on rank 0
+    while the other waits) and the export: the run ends, within the helper's time limit, with the
+    export written and validated figures in metrics.json. Rank 0's estimate used to run the
+    DDP-wrapped module alone, whose forward waits for ranks that never join: both sat on a futex."""
+    out = tmp_path / "two"
+    short = ("trainer.micro_batch=2", "trainer.max_steps=3", "validate.num_prompts=2", "validate.max_new_tokens=8")
+    proc = accelerate_launch("multi_cpu", ["-m", "recipes.eagle3", *overrides(tiny, out, *short)], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["validation"]["tau"] >= 1.0 and "tau_estimate_chain" in metrics["validation"]
+    assert (out / "export" / "config.json").is_file()
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
