@@ -95,6 +95,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def device_ms(fn, device: torch.device, reps: int) -> float:
+    """Milliseconds one fn() takes on the device, after 3 warm-up calls (on the fast path a replayed
+    graph), averaged over reps calls."""
+    for _ in range(3):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / reps * 1000
+
+
 def timed(fn, ids: list[int], device: torch.device):
     sync(device)
     t0 = time.perf_counter()
@@ -120,17 +133,7 @@ def step_costs(model: Decoder, k: int, gamma: int, context: int, reps: int = 50)
         "handoff": lambda: model(one, context, exit_layer=k, taps=(k,), head=False),
         "resume": lambda: model(residual, context, first_layer=k),
     }
-    out = {}
-    for name, fn in steps.items():
-        for _ in range(3):
-            fn()
-        sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync(dev)
-        out[name] = (time.perf_counter() - t0) / reps * 1000
-    return out
+    return {name: device_ms(fn, dev, reps) for name, fn in steps.items()}
 
 
 def eagle3_drafter(target: Decoder, args) -> Eagle3Drafter:
@@ -171,17 +174,7 @@ def eagle3_costs(target: Decoder, drafter: Eagle3Drafter, gamma: int, tau: float
             "tree": lambda: tree(),
             "verify": lambda: target(nodes, context, tree=(t["depth"], t["ancestor"]), taps=drafter.hidden_layers),
         }
-    out = {}
-    for name, fn in steps.items():
-        for _ in range(3):
-            fn()
-        sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync(dev)
-        out[name] = (time.perf_counter() - t0) / reps * 1000
-    return out
+    return {name: device_ms(fn, dev, reps) for name, fn in steps.items()}
 
 
 @torch.inference_mode()
@@ -198,14 +191,7 @@ def live_length_costs(model: Decoder, lengths: list[int], capacity: int, reps: i
         model.live_spans = spans
         model.steps.clear()
         for n in lengths:
-            for _ in range(3):
-                model(one, n)
-            sync(dev)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                model(one, n)
-            sync(dev)
-            out.setdefault(n, []).append((time.perf_counter() - t0) / reps * 1000)
+            out.setdefault(n, []).append(device_ms(lambda n=n: model(one, n), dev, reps))
     model.live_spans = True
     return {n: tuple(v) for n, v in out.items()}
 

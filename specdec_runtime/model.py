@@ -46,7 +46,7 @@ groups into the sequence axis instead of repeating keys, no nn.Module calls in t
 """
 
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 import torch
@@ -632,7 +632,7 @@ class Decoder(nn.Module):
         opts.pop("argmax_only")  # the captured step's head is torch's: its logits are computed anyway
         key = (tuple(x.shape), x.dtype, tree is not None, *opts.values())
         inputs = {"x": x} | ({"depth": tree[0], "ancestor": tree[1]} if tree is not None else {})
-        spans = self.spans()
+        spans = cache_spans(self.cache.size, self.live_spans)
         span = next(s for s in spans if s >= start + T)
         step = self.steps.get(key + (span,))
         if step is None:  # every span at once, so that none is captured inside a timed prompt
@@ -656,10 +656,7 @@ class Decoder(nn.Module):
     def spans(self) -> list[int]:
         """The cache spans a fast-path step attends over (module docstring): 256, 512, ... below the
         cache's size, and the size (live_spans False: the whole cache only)."""
-        size = self.cache.size
-        if not self.live_spans:
-            return [size]
-        return [256 << i for i in range(max(0, (size - 1) // 256).bit_length()) if 256 << i < size] + [size]
+        return list(cache_spans(self.cache.size, self.live_spans))
 
     def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None, *,
               span: int, **opts):  # fmt: skip
@@ -830,6 +827,14 @@ class Decoder(nn.Module):
         if cpu_copies:
             model.keep_cpu_copies()
         return model.eval()
+
+
+@lru_cache(maxsize=64)
+def cache_spans(size: int, live: bool) -> tuple[int, ...]:
+    """Decoder.spans() for a cache of `size` slots, computed once per size (every fast-path step asks)."""
+    if not live:
+        return (size,)
+    return tuple(256 << i for i in range(max(0, (size - 1) // 256).bit_length()) if 256 << i < size) + (size,)
 
 
 def holds_bf16_values(tensors) -> bool:
