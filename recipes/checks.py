@@ -40,19 +40,21 @@ def check_trainer(cfg: DictConfig) -> list[str]:
     return problems + check_optim(cfg.optim)
 
 
-def check_optim(o: DictConfig) -> list[str]:
+def check_optim(optim: DictConfig) -> list[str]:
     """Problems with cfg.optim (the learning rate and its schedule, AdamW's settings)."""
     problems = []
-    if not o.lr > 0:
-        problems.append(f"optim.lr={o.lr} must be positive")
-    if o.weight_decay < 0 or o.warmup_steps < 0:
-        problems.append(f"optim.weight_decay={o.weight_decay} and optim.warmup_steps={o.warmup_steps} must be >= 0")
-    if o.schedule not in ("cosine", "linear", "constant"):
-        problems.append(f"optim.schedule='{o.schedule}': use cosine, linear or constant")
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        problems.append(f"optim.betas={list(o.betas)}: two numbers in [0, 1)")
-    if not 0 <= o.min_lr_ratio <= 1:
-        problems.append(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    if not optim.lr > 0:
+        problems.append(f"optim.lr={optim.lr} must be positive")
+    if optim.weight_decay < 0 or optim.warmup_steps < 0:
+        problems.append(
+            f"optim.weight_decay={optim.weight_decay} and optim.warmup_steps={optim.warmup_steps} must be >= 0"
+        )
+    if optim.schedule not in ("cosine", "linear", "constant"):
+        problems.append(f"optim.schedule='{optim.schedule}': use cosine, linear or constant")
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        problems.append(f"optim.betas={list(optim.betas)}: two numbers in [0, 1)")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        problems.append(f"optim.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1]")
     return problems
 
 

@@ -19,8 +19,8 @@ from train.data import (
     load_conversations,
     pre_query_ids,
     prompt_ids,
+    round_robin_by_category,
     self_written,
-    spread,
     with_responses,
 )
 from train.responses import DONE as RESPONSES_DONE
@@ -42,21 +42,23 @@ class Conversations:
         return [c.category for c in self.val]
 
 
-def val_source(d: DictConfig) -> dict[str, Any]:
+def val_source(data: DictConfig) -> dict[str, Any]:
     """The split and column of data.val: data.val_split and data.val_column, else the training set's
     for a dataset, and detection for the built-in prompts (a ShareGPT column is not theirs)."""
-    builtin = str(d.val).startswith("builtin:")
-    return {"split": d.get("val_split") or d.split, "column": d.get("val_column") or (None if builtin else d.column)}
+    builtin = str(data.val).startswith("builtin:")
+    return {
+        "split": data.get("val_split") or data.split,
+        "column": data.get("val_column") or (None if builtin else data.column),
+    }
 
 
 def conversations(cfg: DictConfig, run: Run) -> Conversations:
     """data.train and data.val: records a dataset holds that cannot be trained on (empty or one-sided
     conversations) are left out and said; data.val is read with val_source()."""
-    d = cfg.data
-    train = load_conversations(d.train, split=d.split, column=d.column, skipped=run.say)
-    train = spread(train, d.max_samples or 0)
-    all_val = load_conversations(d.val, **val_source(d), skipped=run.say)
-    val = spread(list(all_val), cfg.validate.num_prompts)
+    train = load_conversations(cfg.data.train, split=cfg.data.split, column=cfg.data.column, skipped=run.print_once)
+    train = round_robin_by_category(train, cfg.data.max_samples or 0)
+    all_val = load_conversations(cfg.data.val, **val_source(cfg.data), skipped=run.print_once)
+    val = round_robin_by_category(list(all_val), cfg.validate.num_prompts)
     chosen = {id(c) for c in val}
     rest = [c for c in all_val if id(c) not in chosen]
     return Conversations(train, val, [prompt_ids(run.tokenizer, c) for c in val], rest)
@@ -64,22 +66,22 @@ def conversations(cfg: DictConfig, run: Run) -> Conversations:
 
 def generation_kwargs(cfg: DictConfig, run: Run) -> dict[str, Any]:
     """generate_responses() settings: sampling from cfg.responses, the process group from the run."""
-    r, acc = cfg.responses, run.accelerator
+    responses, accelerator = cfg.responses, run.accelerator
 
     def progress(todo: int, total: int) -> Any:
-        done = total - todo * acc.num_processes
+        done = total - todo * accelerator.num_processes
         return tqdm(total=todo, desc=f"responses ({done} cached)", unit="prompt", disable=not run.main)
 
     return dict(
         pad_id=run.pad_id,
         stop_ids=run.stop_ids,
-        max_new_tokens=r.max_new_tokens,
-        batch_size=r.batch_size,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        rank=acc.process_index,
-        world=acc.num_processes,
-        barrier=acc.wait_for_everyone,
+        max_new_tokens=responses.max_new_tokens,
+        batch_size=responses.batch_size,
+        temperature=responses.temperature,
+        top_p=responses.top_p,
+        rank=accelerator.process_index,
+        world=accelerator.num_processes,
+        barrier=accelerator.wait_for_everyone,
         gather=lambda d: gather_object([d]),  # every process gets every share
         progress=progress,
     )
@@ -90,17 +92,17 @@ def target_responses(
 ) -> list[list[int]]:
     """The target's responses to prompts, cached on disk by target + prompts + settings; sampling
     (max_new_tokens, temperature, top_p, what) overrides cfg.responses' for another kind of text."""
-    r, sampling = cfg.responses, sampling or {}
-    settings = {k: r[k] for k in ("max_new_tokens", "temperature", "top_p")} | sampling
+    sampling = sampling or {}
+    settings = {k: cfg.responses[k] for k in ("max_new_tokens", "temperature", "top_p")} | sampling
     settings |= {"seed": cfg.seed, "dtype": str(target.dtype)}
     engine = response_engine(cfg, run)
     if engine == "runtime":  # (transformers' responses keep the cache keys they had before engines)
         settings["engine"] = engine
     elif settings["temperature"] > 0:  # transformers' sampled responses drew from its top 50 before top_k=0: not those
         settings["top_k"] = 0
-    root = Path(r.cache_dir).expanduser() if r.cache_dir else cache_root() / "responses"
+    root = Path(cfg.responses.cache_dir).expanduser() if cfg.responses.cache_dir else cache_root() / "responses"
     cache = root / cache_key(run.target_path, prompts, settings)
-    run.say(f"{sampling.get('what', 'self-distillation responses')} ({engine}): {cache}")
+    run.print_once(f"{sampling.get('what', 'self-distillation responses')} ({engine}): {cache}")
     model = target
     if engine == "runtime" and not (cache / RESPONSES_DONE).is_file():
         model = runtime_decoder(target, None, run.device, fast_path=False)
@@ -124,7 +126,7 @@ def self_prompts(cfg: DictConfig, run: Run, target: Any) -> list[list[int]]:
         return []
     written = target_responses(cfg, run, target, [pre_query_ids(run.tokenizer)] * n, SELF_PROMPTS)
     convs = self_written(run.tokenizer, written, run.stop_ids)
-    run.say(f"self-written prompts: {len(convs)} of {n} finished and distinct")
+    run.print_once(f"self-written prompts: {len(convs)} of {n} finished and distinct")
     return [prompt_ids(run.tokenizer, c) for c in convs]
 
 
@@ -149,7 +151,7 @@ def training_examples(
     prompts = [prompt_ids(run.tokenizer, c) for c in data.train]
     keep = [i for i, p in enumerate(prompts) if len(p) < max_len - 8]
     if len(keep) < len(prompts):
-        run.say(f"skipping {len(prompts) - len(keep)} prompts longer than trainer.max_seq_len={max_len}")
+        run.print_once(f"skipping {len(prompts) - len(keep)} prompts longer than trainer.max_seq_len={max_len}")
     prompts = [prompts[i] for i in keep]
     if cfg.responses.source == "target" and cfg.responses.samples_per_prompt > 1:  # independent samples each
         prompts = [p for p in prompts for _ in range(cfg.responses.samples_per_prompt)]

@@ -46,7 +46,7 @@ from train.draft_model import (
     use_draft_vocab,
 )
 from train.export import Card, export_standalone
-from train.launch import check_launch, gathered_state_dict, sharded, unwrap, whole
+from train.launch import check_launch, gathered_state_dict, sharded, unpartitioned, unwrap
 from train.loop import every, optimizer_step
 from train.responses import generate_responses
 from train.validate import runtime_decoder, validate
@@ -80,8 +80,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     run = start(cfg)
     data = conversations(cfg, run)
-    accelerator, T, r = run.accelerator, cfg.trainer, cfg.responses
-    on_policy = r.source == "drafter"
+    accelerator, trainer, responses = run.accelerator, cfg.trainer, cfg.responses
+    on_policy = responses.source == "drafter"
     launch = check_distill_launch(run, on_policy)
     target = load_target(cfg, run)
     drafter = build_drafter(cfg, run, target)
@@ -94,25 +94,27 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker = make_tracker(cfg, run, "distill")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
     if on_policy and "ids" in resumed.extra:
-        examples = unpack(resumed.extra)
+        examples = examples_from_tensors(resumed.extra)
     validation = Validation(cfg, run, data, target, student, vocab_ids, tracker)
 
     # ---------------------------------------------------------------- loop
     progress = make_progress(cfg, run, tracker, resumed.step, horizon, "distill", postfix=("loss", "acceptance_est"))
     batches, stats, history = None, resumed.stats, resumed.history
     for step in horizon.steps_from(resumed.step):
-        if on_policy and (step % r.refresh_every == 0 or not examples):  # the drafter's own samples
+        if on_policy and (step % responses.refresh_every == 0 or not examples):  # the drafter's own samples
             examples, batches = drafter_responses(cfg, run, student, prompts, step), None
         batches = batches or make_batches(cfg, run, examples)
-        stats = optimizer_step(accelerator, student, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
+        stats = optimizer_step(
+            accelerator, student, optimizer, scheduler, batches.step(step), loss, trainer.max_grad_norm
+        )
         stats["acceptance_est"] = 1 - stats["tvd"]
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, horizon.steps):
-            tensors = pack(examples) if on_policy else None
+        if every(trainer.checkpoint_every, done, horizon.steps):
+            tensors = examples_to_tensors(examples) if on_policy else None
             state = {"stats": stats, "history": history, "horizon": horizon.state()}
             save_checkpoint(
-                accelerator, run.checkpoints, step=done, state=state, tensors=tensors, keep=T.keep_checkpoints
+                accelerator, run.checkpoints, step=done, state=state, tensors=tensors, keep=trainer.keep_checkpoints
             )
         if validation_due(cfg, done, horizon.steps):
             history.append({"step": done, **validation(done)})
@@ -142,29 +144,29 @@ def check_distill_launch(run: Run, on_policy: bool) -> str:
 
 def build_drafter(cfg: DictConfig, run: Run, target: Any) -> Any:
     """The drafter to train (drafter.source), in fp32 master weights (autocast does bf16/fp16)."""
-    d = cfg.drafter
-    with whole(run.accelerator):
-        if d.source == "target_layers":
-            model = drafter_from_target_layers(target, d.num_layers)
-        elif d.source == "config":
+    drafter = cfg.drafter
+    with unpartitioned(run.accelerator):
+        if drafter.source == "target_layers":
+            model = drafter_from_target_layers(target, drafter.num_layers)
+        elif drafter.source == "config":
             model = drafter_from_config(
                 target,
-                hidden_size=d.hidden_size,
-                num_layers=d.num_layers,
-                intermediate_size=d.intermediate_size,
-                num_heads=d.num_heads,
-                num_kv_heads=d.num_kv_heads,
-                init_embeddings=d.init_embeddings,
+                hidden_size=drafter.hidden_size,
+                num_layers=drafter.num_layers,
+                intermediate_size=drafter.intermediate_size,
+                num_heads=drafter.num_heads,
+                num_kv_heads=drafter.num_kv_heads,
+                init_embeddings=drafter.init_embeddings,
                 seed=cfg.seed,
             )
         else:
-            model = drafter_from_pretrained(d.name, run.tokenizer)
+            model = drafter_from_pretrained(drafter.name, run.tokenizer)
     if model.config.vocab_size != target.config.vocab_size:
         raise SpecdecError(
             f"the drafter's vocabulary ({model.config.vocab_size}) differs from the target's "
             f"({target.config.vocab_size}): they must share the tokenizer"
         )
-    if d.freeze_embeddings:
+    if drafter.freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
     return model.float()
 
@@ -180,10 +182,12 @@ def draft_vocabulary(
     counted = [e.ids for e in examples] if examples else prompts
     vocab_ids = draft_vocab(counted, size, target.config.vocab_size, always=run.stop_ids)
     use_draft_vocab(drafter, vocab_ids)
-    run.say(f"draft vocabulary: {len(vocab_ids)} of {target.config.vocab_size} tokens")
+    run.print_once(f"draft vocabulary: {len(vocab_ids)} of {target.config.vocab_size} tokens")
     response_tokens = torch.tensor([t for e in examples for t, m in zip(e.ids, e.loss_mask) if m])
     if len(response_tokens):
-        run.say(f"  covering {torch.isin(response_tokens, vocab_ids).float().mean().item():.1%} of the response tokens")
+        run.print_once(
+            f"  covering {torch.isin(response_tokens, vocab_ids).float().mean().item():.1%} of the response tokens"
+        )
     return vocab_ids
 
 
@@ -192,21 +196,23 @@ class Distillation:
     distributions at the response positions of a micro-batch (train.losses), with the acceptance
     estimates 1 - TVD and top-1 agreement against the full, untempered teacher."""
 
-    def __init__(self, teacher: SelectedLogits, student: Any, vocab_ids: torch.Tensor | None, L: DictConfig, run: Run):
-        self.teacher, self.student, self.L, self.run = teacher, student, L, run
+    def __init__(
+        self, teacher: SelectedLogits, student: Any, vocab_ids: torch.Tensor | None, loss: DictConfig, run: Run
+    ):
+        self.teacher, self.student, self.loss, self.run = teacher, student, loss, run
         self.vocab = vocab_ids.to(run.device) if vocab_ids is not None else None
 
     def __call__(self, mb: list[Example]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-        L, acc = self.L, self.run.accelerator
+        loss, accelerator = self.loss, self.run.accelerator
         batch = {k: v.to(self.run.device) for k, v in collate(mb, self.run.pad_id).items()}
         ids, attn, tmask = batch["input_ids"], batch["attention_mask"], batch["target_mask"]
         select = torch.nn.functional.pad(tmask, (0, 1)).flatten().nonzero().squeeze(1)  # [N] positions predicting
-        with torch.no_grad(), acc.autocast():
+        with torch.no_grad(), accelerator.autocast():
             t_logits = self.teacher(ids, attn, select).float()  # [N, V]
         s_logits = self.student(ids, attn, select).float()  # [N, V'] (V' = draft vocabulary)
         t_draft = t_logits if self.vocab is None else t_logits[:, self.vocab]
-        teach = losses.Teacher.top_k(t_draft, L.top_k) if L.top_k else losses.Teacher.dense(t_draft)
-        per_token = losses.divergence(L.kind, s_logits, teach, beta=L.beta, temperature=L.temperature)  # [N]
+        teach = losses.Teacher.top_k(t_draft, loss.top_k) if loss.top_k else losses.Teacher.dense(t_draft)
+        per_token = losses.divergence(loss.kind, s_logits, teach, beta=loss.beta, temperature=loss.temperature)  # [N]
         with torch.no_grad():  # acceptance estimates against the full, untempered teacher
             q = s_logits.softmax(-1)
             if self.vocab is not None:
@@ -218,10 +224,10 @@ class Distillation:
 
 def drafter_responses(cfg: DictConfig, run: Run, student: Any, prompts: list[list[int]], step: int) -> list[Example]:
     """On-policy data (DistillSpec): the drafter's own samples for the prompts, scored by the target."""
-    acc = run.accelerator
-    model = unwrap(acc, student).model
+    accelerator = run.accelerator
+    model = unwrap(accelerator, student).model
     model.eval()
-    with acc.autocast():
+    with accelerator.autocast():
         responses = generate_responses(model, prompts, seed=cfg.seed + step, **generation_kwargs(cfg, run))
     model.train()
     return with_responses(prompts, responses, cfg.trainer.max_seq_len)
@@ -248,14 +254,14 @@ class Validation:
     def trained(self) -> Any:
         """The drafter, whole, on rank 0 (None elsewhere). Under ZeRO-3 and FSDP every process
         takes part in gathering it into a fresh copy."""
-        acc, run = self.run.accelerator, self.run
-        model = unwrap(acc, self.student).model
-        if not sharded(acc):
+        accelerator, run = self.run.accelerator, self.run
+        model = unwrap(accelerator, self.student).model
+        if not sharded(accelerator):
             return model
-        sd = gathered_state_dict(acc, self.student)
+        sd = gathered_state_dict(accelerator, self.student)
         if not run.main:
             return None
-        with whole(acc):
+        with unpartitioned(accelerator):
             copy = type(model)(model.config)
         if self.vocab_ids is not None:
             use_draft_vocab(copy, self.vocab_ids)
@@ -297,21 +303,21 @@ def write_export(
     steps: int,
 ) -> Any:
     """export/: a plain HF folder (+ specdec/draft_vocab.safetensors) with a model card."""
-    d, acc = model.config, run.accelerator
+    config, accelerator = model.config, run.accelerator
     card = Card(
         **target_card(cfg, run),
         recipe="distill",
         data=cfg.data.train,
         setup={
-            "drafter": f"{cfg.drafter.source}: {d.num_hidden_layers} layers, hidden {d.hidden_size}",
+            "drafter": f"{cfg.drafter.source}: {config.num_hidden_layers} layers, hidden {config.hidden_size}",
             "draft vocabulary": len(vocab_ids) if vocab_ids is not None else "full",
             "loss": _loss_name(cfg.loss),
             "responses": cfg.responses.source,
             "examples": n_examples,
             "steps": steps,
-            "global batch": cfg.trainer.micro_batch * cfg.trainer.grad_accum * acc.num_processes,
+            "global batch": cfg.trainer.micro_batch * cfg.trainer.grad_accum * accelerator.num_processes,
             "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
-            "processes": f"{acc.num_processes} ({launch})",
+            "processes": f"{accelerator.num_processes} ({launch})",
         },
         metrics=metrics,
         tags=["distillspec", "draft-model"],
@@ -328,7 +334,7 @@ def write_export(
     )
 
 
-def pack(examples: list[Example]) -> dict[str, torch.Tensor]:
+def examples_to_tensors(examples: list[Example]) -> dict[str, torch.Tensor]:
     """On-policy examples as checkpoint tensors (the data a resumed run continues with)."""
     return {
         "ids": torch.tensor([t for e in examples for t in e.ids]),
@@ -337,15 +343,19 @@ def pack(examples: list[Example]) -> dict[str, torch.Tensor]:
     }
 
 
-def unpack(t: dict[str, torch.Tensor]) -> list[Example]:
-    ids, mask = t["ids"].split(t["lengths"].tolist()), t["mask"].split(t["lengths"].tolist())
+def examples_from_tensors(tensors: dict[str, torch.Tensor]) -> list[Example]:
+    """examples_to_tensors() undone (a resumed run's on-policy examples)."""
+    lengths = tensors["lengths"].tolist()
+    ids, mask = tensors["ids"].split(lengths), tensors["mask"].split(lengths)
     return [Example(i.tolist(), m.tolist()) for i, m in zip(ids, mask)]
 
 
-def _loss_name(L: DictConfig) -> str:
-    name = {"fkl": "forward KL", "rkl": "reverse KL", "jsd": f"JSD(beta={L.beta})", "tvd": "TVD"}[L.kind]
+def _loss_name(loss: DictConfig) -> str:
+    name = {"fkl": "forward KL", "rkl": "reverse KL", "jsd": f"JSD(beta={loss.beta})", "tvd": "TVD"}[loss.kind]
     return (
-        name + (f", T={L.temperature}" if L.temperature != 1 else "") + (f", teacher top-{L.top_k}" if L.top_k else "")
+        name
+        + (f", T={loss.temperature}" if loss.temperature != 1 else "")
+        + (f", teacher top-{loss.top_k}" if loss.top_k else "")
     )
 
 

@@ -62,24 +62,29 @@ INITS = ("target", "random")
 def check_config(cfg: DictConfig) -> Eagle3Config:
     """Refuse bad values before anything is loaded (the aux layers and the draft vocabulary are
     checked against the target's config.json); returns the drafter's config."""
-    e, v = cfg.eagle3, cfg.validate
+    eagle3 = cfg.eagle3
     problems = check_conversations(cfg, ("target", "dataset"))
-    if not isinstance(e.ttt_steps, int) or e.ttt_steps < 1:
-        problems.append(f"eagle3.ttt_steps={e.ttt_steps} must be a positive integer")
-    if not 0 < e.step_decay <= 1:
-        problems.append(f"eagle3.step_decay={e.step_decay} must be in (0, 1]")
-    if e.init not in INITS:
-        problems.append(f"eagle3.init='{e.init}': use target (warm start from the target) or random")
-    if not e.train_lm_head and e.init != "target":
+    if not isinstance(eagle3.ttt_steps, int) or eagle3.ttt_steps < 1:
+        problems.append(f"eagle3.ttt_steps={eagle3.ttt_steps} must be a positive integer")
+    if not 0 < eagle3.step_decay <= 1:
+        problems.append(f"eagle3.step_decay={eagle3.step_decay} must be in (0, 1]")
+    if eagle3.init not in INITS:
+        problems.append(f"eagle3.init='{eagle3.init}': use target (warm start from the target) or random")
+    if not eagle3.train_lm_head and eagle3.init != "target":
         problems.append("eagle3.train_lm_head=false keeps the lm_head as initialized: it needs eagle3.init=target")
-    if not isinstance(v.lookup, bool):
-        problems.append(f"validate.lookup={v.lookup} must be true or false")
-    if v.gamma < 1 or v.tree_budget < 0 or v.top_k < 1 or v.estimate_prompts < 0:
+    if not isinstance(cfg.validate.lookup, bool):
+        problems.append(f"validate.lookup={cfg.validate.lookup} must be true or false")
+    if (
+        cfg.validate.gamma < 1
+        or cfg.validate.tree_budget < 0
+        or cfg.validate.top_k < 1
+        or cfg.validate.estimate_prompts < 0
+    ):
         problems.append("validate: need gamma >= 1, tree_budget >= 0, top_k >= 1 and estimate_prompts >= 0")
     refuse(problems)
     target = DecoderConfig.from_hf(load_hf_config(resolve_model(cfg.model.name)))
-    aux = tuple(e.aux_layers) if e.aux_layers is not None else None
-    return Eagle3Config.for_target(target, aux_layers=aux, draft_vocab_size=e.draft_vocab_size)
+    aux = tuple(eagle3.aux_layers) if eagle3.aux_layers is not None else None
+    return Eagle3Config.for_target(target, aux_layers=aux, draft_vocab_size=eagle3.draft_vocab_size)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -87,46 +92,50 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     config = check_config(cfg)
     run = start(cfg)
     data = conversations(cfg, run)
-    accelerator, T, e = run.accelerator, cfg.trainer, cfg.eagle3
+    accelerator, trainer, eagle3 = run.accelerator, cfg.trainer, cfg.eagle3
     check_launch(accelerator, "eagle3", ("zero1", "zero2"), "the drafter is small and validated and exported whole")
     target = load_target(cfg, run)
     examples, _ = training_examples(cfg, run, target, data)
     held_out = estimate_examples(cfg, run, data, target)
     draft_ids = draft_vocab([x.ids for x in examples], config.draft_vocab_size, config.vocab_size, run.stop_ids)
-    phrases = phrase_table(run, examples) if e.phrase_table else None
+    phrases = phrase_table(run, examples) if eagle3.phrase_table else None
     model = build_model(cfg, run, config, target, draft_ids)
-    if e.cache_hidden:  # the frozen target runs once per example, not once per epoch
+    if eagle3.cache_hidden:  # the frozen target runs once per example, not once per epoch
         examples, held_out = (target_features(cfg, run, target, config, x) for x in (examples, held_out))
     head_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(run.device)]
     embed = target.get_input_embeddings().weight.detach()
-    training = Eagle3Training(model, embed, head_rows, steps=e.ttt_steps, decay=e.step_decay, ranks=cfg.validate.top_k)
+    training = Eagle3Training(
+        model, embed, head_rows, steps=eagle3.ttt_steps, decay=eagle3.step_decay, ranks=cfg.validate.top_k
+    )
     horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, [p for p in model.parameters() if p.requires_grad], horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(training, optimizer, scheduler)
-    loss = TTTLoss(wrapped, run, target, config, e.prompt_loss)
+    loss = TTTLoss(wrapped, run, target, config, eagle3.prompt_loss)
     tracker = make_tracker(cfg, run, "eagle3")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
     # Rank 0 validates alone: the held-out estimate runs the unwrapped module, as a DDP module's
     # forward is a collective the waiting ranks never join (the run hung there).
     plain = unwrap(accelerator, wrapped)
-    held_out_loss = TTTLoss(plain, run, target, config, e.prompt_loss)
+    held_out_loss = TTTLoss(plain, run, target, config, eagle3.prompt_loss)
     validation = Validation(cfg, run, data, target, plain, held_out, held_out_loss, tracker, phrases)
 
     # ---------------------------------------------------------------- loop
-    steps = [f"step{k}" for k in range(e.ttt_steps)]
+    steps = [f"step{k}" for k in range(eagle3.ttt_steps)]
     progress = make_progress(
         cfg, run, tracker, resumed.step, horizon, "eagle3", ("loss", "step0/top1", f"{steps[-1]}/top1")
     )
     batches, stats, history = make_batches(cfg, run, examples), resumed.stats, resumed.history
     for step in horizon.steps_from(resumed.step):
-        stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
+        stats = optimizer_step(
+            accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, trainer.max_grad_norm
+        )
         per_group_rates(stats, steps)
         stats["tau_estimate"] = tau_estimate([stats[f"{s}/top1"] for s in steps])  # training data
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, horizon.steps):
+        if every(trainer.checkpoint_every, done, horizon.steps):
             state = {"stats": stats, "history": history, "horizon": horizon.state()}
-            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
+            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=trainer.keep_checkpoints)
         if validation_due(cfg, done, horizon.steps):
             history.append({"step": done, **validation(done)})
     progress.close()
@@ -158,12 +167,12 @@ def phrase_table(run: Run, examples: list[Example]) -> PhraseTable | None:
     runs, total = [], 0
     for r in responses_of(examples):
         if total + len(r) > PHRASE_TOKENS:
-            run.say(f"phrase table: from the first {total:,} response tokens (of more)")
+            run.print_once(f"phrase table: from the first {total:,} response tokens (of more)")
             break
         runs.append(r)
         total += len(r)
     table = PhraseTable.build(runs, device=run.device)  # where validation drafts from it
-    run.say(f"phrase table: {len(table):,} 4-token phrases the responses continue alike for 3-8 tokens")
+    run.print_once(f"phrase table: {len(table):,} 4-token phrases the responses continue alike for 3-8 tokens")
     return table
 
 
@@ -177,7 +186,7 @@ def build_model(cfg: DictConfig, run: Run, config: Eagle3Config, target: Any, dr
     if not cfg.eagle3.train_lm_head:  # as speculators trains: the target's own rows, frozen
         model.lm_head.requires_grad_(False)
     covered = sum(1 for _ in draft_ids)
-    run.say(
+    run.print_once(
         f"EAGLE-3 drafter: taps after layers {list(config.aux_layers)} of {target.config.num_hidden_layers}, "
         f"draft vocabulary {covered} of {config.vocab_size}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, init {cfg.eagle3.init}"
@@ -193,8 +202,8 @@ def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config
     key = cache_key(run.target_path, examples, target.dtype, what=f"eagle3 taps {list(config.aux_layers)} + final")
     root = Path(cfg.responses.cache_dir).expanduser() if cfg.responses.cache_dir else cache_root()
     folder = root / "hidden" / key
-    run.say(f"target states cache: {folder}")
-    acc = run.accelerator
+    run.print_once(f"target states cache: {folder}")
+    accelerator = run.accelerator
     return cache_states(
         target,
         examples,
@@ -202,9 +211,9 @@ def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config
         states=target_states(config.aux_layers),
         pad_id=run.pad_id,
         batch_size=cfg.trainer.micro_batch,
-        rank=acc.process_index,
-        world=acc.num_processes,
-        barrier=acc.wait_for_everyone,
+        rank=accelerator.process_index,
+        world=accelerator.num_processes,
+        barrier=accelerator.wait_for_everyone,
         progress=lambda n: tqdm(total=n, desc="target states", unit="example", disable=not run.main),
     )
 
@@ -258,44 +267,44 @@ class Validation:
         """On held-out examples: per-step top-k accuracy, the tau a greedy chain reaches (the
         training-time test's hits replayed round by round, as the runtime decodes) and the tau
         the best static tree of tree_budget nodes would reach with those accuracies."""
-        v, e, B = self.cfg.validate, self.cfg.eagle3, self.cfg.trainer.micro_batch
+        cfg, micro_batch = self.cfg, self.cfg.trainer.micro_batch
         sums: dict[str, float] = {}
         tokens = forwards = 0
         lengths = []  # tokens each held-out response makes (within the budget)
         with torch.no_grad():
-            for i in range(0, len(self.held_out), B):
-                batch = self.held_out[i : i + B]
+            for i in range(0, len(self.held_out), micro_batch):
+                batch = self.held_out[i : i + micro_batch]
                 self.training.hits = []
                 _, _, m = self.loss(batch, responses_only=True)
                 for k, x in m.items():
                     sums[k] = sums.get(k, 0.0) + float(x)
                 for b, ex in enumerate(batch):
                     first = ex.loss_mask.index(True)  # the prefill makes the first response token
-                    end = min(len(ex.ids), first + v.max_new_tokens)
-                    t, f = replay_chain([h[b] for h in self.training.hits], first, end, v.gamma)
+                    end = min(len(ex.ids), first + cfg.validate.max_new_tokens)
+                    t, f = replay_chain([h[b] for h in self.training.hits], first, end, cfg.validate.gamma)
                     tokens, forwards = tokens + t, forwards + f
                     lengths.append(t)
         self.training.hits = None
-        per_group_rates(sums, [f"step{k}" for k in range(e.ttt_steps)])
-        acc = accuracies(sums, e.ttt_steps, v.top_k)
+        per_group_rates(sums, [f"step{k}" for k in range(cfg.eagle3.ttt_steps)])
+        acc = accuracies(sums, cfg.eagle3.ttt_steps, cfg.validate.top_k)
         out = {"step_top1": [a[0] for a in acc], "tau_estimate_chain": tokens / max(forwards, 1)}
-        if v.tree_budget:
-            depth = [acc[min(k, len(acc) - 1)] for k in range(v.gamma)]
-            tree = Tree.from_accuracies(depth, v.tree_budget)
+        if cfg.validate.tree_budget:
+            depth = [acc[min(k, len(acc) - 1)] for k in range(cfg.validate.gamma)]
+            tree = Tree.from_accuracies(depth, cfg.validate.tree_budget)
             per_round = Tree.expected_tau(tree.paths, depth)  # tokens per verify round; + each prefill's one
             out["tau_estimate_tree"] = sum(lengths) / sum(1 + (n - 1) / per_round for n in lengths)
         return out
 
     def __call__(self, step: int) -> dict[str, Any]:
-        cfg, run, v = self.cfg, self.run, self.cfg.validate
+        cfg, run = self.cfg, self.run
         metrics: dict[str, Any] = {}
         if cfg.validate.enabled and run.main:
             self.training.eval()
             estimate = self.estimate() if self.held_out else {}
             self.runtime = self.runtime or runtime_decoder(self.target, None, run.device)
-            drafter = Eagle3Drafter(copy.deepcopy(self.model), self.runtime, tree_budget=v.tree_budget,
-                                    top_k=v.top_k, gamma=v.gamma, name="eagle3")  # fmt: skip
-            if v.lookup:  # prompt lookup where it matches, then the phrase table, the drafter elsewhere
+            drafter = Eagle3Drafter(copy.deepcopy(self.model), self.runtime, tree_budget=cfg.validate.tree_budget,
+                                    top_k=cfg.validate.top_k, gamma=cfg.validate.gamma, name="eagle3")  # fmt: skip
+            if cfg.validate.lookup:  # prompt lookup where it matches, then the phrase table, the drafter elsewhere
                 drafter = LookupFirst(drafter, table=self.phrases)
             metrics = validate(
                 self.runtime,
@@ -303,11 +312,16 @@ class Validation:
                 self.data.val_prompts,
                 self.data.val_categories,
                 stop_ids=run.stop_ids,
-                gamma=v.gamma,
-                max_new_tokens=v.max_new_tokens,
+                gamma=cfg.validate.gamma,
+                max_new_tokens=cfg.validate.max_new_tokens,
                 threads=run.threads.get("decode"),
             )
-            metrics |= {"device": str(run.device), "nodes": v.tree_budget or None, "drafter": drafter.name, **estimate}
+            metrics |= {
+                "device": str(run.device),
+                "nodes": cfg.validate.tree_budget or None,
+                "drafter": drafter.name,
+                **estimate,
+            }
             self.training.train()
             self.tracker.log({f"val/{k}": x for k, x in metrics.items() if isinstance(x, int | float)}, step)
         run.accelerator.wait_for_everyone()
@@ -324,7 +338,7 @@ def write_export(
     phrases: PhraseTable | None = None,
 ) -> Path:
     """export/: the speculators folder (config.json, model.safetensors), the phrase table and a model card."""
-    e, v = cfg.eagle3, cfg.validate
+    eagle3 = cfg.eagle3
     card = Card(
         **target_card(cfg, run),
         recipe="eagle3",
@@ -332,24 +346,24 @@ def write_export(
         setup={
             "taps (layers)": list(model.config.aux_layers),
             "draft vocabulary": model.config.draft_vocab_size,
-            "training-time test": f"{e.ttt_steps} steps, decay {e.step_decay}",
-            "init": e.init,
+            "training-time test": f"{eagle3.ttt_steps} steps, decay {eagle3.step_decay}",
+            "init": eagle3.init,
             "responses": cfg.responses.source,
             "examples": n_examples,
             "steps": steps,
             "learning rate": f"{cfg.optim.lr} ({cfg.optim.schedule})",
             "validation drafts": (
-                f"tree of {v.tree_budget} nodes, depth {v.gamma}, top-{v.top_k}"
-                if v.tree_budget
-                else f"chain of {v.gamma}"
+                f"tree of {cfg.validate.tree_budget} nodes, depth {cfg.validate.gamma}, top-{cfg.validate.top_k}"
+                if cfg.validate.tree_budget
+                else f"chain of {cfg.validate.gamma}"
             )
-            + (" (prompt lookup first: `--drafter DIR+lookup`)" if v.lookup else ""),  # fmt: skip
+            + (" (prompt lookup first: `--drafter DIR+lookup`)" if cfg.validate.lookup else ""),  # fmt: skip
         },
         metrics=metrics or None,
         tags=["eagle3", "eagle"],
         hub_id=cfg.hub.repo_id,
     )
-    drafting = {"gamma": v.gamma, "tree_budget": v.tree_budget, "top_k": v.top_k}
+    drafting = {"gamma": cfg.validate.gamma, "tree_budget": cfg.validate.tree_budget, "top_k": cfg.validate.top_k}
     return export_eagle3(copy.deepcopy(model).float(), run.out / "export", card, drafting=drafting, phrases=phrases)
 
 

@@ -56,41 +56,44 @@ from train.validate import validate
 
 def check_config(cfg: DictConfig) -> list[str]:
     """Problems with the settings that need no model."""
-    s, c, d, v = cfg.search, cfg.calibration, cfg.draft, cfg.validate
     problems = check_tracking(cfg)
-    if s.sampler not in SAMPLERS:
-        problems.append(f"search.sampler='{s.sampler}': use gp (Bayesian optimization) or random")
-    if s.objective not in OBJECTIVES:
-        problems.append(f"search.objective='{s.objective}': use speedup (measured) or proxy (tau x cost model)")
-    if s.cost_model not in COST_MODELS:
-        problems.append(f"search.cost_model='{s.cost_model}': use measured or params")
+    if cfg.search.sampler not in SAMPLERS:
+        problems.append(f"search.sampler='{cfg.search.sampler}': use gp (Bayesian optimization) or random")
+    if cfg.search.objective not in OBJECTIVES:
+        problems.append(
+            f"search.objective='{cfg.search.objective}': use speedup (measured) or proxy (tau x cost model)"
+        )
+    if cfg.search.cost_model not in COST_MODELS:
+        problems.append(f"search.cost_model='{cfg.search.cost_model}': use measured or params")
     for key, low in (("n_trials", 1), ("n_startup_trials", 0), ("baseline_every", 0)):
-        if not isinstance(s[key], int) or s[key] < low:
-            problems.append(f"search.{key}={s[key]} must be an integer >= {low}")
-    if not isinstance(c.num_prompts, int) or c.num_prompts < 1 or c.max_new_tokens < 2:
+        if not isinstance(cfg.search[key], int) or cfg.search[key] < low:
+            problems.append(f"search.{key}={cfg.search[key]} must be an integer >= {low}")
+    if (
+        not isinstance(cfg.calibration.num_prompts, int)
+        or cfg.calibration.num_prompts < 1
+        or cfg.calibration.max_new_tokens < 2
+    ):
         problems.append("calibration: need num_prompts >= 1 and max_new_tokens >= 2")
-    if not isinstance(d.gamma, int) or d.gamma < 1:
-        problems.append(f"draft.gamma={d.gamma} must be an integer >= 1")
-    if not 0 <= d.threshold < 1 or not 0 < d.target_acceptance <= 1:
+    if not isinstance(cfg.draft.gamma, int) or cfg.draft.gamma < 1:
+        problems.append(f"draft.gamma={cfg.draft.gamma} must be an integer >= 1")
+    if not 0 <= cfg.draft.threshold < 1 or not 0 < cfg.draft.target_acceptance <= 1:
         problems.append("draft: need 0 <= threshold < 1 and 0 < target_acceptance <= 1")
-    if v.enabled and (v.max_new_tokens < 1 or v.num_prompts < 0):
+    if cfg.validate.enabled and (cfg.validate.max_new_tokens < 1 or cfg.validate.num_prompts < 0):
         problems.append("validate: need max_new_tokens >= 1 and num_prompts >= 0")
     return problems
 
 
 def search_space(cfg: DictConfig, num_layers: int) -> SearchSpace:
-    s = cfg.search
-    return SearchSpace(num_layers, s.keep_first, s.keep_last, float(s.max_skip_fraction))
+    return SearchSpace(num_layers, cfg.search.keep_first, cfg.search.keep_last, float(cfg.search.max_skip_fraction))
 
 
 def study_meta(cfg: DictConfig, space: SearchSpace, sampler: str) -> dict[str, Any]:
     """What must not change when a study is resumed or shared."""
-    s = cfg.search
     return {
         "target": cfg.model.name,
         "sampler": sampler,
-        "objective": s.objective,
-        "cost_model": s.cost_model if s.objective == "proxy" else None,
+        "objective": cfg.search.objective,
+        "cost_model": cfg.search.cost_model if cfg.search.objective == "proxy" else None,
         "space": {"num_layers": space.num_layers, "keep_first": space.keep_first, "keep_last": space.keep_last},
         "max_skip_fraction": space.max_skip_fraction,
         "draft": OmegaConf.to_container(cfg.draft, resolve=True),
@@ -126,27 +129,28 @@ def run_study(
 ) -> None:
     """Run one study to search.n_trials complete trials, logging each under `prefix`/ at step()
     (the trials finished in all studies: monotonic across studies and resumed runs)."""
-    s = cfg.search
     best = [max((t.value for t in finished(study)), default=float("-inf"))]
 
     def on_trial(trial: Any) -> None:
         best[0] = max(best[0], trial.value)
-        a = trial.user_attrs
-        metrics = {"trial": trial.number + 1, "value": trial.value, "best": best[0], "skipped": a.get("skipped")}
-        metrics |= {k: a[k] for k in ("tau", "speedup", "est_speedup", "acceptance") if k in a}
+        attrs = trial.user_attrs
+        metrics = {"trial": trial.number + 1, "value": trial.value, "best": best[0], "skipped": attrs.get("skipped")}
+        metrics |= {k: attrs[k] for k in ("tau", "speedup", "est_speedup", "acceptance") if k in attrs}
         tracker.log({f"{prefix}/{k}": v for k, v in metrics.items() if v is not None}, step() + 1)
 
     def progress(done: int, total: int) -> Any:
-        return tqdm(total=total, initial=done, desc=f"{study.study_name} ({sampler}, {s.objective})", unit="trial")
+        return tqdm(
+            total=total, initial=done, desc=f"{study.study_name} ({sampler}, {cfg.search.objective})", unit="trial"
+        )
 
     search(
         study,
         space,
         evaluator,
-        n_trials=s.n_trials,
+        n_trials=cfg.search.n_trials,
         sampler=sampler,
         seed=cfg.seed,
-        n_startup=s.n_startup_trials,
+        n_startup=cfg.search.n_startup_trials,
         on_trial=on_trial,
         progress=progress,
     )
@@ -178,7 +182,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     record_config(cfg, run)
     logged = lambda: sum(len(finished(st)) for st in studies.values())  # noqa: E731
     target = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.dtype)
-    run.say(f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers")
+    run.print_once(
+        f"target {cfg.model.name} on {target.model.device} in {target.model.dtype}: {dcfg.num_layers} layers"
+    )
     tracker = make_tracker(cfg, run, "layerskip")
     cal = calibration(cfg, run, target)
 
@@ -234,23 +240,27 @@ def open_studies(cfg: DictConfig, run: Run, space: SearchSpace) -> dict[str, Any
 
 def calibration(cfg: DictConfig, run: Run, target: LoadedModel) -> Calibration:
     """The target's greedy outputs and autoregressive speed on the calibration prompts."""
-    c, d = cfg.calibration, cfg.data
-    prompts, _ = prompts_of(target.tokenizer, d.train, c.num_prompts, d.split, d.column, skipped=run.say)
-    run.say(f"calibration: {len(prompts)} prompts from {d.train}, {c.max_new_tokens} tokens")
-    cal = calibrate(target.model, prompts, max_new_tokens=c.max_new_tokens, stop_ids=target.stop_ids)
-    run.say(f"autoregressive on the calibration prompts: {cal.ar_tokens_per_s:.1f} tokens/s ({cal.tokens} tokens)")
+    data = cfg.data
+    prompts, _ = prompts_of(
+        target.tokenizer, data.train, cfg.calibration.num_prompts, data.split, data.column, skipped=run.print_once
+    )
+    run.print_once(f"calibration: {len(prompts)} prompts from {data.train}, {cfg.calibration.max_new_tokens} tokens")
+    cal = calibrate(target.model, prompts, max_new_tokens=cfg.calibration.max_new_tokens, stop_ids=target.stop_ids)
+    run.print_once(
+        f"autoregressive on the calibration prompts: {cal.ar_tokens_per_s:.1f} tokens/s ({cal.tokens} tokens)"
+    )
     return cal
 
 
 def evaluator(cfg: DictConfig, study: Any, target: LoadedModel, cal: Calibration) -> Evaluator:
     """How the study scores a skip set (measured speedup, or the proxy with the study's cost model)."""
-    d = cfg.draft
+    draft = cfg.draft
     return Evaluator(
         target.model,
         cal,
         objective=cfg.search.objective,
-        gamma=d.gamma,
-        exit_settings=ExitSettings(float(d.threshold), bool(d.adaptive), float(d.target_acceptance)),
+        gamma=draft.gamma,
+        exit_settings=ExitSettings(float(draft.threshold), bool(draft.adaptive), float(draft.target_acceptance)),
         cost=cost_model(cfg, study, target),
         max_new_tokens=cfg.calibration.max_new_tokens,
         stop_ids=target.stop_ids,
@@ -270,7 +280,7 @@ def best_skipset(
     summary = {
         s: {"best": max(t.value for t in finished(st)), "trials": len(finished(st))} for s, st in studies.items()
     }
-    run.say("best per sampler: " + ", ".join(f"{s} {v['best']:.3f}" for s, v in summary.items()))
+    run.print_once("best per sampler: " + ", ".join(f"{s} {v['best']:.3f}" for s, v in summary.items()))
     skipset = SkipSet(
         attn=sorted(skip.attn),
         mlp=sorted(skip.mlp),
@@ -292,8 +302,10 @@ def best_skipset(
 
 def validate_skipset(cfg: DictConfig, run: Run, target: LoadedModel, skipset: SkipSet) -> dict[str, Any]:
     """The set on held-out prompts (tau, speedup, losslessness); records tau and speedup in it."""
-    d = cfg.data
-    prompts, cats = prompts_of(target.tokenizer, d.val, cfg.validate.num_prompts, **val_source(d), skipped=run.say)
+    data = cfg.data
+    prompts, cats = prompts_of(
+        target.tokenizer, data.val, cfg.validate.num_prompts, **val_source(data), skipped=run.print_once
+    )
     metrics = validate(
         target.model,
         skip_drafter(target, skipset),
@@ -307,7 +319,7 @@ def validate_skipset(cfg: DictConfig, run: Run, target: LoadedModel, skipset: Sk
     metrics["device"] = str(target.model.device)
     skipset.tau, skipset.speedup = metrics["tau"], metrics["speedup"]
     if metrics["speedup"] < 1:
-        run.say(
+        run.print_once(
             f"note: the best set is slower than autoregressive decoding here ({metrics['speedup']:.2f}x, tau "
             f"{metrics['tau']:.2f}). Self-speculation pays only when a draft token is accepted more often than "
             "its draft step plus its share of verification cost, relative to one decode step: skipping more "
@@ -318,7 +330,6 @@ def validate_skipset(cfg: DictConfig, run: Run, target: LoadedModel, skipset: Sk
 
 def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str, Any] | None) -> Path:
     """export/: skipset.json and a model card (what a Hub repo of the set holds)."""
-    s = cfg.search
     card = Card(
         target=cfg.model.name,
         recipe="layerskip",
@@ -327,7 +338,7 @@ def write_export(cfg: DictConfig, out: Path, skipset: SkipSet, metrics: dict[str
             "skipped attention layers": skipset.attn or "none",
             "skipped MLP layers": skipset.mlp or "none",
             "skipped fraction of sublayers": f"{skipset.skipped_fraction:.2f}",
-            "search": f"{s.sampler}, {skipset.search['trials']} trials, objective {s.objective}",
+            "search": f"{cfg.search.sampler}, {skipset.search['trials']} trials, objective {cfg.search.objective}",
             "draft exit": f"threshold {cfg.draft.threshold}, adaptive {cfg.draft.adaptive}, gamma {cfg.draft.gamma}",
         },
         metrics=metrics,

@@ -59,37 +59,39 @@ TARGET_TRAINING = ("lora", "full")
 
 def check_config(cfg: DictConfig) -> None:
     """Refuse bad values before anything is loaded."""
-    m, m2, t = cfg.medusa, cfg.medusa2, cfg.tree
+    medusa, medusa2 = cfg.medusa, cfg.medusa2
     problems = check_conversations(cfg, ("target", "dataset"))
-    if m.mode not in MODES:
-        problems.append(f"medusa.mode='{m.mode}': use medusa1 (target frozen) or medusa2 (joint)")
-    if m.num_heads < 1 or m.num_layers < 0:
-        problems.append(f"medusa.num_heads={m.num_heads} must be >= 1 and medusa.num_layers={m.num_layers} >= 0")
-    if not 0 < m.decay <= 1:
-        problems.append(f"medusa.decay={m.decay} must be in (0, 1]")
-    if m.cache_hidden and m.mode == "medusa2":
+    if medusa.mode not in MODES:
+        problems.append(f"medusa.mode='{medusa.mode}': use medusa1 (target frozen) or medusa2 (joint)")
+    if medusa.num_heads < 1 or medusa.num_layers < 0:
+        problems.append(
+            f"medusa.num_heads={medusa.num_heads} must be >= 1 and medusa.num_layers={medusa.num_layers} >= 0"
+        )
+    if not 0 < medusa.decay <= 1:
+        problems.append(f"medusa.decay={medusa.decay} must be in (0, 1]")
+    if medusa.cache_hidden and medusa.mode == "medusa2":
         problems.append("medusa.cache_hidden applies to medusa1 only (Medusa-2 changes the target's hidden states)")
-    if m.mode == "medusa2":
-        if m2.target not in TARGET_TRAINING:
-            problems.append(f"medusa2.target='{m2.target}': use lora or full")
-        if not 0 < m2.target_lr_ratio <= 1:
-            problems.append(f"medusa2.target_lr_ratio={m2.target_lr_ratio}: in (0, 1], heads learn faster")
-        if m2.target_weight <= 0 or m2.heads_weight <= 0:
+    if medusa.mode == "medusa2":
+        if medusa2.target not in TARGET_TRAINING:
+            problems.append(f"medusa2.target='{medusa2.target}': use lora or full")
+        if not 0 < medusa2.target_lr_ratio <= 1:
+            problems.append(f"medusa2.target_lr_ratio={medusa2.target_lr_ratio}: in (0, 1], heads learn faster")
+        if medusa2.target_weight <= 0 or medusa2.heads_weight <= 0:
             problems.append("medusa2.target_weight and medusa2.heads_weight must be positive")
-        if m2.warmup_steps < 0:
-            problems.append(f"medusa2.warmup_steps={m2.warmup_steps} must be >= 0")
-        if not 0 <= m2.min_agreement <= 1:
-            problems.append(f"medusa2.min_agreement={m2.min_agreement} must be in [0, 1]")
-    if t.budget < 1 or t.top_k < 1:
-        problems.append(f"tree.budget={t.budget} and tree.top_k={t.top_k} must be >= 1")
-    if t.paths is not None:
+        if medusa2.warmup_steps < 0:
+            problems.append(f"medusa2.warmup_steps={medusa2.warmup_steps} must be >= 0")
+        if not 0 <= medusa2.min_agreement <= 1:
+            problems.append(f"medusa2.min_agreement={medusa2.min_agreement} must be in [0, 1]")
+    if cfg.tree.budget < 1 or cfg.tree.top_k < 1:
+        problems.append(f"tree.budget={cfg.tree.budget} and tree.top_k={cfg.tree.top_k} must be >= 1")
+    if cfg.tree.paths is not None:
         try:
-            tree = Tree.from_paths(t.paths)
+            tree = Tree.from_paths(cfg.tree.paths)
         except SpecdecError as e:
             problems.append(f"tree.paths: {e}")
         else:
-            if tree.depth > m.num_heads:
-                problems.append(f"tree.paths is {tree.depth} deep but medusa.num_heads={m.num_heads}")
+            if tree.depth > medusa.num_heads:
+                problems.append(f"tree.paths is {tree.depth} deep but medusa.num_heads={medusa.num_heads}")
     refuse(problems)
 
 
@@ -120,7 +122,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     run = start(cfg)
     data = conversations(cfg, run)
-    accelerator, T, m = run.accelerator, cfg.trainer, cfg.medusa
+    accelerator, trainer, medusa = run.accelerator, cfg.trainer, cfg.medusa
     check_launch(
         accelerator,
         "medusa",
@@ -132,27 +134,29 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     examples, _ = training_examples(cfg, run, target, data)
     calib = calibration_examples(cfg, run, data, target, examples)  # the original target's responses
     model, groups = build_model(cfg, run, target)
-    if m.cache_hidden:  # Medusa-1: the frozen target runs once per example, not once per epoch
+    if medusa.cache_hidden:  # Medusa-1: the frozen target runs once per example, not once per epoch
         examples = hidden_states(cfg, run, target, examples)
     horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, groups, horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    loss = HeadsLoss(wrapped, run, m.cache_hidden)
+    loss = HeadsLoss(wrapped, run, medusa.cache_hidden)
     tracker = make_tracker(cfg, run, "medusa")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
 
     # ---------------------------------------------------------------- loop
-    postfix = ("loss", "head1/top1", f"head{m.num_heads}/top1")
-    progress = make_progress(cfg, run, tracker, resumed.step, horizon, m.mode, postfix)
+    postfix = ("loss", "head1/top1", f"head{medusa.num_heads}/top1")
+    progress = make_progress(cfg, run, tracker, resumed.step, horizon, medusa.mode, postfix)
     batches, stats = make_batches(cfg, run, examples), resumed.stats
     for step in horizon.steps_from(resumed.step):
-        stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, T.max_grad_norm)
-        per_group_rates(stats, [f"head{k}" for k in range(1, m.num_heads + 1)])
+        stats = optimizer_step(
+            accelerator, wrapped, optimizer, scheduler, batches.step(step), loss, trainer.max_grad_norm
+        )
+        per_group_rates(stats, [f"head{k}" for k in range(1, medusa.num_heads + 1)])
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, horizon.steps):
+        if every(trainer.checkpoint_every, done, horizon.steps):
             state = {"stats": stats, "history": [], "horizon": horizon.state()}
-            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
+            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=trainer.keep_checkpoints)
     progress.close()
 
     # ---------------------------------------------------------------- calibrate + validate
@@ -183,7 +187,7 @@ def target_dtype(cfg: DictConfig, run: Run) -> torch.dtype:
     """model.dtype, except that a target Medusa-2 trains keeps fp32 weights (autocast does the math)."""
     dtype = resolve_dtype(cfg.model.dtype, run.device)
     if cfg.medusa.mode == "medusa2" and dtype != torch.float32:
-        run.say(f"medusa2 trains the target: loading it in float32 (not {dtype}); autocast does the rest")
+        run.print_once(f"medusa2 trains the target: loading it in float32 (not {dtype}); autocast does the rest")
         return torch.float32
     return dtype
 
@@ -191,34 +195,36 @@ def target_dtype(cfg: DictConfig, run: Run) -> torch.dtype:
 def build_model(cfg: DictConfig, run: Run, target: Any) -> tuple[MedusaTraining, list[dict[str, Any]]]:
     """The heads (initialized from the target's lm_head) and, for Medusa-2, the target made
     trainable (LoRA or full) as one module, with its optimizer parameter groups."""
-    m, m2 = cfg.medusa, cfg.medusa2
-    joint = m.mode == "medusa2"
+    medusa, medusa2 = cfg.medusa, cfg.medusa2
+    joint = medusa.mode == "medusa2"
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, m.num_heads, m.num_layers,
-                        share_lm_head=m.share_lm_head)  # fmt: skip
+    heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, medusa.num_heads, medusa.num_layers,
+                        share_lm_head=medusa.share_lm_head)  # fmt: skip
     heads.init_lm_heads(target.get_output_embeddings().weight.float())
     groups = [{"params": list(heads.parameters()), "lr": cfg.optim.lr}]
     if joint:
-        if m2.target == "lora":
+        if medusa2.target == "lora":
             target = add_lora(target, cfg)
         else:
             target.requires_grad_(True)
         target.train()
         trained = [p for p in target.parameters() if p.requires_grad]
-        groups.append({"params": trained, "lr": cfg.optim.lr * m2.target_lr_ratio, "frozen_steps": m2.warmup_steps})
-        run.say(f"medusa2: {sum(p.numel() for p in trained):,} target parameters train ({m2.target}), "
-                f"frozen for the first {m2.warmup_steps} steps")  # fmt: skip
+        groups.append(
+            {"params": trained, "lr": cfg.optim.lr * medusa2.target_lr_ratio, "frozen_steps": medusa2.warmup_steps}
+        )
+        run.print_once(f"medusa2: {sum(p.numel() for p in trained):,} target parameters train ({medusa2.target}), "
+                f"frozen for the first {medusa2.warmup_steps} steps")  # fmt: skip
     model = MedusaTraining(
         target,
         heads,
-        decay=m.decay,
-        heads_weight=m2.heads_weight if joint else 1.0,
-        target_weight=m2.target_weight if joint else 0.0,
-        full_finetune=joint and m2.target == "full",
+        decay=medusa.decay,
+        heads_weight=medusa2.heads_weight if joint else 1.0,
+        target_weight=medusa2.target_weight if joint else 0.0,
+        full_finetune=joint and medusa2.target == "full",
     )
-    run.say(f"{m.num_heads} Medusa heads, {m.num_layers} block(s) each, "
+    run.print_once(f"{medusa.num_heads} Medusa heads, {medusa.num_layers} block(s) each, "
             f"{sum(p.numel() for p in heads.parameters()):,} parameters"
-            f"{' (sharing the target lm_head)' if m.share_lm_head else ''}")  # fmt: skip
+            f"{' (sharing the target lm_head)' if medusa.share_lm_head else ''}")  # fmt: skip
     return model, groups
 
 
@@ -228,8 +234,8 @@ def hidden_states(cfg: DictConfig, run: Run, target: Any, examples: list[Example
     key = cache_key(run.target_path, examples, target.dtype, what="final-norm hidden states")
     root = Path(cfg.responses.cache_dir).expanduser() if cfg.responses.cache_dir else cache_root()
     folder = root / "hidden" / key
-    run.say(f"hidden-state cache: {folder}")
-    acc = run.accelerator
+    run.print_once(f"hidden-state cache: {folder}")
+    accelerator = run.accelerator
     return cache_states(
         target,
         examples,
@@ -237,9 +243,9 @@ def hidden_states(cfg: DictConfig, run: Run, target: Any, examples: list[Example
         states=final_hidden,
         pad_id=run.pad_id,
         batch_size=cfg.trainer.micro_batch,
-        rank=acc.process_index,
-        world=acc.num_processes,
-        barrier=acc.wait_for_everyone,
+        rank=accelerator.process_index,
+        world=accelerator.num_processes,
+        barrier=accelerator.wait_for_everyone,
         progress=lambda n: tqdm(total=n, desc="hidden states", unit="example", disable=not run.main),
     )
 
@@ -264,7 +270,6 @@ def calibrate_tree(
 ) -> tuple[Tree, torch.Tensor]:
     """Each head's top-k accuracy on held-out responses, and the tree (tree.paths, or the best
     expected acceptance for tree.budget nodes); recorded in result["calibration"]."""
-    m = cfg.medusa
     with run.accelerator.autocast():
         acc = head_accuracies(model, calib, pad_id=run.pad_id, top_k=cfg.tree.top_k)
     tree = Tree.from_paths(cfg.tree.paths) if cfg.tree.paths is not None else Tree.from_accuracies(acc, cfg.tree.budget)
@@ -275,9 +280,11 @@ def calibrate_tree(
         "expected_tau": Tree.expected_tau(tree.paths, acc),
         "examples": len(calib),
     }
-    run.say("per-head accuracy (top-1 / top-5) on held-out responses: " + ", ".join(
-        f"head {k + 1} {acc[k, 0]:.2f}/{acc[k, :5].sum():.2f}" for k in range(m.num_heads)))  # fmt: skip
-    run.say(f"tree: {len(tree)} nodes, depth {tree.depth}, expected tau {result['calibration']['expected_tau']:.2f}")
+    run.print_once("per-head accuracy (top-1 / top-5) on held-out responses: " + ", ".join(
+        f"head {k + 1} {acc[k, 0]:.2f}/{acc[k, :5].sum():.2f}" for k in range(cfg.medusa.num_heads)))  # fmt: skip
+    run.print_once(
+        f"tree: {len(tree)} nodes, depth {tree.depth}, expected tau {result['calibration']['expected_tau']:.2f}"
+    )
     return tree, acc
 
 
@@ -288,7 +295,7 @@ def calibration_examples(
     validation (tree.calibration_prompts of them); the training examples when there are none."""
     convs = data.rest_val[: cfg.tree.calibration_prompts]
     if not convs:
-        run.say("no held-out prompts left for calibration: measuring head accuracy on the training examples")
+        run.print_once("no held-out prompts left for calibration: measuring head accuracy on the training examples")
         return train_examples[: max(cfg.tree.calibration_prompts, 1)]
     prompts = [prompt_ids(run.tokenizer, c) for c in convs]
     return with_responses(prompts, target_responses(cfg, run, target, prompts), cfg.trainer.max_seq_len)
@@ -326,7 +333,9 @@ def validate_medusa(
     metrics.update(nodes=len(tree), head_top1=accuracy[:, 0].tolist(), head_top5=accuracy[:, :5].sum(1).tolist())
     if model.joint:  # Medusa-2: the original target's greedy outputs vs the adapted one's
         metrics["measured_against"] = "the adapted target (export/target): tau, speedup and lossless are its own"
-        run.say("Medusa-2: speedup and losslessness are measured against the adapted target, which the heads serve")
+        run.print_once(
+            "Medusa-2: speedup and losslessness are measured against the adapted target, which the heads serve"
+        )
         before = original_target(model)
         original = runtime_decoder(before, None, device)
         kw = dict(sampler=Sampler, max_new_tokens=cfg.validate.max_new_tokens, stop_ids=run.stop_ids, warmup=False)
@@ -338,12 +347,12 @@ def validate_medusa(
         metrics["position_agreement_with_original"] = sum(agree) / len(agree)
         drift = target_drift(before, served, [(p.tolist(), x.tokens) for p, x in zip(prompts, a)])
         metrics |= {"target_agreement": drift["agreement"], "target_kl": drift["kl"]}
-        run.say(
+        run.print_once(
             f"adapted target vs the original, teacher-forced on its {drift['tokens']} greedy validation tokens: "
             f"top-1 agreement {drift['agreement']:.3f}, KL(original || adapted) {drift['kl']:.4f} per token"
         )
         if drift["agreement"] < cfg.medusa2.min_agreement:
-            run.say(
+            run.print_once(
                 f"WARNING: Medusa-2 changed the target: top-1 agreement {drift['agreement']:.3f} is below "
                 f"medusa2.min_agreement={cfg.medusa2.min_agreement}; its outputs differ from the original's. "
                 "Lower medusa2.target_lr_ratio or medusa2.heads_weight, or raise medusa2.target_weight"
@@ -367,14 +376,15 @@ def write_export(
     joint = cfg.medusa.mode == "medusa2"
     if joint:
         result["export_target"] = str(out / "target")
-    m = cfg.medusa
+    medusa = cfg.medusa
     card = Card(
         **target_card(cfg, run),
         recipe="medusa",
         data=cfg.data.train,
         setup={
             "mode": "Medusa-2 (" + cfg.medusa2.target + "), adapted target in target/" if joint else "Medusa-1",
-            "heads": f"{m.num_heads} x {m.num_layers} residual block(s)" + (", shared lm_head" * m.share_lm_head),
+            "heads": f"{medusa.num_heads} x {medusa.num_layers} residual block(s)"
+            + (", shared lm_head" * medusa.share_lm_head),
             "tree": f"{len(tree)} nodes, depth {tree.depth}" if tree is not None else "-",
             "responses": cfg.responses.source,
             "steps": result["step"],

@@ -54,77 +54,83 @@ BACKWARDS = ("sequential", "naive")
 
 
 def loss_weights(cfg: DictConfig) -> list[float]:
-    w = cfg.mtp.loss_weights
-    return [1.0] * cfg.mtp.num_heads if w is None else [float(x) for x in w]
+    weights = cfg.mtp.loss_weights
+    return [1.0] * cfg.mtp.num_heads if weights is None else [float(x) for x in weights]
 
 
 def check_config(cfg: DictConfig) -> None:
     """Refuse bad values before anything is loaded."""
-    m, T, v = cfg.mtp, cfg.trainer, cfg.validate
+    mtp, trainer = cfg.mtp, cfg.trainer
     problems = check_trainer(cfg)
-    if not isinstance(m.num_heads, int) or m.num_heads < 1:
-        problems.append(f"mtp.num_heads={m.num_heads} must be a positive integer (1 = plain next-token training)")
+    if not isinstance(mtp.num_heads, int) or mtp.num_heads < 1:
+        problems.append(f"mtp.num_heads={mtp.num_heads} must be a positive integer (1 = plain next-token training)")
     else:
-        w = loss_weights(cfg)
-        if len(w) != m.num_heads or min(w) < 0 or sum(w) <= 0:
-            problems.append(f"mtp.loss_weights={list(w)}: give {m.num_heads} non-negative weights, not all 0")
-        if T.max_seq_len <= m.num_heads:
-            problems.append(f"trainer.max_seq_len={T.max_seq_len} must exceed mtp.num_heads={m.num_heads}")
-    if cfg.data.train_tokenizer and (m.init != "scratch" or cfg.data.train_tokenizer < 256):
+        weights = loss_weights(cfg)
+        if len(weights) != mtp.num_heads or min(weights) < 0 or sum(weights) <= 0:
+            problems.append(f"mtp.loss_weights={list(weights)}: give {mtp.num_heads} non-negative weights, not all 0")
+        if trainer.max_seq_len <= mtp.num_heads:
+            problems.append(f"trainer.max_seq_len={trainer.max_seq_len} must exceed mtp.num_heads={mtp.num_heads}")
+    if cfg.data.train_tokenizer and (mtp.init != "scratch" or cfg.data.train_tokenizer < 256):
         problems.append("data.train_tokenizer: a vocabulary size >= 256, with mtp.init=scratch only (0 = model's)")
-    if m.init not in INITS:
-        problems.append(f"mtp.init='{m.init}': use scratch (new model from mtp.architecture) or pretrained")
-    if m.trainable not in TRAINABLE:
-        problems.append(f"mtp.trainable='{m.trainable}': use one of {', '.join(TRAINABLE)}")
-    if m.backward not in BACKWARDS:
-        problems.append(f"mtp.backward='{m.backward}': use sequential (memory of one head) or naive")
-    if m.init == "scratch":
-        a = m.architecture
-        if a.trunk_layers < 1 or a.hidden_size % a.num_attention_heads or a.num_attention_heads % a.num_key_value_heads:
+    if mtp.init not in INITS:
+        problems.append(f"mtp.init='{mtp.init}': use scratch (new model from mtp.architecture) or pretrained")
+    if mtp.trainable not in TRAINABLE:
+        problems.append(f"mtp.trainable='{mtp.trainable}': use one of {', '.join(TRAINABLE)}")
+    if mtp.backward not in BACKWARDS:
+        problems.append(f"mtp.backward='{mtp.backward}': use sequential (memory of one head) or naive")
+    if mtp.init == "scratch":
+        architecture = mtp.architecture
+        if (
+            architecture.trunk_layers < 1
+            or architecture.hidden_size % architecture.num_attention_heads
+            or architecture.num_attention_heads % architecture.num_key_value_heads
+        ):
             problems.append(
                 "mtp.architecture: need trunk_layers >= 1, hidden_size divisible by num_attention_heads, "
                 "num_attention_heads divisible by num_key_value_heads"
             )
-        if T.max_seq_len > a.max_position_embeddings:
-            problems.append(f"trainer.max_seq_len={T.max_seq_len} exceeds mtp.architecture.max_position_embeddings")
-        if v.prompt_tokens + v.max_new_tokens > a.max_position_embeddings:
+        if trainer.max_seq_len > architecture.max_position_embeddings:
+            problems.append(
+                f"trainer.max_seq_len={trainer.max_seq_len} exceeds mtp.architecture.max_position_embeddings"
+            )
+        if cfg.validate.prompt_tokens + cfg.validate.max_new_tokens > architecture.max_position_embeddings:
             problems.append("validate.prompt_tokens + validate.max_new_tokens exceed the model's context")
-    if v.prompt_tokens < 1 or v.prompt_tokens >= T.max_seq_len:
-        problems.append(f"validate.prompt_tokens={v.prompt_tokens} must be in 1..trainer.max_seq_len - 1")
+    if cfg.validate.prompt_tokens < 1 or cfg.validate.prompt_tokens >= trainer.max_seq_len:
+        problems.append(f"validate.prompt_tokens={cfg.validate.prompt_tokens} must be in 1..trainer.max_seq_len - 1")
     refuse(problems)
 
 
 def build_model(cfg: DictConfig, tokenizer: Any) -> MTPModel:
-    m = cfg.mtp
-    if m.init == "pretrained":
+    mtp = cfg.mtp
+    if mtp.init == "pretrained":
         lm = load_hf_model(cfg.model.name, dtype=torch.float32)
         if cfg.trainer.max_seq_len > lm.config.max_position_embeddings:
             raise SpecdecError(
                 f"trainer.max_seq_len exceeds {cfg.model.name}'s context of {lm.config.max_position_embeddings}"
             )
-        model = MTPModel.attach(lm, m.num_heads)
+        model = MTPModel.attach(lm, mtp.num_heads)
     else:
         from transformers import LlamaConfig
 
-        a = m.architecture
+        architecture = mtp.architecture
         config = LlamaConfig(
             vocab_size=len(tokenizer),
-            hidden_size=a.hidden_size,
-            intermediate_size=a.intermediate_size,
-            num_hidden_layers=a.trunk_layers + 1,  # the exported model: trunk + head 0
-            num_attention_heads=a.num_attention_heads,
-            num_key_value_heads=a.num_key_value_heads,
-            max_position_embeddings=a.max_position_embeddings,
-            rope_theta=a.rope_theta,
-            tie_word_embeddings=a.tie_word_embeddings,
+            hidden_size=architecture.hidden_size,
+            intermediate_size=architecture.intermediate_size,
+            num_hidden_layers=architecture.trunk_layers + 1,  # the exported model: trunk + head 0
+            num_attention_heads=architecture.num_attention_heads,
+            num_key_value_heads=architecture.num_key_value_heads,
+            max_position_embeddings=architecture.max_position_embeddings,
+            rope_theta=architecture.rope_theta,
+            tie_word_embeddings=architecture.tie_word_embeddings,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
         torch.manual_seed(cfg.seed)
-        model = MTPModel.from_config(config, m.num_heads)
+        model = MTPModel.from_config(config, mtp.num_heads)
     model.lm.config.architectures = [type(model.lm).__name__]
-    model.set_trainable(m.trainable)
+    model.set_trainable(mtp.trainable)
     return model
 
 
@@ -140,11 +146,15 @@ def own_tokenizer(cfg: DictConfig, out: Path) -> Any:
     folder = out / "tokenizer"
     if (folder / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(folder)
-    d = cfg.data
+    data = cfg.data
     train, _ = corpus_documents(
-        d.corpus, split=d.split, column=d.column, val_fraction=d.val_fraction, max_documents=d.max_documents
+        data.corpus,
+        split=data.split,
+        column=data.column,
+        val_fraction=data.val_fraction,
+        max_documents=data.max_documents,
     )
-    return train_tokenizer(train, d.train_tokenizer, folder)
+    return train_tokenizer(train, data.train_tokenizer, folder)
 
 
 def make_backward_fn(accelerator: Any, wrapped: Any, weights: list[float], sequential: bool) -> Any:
@@ -182,7 +192,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
     run = start(cfg)
-    accelerator, T, m = run.accelerator, cfg.trainer, cfg.mtp
+    accelerator, trainer, mtp = run.accelerator, cfg.trainer, cfg.mtp
     check_launch(
         accelerator,
         "mtp",
@@ -193,14 +203,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         with accelerator.main_process_first():  # rank 0 trains it (or finds it from an earlier start)
             run = run.with_tokenizer(own_tokenizer(cfg, run.out))
     train_seqs, val_seqs, info = corpus(cfg, run)
-    n, weights, sequential = m.num_heads, loss_weights(cfg), m.backward == "sequential"
-    examples = [PackedSequence(s, T.max_seq_len - n) for s in train_seqs]
+    n, weights, sequential = mtp.num_heads, loss_weights(cfg), mtp.backward == "sequential"
+    examples = [PackedSequence(s, trainer.max_seq_len - n) for s in train_seqs]
     model = build_model(cfg, run.tokenizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    run.say(
+    run.print_once(
         f"model: {model.trunk_layers}-layer trunk + {n} heads, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
-        f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {m.trainable}), {m.backward} backward"
+        f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trained: {mtp.trainable}), {mtp.backward} backward"
     )
     horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, trainable, horizon)
@@ -208,7 +218,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     model = unwrap(accelerator, wrapped)
     tracker = make_tracker(cfg, run, "mtp")
     backward = make_backward_fn(accelerator, wrapped, weights, sequential)
-    held_out = HeldOut(model, val_seqs[: cfg.validate.eval_sequences], T.micro_batch, accelerator, tracker)
+    held_out = HeldOut(model, val_seqs[: cfg.validate.eval_sequences], trainer.micro_batch, accelerator, tracker)
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
 
     # ---------------------------------------------------------------- loop
@@ -218,13 +228,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     batches, stats, history = make_batches(cfg, run, examples), resumed.stats, resumed.history
     for step in horizon.steps_from(resumed.step):
         micro = batches.step(step)
-        stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, micro, None, T.max_grad_norm,
+        stats = optimizer_step(accelerator, wrapped, optimizer, scheduler, micro, None, trainer.max_grad_norm,
                                backward_fn=backward)  # fmt: skip
         done = step + 1
         progress.update(done, stats, epoch=batches.epoch(done))
-        if every(T.checkpoint_every, done, horizon.steps):
+        if every(trainer.checkpoint_every, done, horizon.steps):
             state = {"stats": stats, "history": history, "horizon": horizon.state()}
-            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=T.keep_checkpoints)
+            save_checkpoint(accelerator, run.checkpoints, step=done, state=state, keep=trainer.keep_checkpoints)
         if validation_due(cfg, done, horizon.steps):
             history.append({"step": done, **held_out(done)})
     progress.close()
@@ -232,7 +242,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- evaluate + validate
     model.eval()
     heldout = held_out(horizon.steps)
-    run.say(
+    run.print_once(
         "held-out per head: "
         + ", ".join(f"{i}: loss {heldout[f'loss_{i}']:.3f} acc {heldout[f'acc_{i}']:.2f}" for i in range(n))
     )
@@ -252,23 +262,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def corpus(cfg: DictConfig, run: Run) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """(training sequences, held-out sequences, counts) of data.corpus, packed to trainer.max_seq_len
     (rank 0 tokenizes into the cache, the others read it)."""
-    d, T = cfg.data, cfg.trainer
-    cache = Path(d.cache_dir).expanduser() if d.cache_dir else cache_root() / "corpus"
+    data, trainer = cfg.data, cfg.trainer
+    cache = Path(data.cache_dir).expanduser() if data.cache_dir else cache_root() / "corpus"
     with run.accelerator.main_process_first():
         train_seqs, val_seqs, info = packed_corpus(
             run.tokenizer,
-            d.corpus,
-            seq_len=T.max_seq_len,
+            data.corpus,
+            seq_len=trainer.max_seq_len,
             cache_dir=cache,
-            split=d.split,
-            column=d.column,
-            val_fraction=d.val_fraction,
-            max_documents=d.max_documents,
+            split=data.split,
+            column=data.column,
+            val_fraction=data.val_fraction,
+            max_documents=data.max_documents,
             progress=run.main,
         )
-    run.say(
-        f"corpus {d.corpus}: {train_seqs.numel():,} training tokens ({info['train_documents']} documents), "
-        f"{val_seqs.numel():,} held-out ({info['val_documents']} documents), sequences of {T.max_seq_len}"
+    run.print_once(
+        f"corpus {data.corpus}: {train_seqs.numel():,} training tokens ({info['train_documents']} documents), "
+        f"{val_seqs.numel():,} held-out ({info['val_documents']} documents), sequences of {trainer.max_seq_len}"
     )
     return train_seqs, val_seqs, info
 
@@ -295,11 +305,10 @@ def runtime_drafter(model: MTPModel, device: torch.device, dtype: torch.dtype) -
 
 
 def validate_mtp(cfg: DictConfig, run: Run, model: MTPModel, val_seqs: torch.Tensor) -> dict[str, Any]:
-    v = cfg.validate
     device = run.device
     target, drafter = runtime_drafter(model, device, resolve_dtype(cfg.model.dtype, device))
-    prompts = validation_prompts(val_seqs, v.num_prompts, v.prompt_tokens)
-    gamma = v.gamma or model.num_heads - 1
+    prompts = validation_prompts(val_seqs, cfg.validate.num_prompts, cfg.validate.prompt_tokens)
+    gamma = cfg.validate.gamma or model.num_heads - 1
     metrics = validate(
         target,
         drafter,
@@ -307,7 +316,7 @@ def validate_mtp(cfg: DictConfig, run: Run, model: MTPModel, val_seqs: torch.Ten
         [None] * len(prompts),
         stop_ids=frozenset({run.tokenizer.eos_token_id}),
         gamma=gamma,
-        max_new_tokens=v.max_new_tokens,
+        max_new_tokens=cfg.validate.max_new_tokens,
         threads=run.threads.get("decode"),
     )
     metrics["device"] = str(device)
@@ -318,10 +327,10 @@ def write_export(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any
     """export/: the causal LM (trunk + head 0), mtp_heads.safetensors + mtp_config.json, a model card."""
     from transformers import GenerationConfig
 
-    m, n = cfg.mtp, model.num_heads
+    mtp, n = cfg.mtp, model.num_heads
     tokenizer = run.tokenizer
     gen_cfg = run.gen_cfg
-    if m.init == "scratch":  # a base model: no chat template, plain end-of-text (gen_cfg was model.name's)
+    if mtp.init == "scratch":  # a base model: no chat template, plain end-of-text (gen_cfg was model.name's)
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.chat_template = None
         gen_cfg = GenerationConfig(
@@ -342,10 +351,10 @@ def write_export(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any
         recipe="mtp",
         data=f"{cfg.data.corpus} ({info['train_documents']} documents)",
         setup={
-            "init": m.init if m.init == "scratch" else f"pretrained {cfg.model.name}",
+            "init": mtp.init if mtp.init == "scratch" else f"pretrained {cfg.model.name}",
             "heads": n,
             "trunk layers": model.trunk_layers,
-            "trainable": m.trainable,
+            "trainable": mtp.trainable,
             "loss weights": loss_weights(cfg),
             "steps": result["step"],
             "sequence length": cfg.trainer.max_seq_len,
@@ -361,7 +370,7 @@ def write_export(cfg: DictConfig, run: Run, model: MTPModel, info: dict[str, Any
             "with exactly its own output."
         ),
         tags=["multi-token-prediction"],
-        target_hub_id=None if m.init == "scratch" else target_hub_id(cfg),
+        target_hub_id=None if mtp.init == "scratch" else target_hub_id(cfg),
         hub_id=cfg.hub.repo_id,
     )
     return export_mtp(

@@ -44,7 +44,7 @@ from train import checkpoint
 from train.data import (
     Batches,
 )
-from train.launch import make_accelerator, whole
+from train.launch import make_accelerator, unpartitioned
 from train.loop import (
     Horizon,
     Progress,
@@ -84,7 +84,8 @@ class Run:
     def checkpoints(self) -> Path:
         return self.out / "checkpoints"
 
-    def say(self, *args: Any) -> None:
+    def print_once(self, *args: Any) -> None:
+        """print() on the main process only (accelerate's print: once per machine), not on every rank."""
         self.accelerator.print(*args)
 
     def with_tokenizer(self, tokenizer: Any) -> "Run":
@@ -225,10 +226,10 @@ def load_tokenizer(name: str) -> tuple[Path, Any, int, Any, frozenset[int]]:
 def load_target(cfg: DictConfig, run: Run, dtype: torch.dtype | None = None) -> Any:
     """The HF target on the run's device, frozen, in `dtype` (default: model.dtype)."""
     if dtype is None and cfg.model.dtype == "fast":
-        run.say(f"model.dtype=fast: {fast_bf16(run.device)}")
+        run.print_once(f"model.dtype=fast: {fast_bf16(run.device)}")
     dtype = dtype or resolve_dtype(cfg.model.dtype, run.device)
-    run.say(f"target {cfg.model.name} ({run.target_path}) on {run.device} in {dtype}")
-    with whole(run.accelerator):
+    run.print_once(f"target {cfg.model.name} ({run.target_path}) on {run.device} in {dtype}")
+    with unpartitioned(run.accelerator):
         model = load_hf_model(cfg.model.name, dtype=dtype)
     return model.to(run.device).eval().requires_grad_(False)
 
@@ -239,38 +240,45 @@ def make_horizon(cfg: DictConfig, run: Run) -> Horizon:
     0's decision."""
     agree = lambda n: broadcast_object_list([n])[0]  # noqa: E731
     decide_at = max(cfg.optim.warmup_steps, 10)
-    say = lambda line: run.main and tqdm.write(line)  # noqa: E731  (on its own line, above the progress bar)
-    T = cfg.trainer
-    return Horizon(T.max_steps, T.get("max_minutes"), decide_at, until=T.get("train_until"), agree=agree, say=say)
+    print_line = lambda line: run.main and tqdm.write(line)  # noqa: E731  (on its own line, above the progress bar)
+    trainer = cfg.trainer
+    return Horizon(
+        trainer.max_steps,
+        trainer.get("max_minutes"),
+        decide_at,
+        until=trainer.get("train_until"),
+        agree=agree,
+        print_line=print_line,
+    )
 
 
 def make_optimizer_from(cfg: DictConfig, params: Any, horizon: Horizon) -> tuple[Any, Any]:
     """AdamW and its schedule from cfg.optim over the horizon's steps (params: parameters or
     groups, see train.loop.make_optimizer)."""
-    o = cfg.optim
+    optim = cfg.optim
     return make_optimizer(
         params,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        warmup_steps=o.warmup_steps,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        warmup_steps=optim.warmup_steps,
         max_steps=horizon,
-        schedule=o.schedule,
-        betas=tuple(o.betas),
-        min_lr_ratio=o.min_lr_ratio,
+        schedule=optim.schedule,
+        betas=tuple(optim.betas),
+        min_lr_ratio=optim.min_lr_ratio,
     )
 
 
 def make_tracker(cfg: DictConfig, run: Run, recipe: str) -> Tracker:
-    t = cfg.tracking
+    tracking = cfg.tracking
     return Tracker(
         run.accelerator,
         run.out,
-        kind=t.kind,
-        project=t.get("project", "specdec"),
-        run_name=t.get("run_name") or f"{recipe}-{run.out.name}",
+        kind=tracking.kind,
+        project=tracking.get("project", "specdec"),
+        run_name=tracking.get("run_name") or f"{recipe}-{run.out.name}",
         config=OmegaConf.to_container(cfg, resolve=True),
-        entity=t.get("entity"),
-        tags=list(t.get("tags") or []),
+        entity=tracking.get("entity"),
+        tags=list(tracking.get("tags") or []),
     )
 
 
@@ -308,15 +316,15 @@ def record_config(cfg: DictConfig, run: Run) -> None:
 
 def make_batches(cfg: DictConfig, run: Run, examples: list[Any]) -> Batches:
     """This process's share of deterministic global batches (see train.data.Batches)."""
-    T, acc = cfg.trainer, run.accelerator
+    trainer, accelerator = cfg.trainer, run.accelerator
     return Batches(
         examples,
-        micro_batch=T.micro_batch,
-        grad_accum=T.grad_accum,
-        world=acc.num_processes,
-        rank=acc.process_index,
+        micro_batch=trainer.micro_batch,
+        grad_accum=trainer.grad_accum,
+        world=accelerator.num_processes,
+        rank=accelerator.process_index,
         seed=cfg.seed,
-        group_by_length=T.get("group_by_length", False),
+        group_by_length=trainer.get("group_by_length", False),
     )
 
 
@@ -324,17 +332,19 @@ def make_progress(
     cfg: DictConfig, run: Run, tracker: Tracker, start_step: int, horizon: Horizon, desc: str, postfix: tuple[str, ...]
 ) -> Progress:
     """The progress bar and train/* log of steps start_step..the horizon (says what it trains)."""
-    T, acc = cfg.trainer, run.accelerator
+    trainer, accelerator = cfg.trainer, run.accelerator
     if start_step < horizon.steps:
         limit = f", at most {horizon.max_minutes:g} min (trainer.max_minutes)" if horizon.max_minutes else ""
-        if T.get("train_until") is not None:
-            limit += f", ending by {time.strftime('%H:%M:%S', time.localtime(T.train_until))} (trainer.train_until)"
-        run.say(
-            f"training steps {start_step}..{horizon.steps} ({acc.num_processes} processes, "
-            f"global batch {T.micro_batch * T.grad_accum * acc.num_processes}{limit})"
+        if trainer.get("train_until") is not None:
+            limit += (
+                f", ending by {time.strftime('%H:%M:%S', time.localtime(trainer.train_until))} (trainer.train_until)"
+            )
+        run.print_once(
+            f"training steps {start_step}..{horizon.steps} ({accelerator.num_processes} processes, "
+            f"global batch {trainer.micro_batch * trainer.grad_accum * accelerator.num_processes}{limit})"
         )
     return Progress(
-        tracker, start=start_step, total=horizon, log_every=T.log_every, desc=desc, postfix=postfix, show=run.main
+        tracker, start=start_step, total=horizon, log_every=trainer.log_every, desc=desc, postfix=postfix, show=run.main
     )
 
 
@@ -363,21 +373,21 @@ def finish(
             parts.append(f"{m['tokens_per_s']:.1f} against {m['ar_tokens_per_s']:.1f} tok/s")
         if m.get("drafter"):
             parts.append(f"drafter {m['drafter']}")
-        run.say(
+        run.print_once(
             f"\ntau {m['tau']:.2f}, speedup {m['speedup']:.2f}x over autoregressive"
             + (f" ({', '.join(parts)})" if parts else "")
             + f", lossless {m['lossless']:.0%} ({m['prompts']} validation prompts)"
         )
-    run.say(f"exported to {export}\ngenerate with it:\n  {generate_cmd}")
+    run.print_once(f"exported to {export}\ngenerate with it:\n  {generate_cmd}")
 
 
 def push(cfg: DictConfig, run: Run, result: dict[str, Any], export: Path) -> None:
     """Push the export to hub.repo_id: the commit URL in result["hub"], or what failed in
     result["hub_error"] and the command that retries it in result["hub_retry"]."""
-    h = cfg.hub
+    hub = cfg.hub
     try:
-        result["hub"] = push_folder(export, h.repo_id, private=h.private, revision=h.revision)
-        run.say(f"pushed to {result['hub']}")
+        result["hub"] = push_folder(export, hub.repo_id, private=hub.private, revision=hub.revision)
+        run.print_once(f"pushed to {result['hub']}")
     except Exception as e:  # no network, a refused token, a failed check: the run's results stay
         result["hub_error"] = str(e) if isinstance(e, SpecdecError) else f"{type(e).__name__}: {e}"
-        result["hub_retry"] = push_command(export, h.repo_id, private=h.private, revision=h.revision)
+        result["hub_retry"] = push_command(export, hub.repo_id, private=hub.private, revision=hub.revision)

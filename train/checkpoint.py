@@ -48,7 +48,7 @@ def manifest(folder: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def damage(path: Path) -> str | None:
+def checkpoint_problem(path: Path) -> str | None:
     """What is wrong with a checkpoint folder (None when it matches its manifest)."""
     file = path / MANIFEST
     if not file.is_file():  # written before checkpoints had manifests: trusted as before
@@ -107,14 +107,14 @@ def load_checkpoint(accelerator: Any, path: Path) -> tuple[dict[str, Any], dict[
     return json.loads((path / STATE).read_text()), tensors
 
 
-def set_aside_damaged(folder: Path, say: Any = print) -> None:
+def set_aside_damaged(folder: Path, print_line: Any = print) -> None:
     """Check the newest checkpoints against their manifests (rank 0), renaming each damaged one to
     step-N.corrupt, until the newest is intact (or none is left)."""
-    while (path := latest_checkpoint(folder)) is not None and (why := damage(path)) is not None:
+    while (path := latest_checkpoint(folder)) is not None and (why := checkpoint_problem(path)) is not None:
         aside = path.with_name(path.name + ".corrupt")
         shutil.rmtree(aside, ignore_errors=True)
         path.rename(aside)
-        say(f"checkpoint {path} is damaged ({why}): set aside as {aside.name}; resuming from an older one")
+        print_line(f"checkpoint {path} is damaged ({why}): set aside as {aside.name}; resuming from an older one")
 
 
 def resume(accelerator: Any, folder: Path) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:

@@ -7,7 +7,7 @@
     ex = encode_conversation(tokenizer, convs[0])               # dataset responses, assistant turns masked in
     ex = Example(ids + response, [False] * len(ids) + [True] * len(response))
     for micro_batch in Batches(examples, micro_batch=4, grad_accum=2, world=1, rank=0, seed=0).step(7): ...
-    convs = spread(convs, 16)                                   # 16 conversations, round-robin over categories
+    convs = round_robin_by_category(convs, 16)                  # 16 conversations, one category after another
     examples = with_responses(prompts, responses, max_len=512)  # prompt + response, loss on the response
     pre = pre_query_ids(tokenizer)                              # the template up to a user's message: a model
     convs = self_written(tokenizer, written, stop_ids)          # continues it with one (Magpie); the finished, once
@@ -329,7 +329,7 @@ class Batches:
         return [mine[i : i + self.micro_batch] for i in range(0, len(mine), self.micro_batch)]
 
 
-def spread(convs: list[Conversation], n: int) -> list[Conversation]:
+def round_robin_by_category(convs: list[Conversation], n: int) -> list[Conversation]:
     """The first n conversations taken round-robin over categories (all when n is 0)."""
     if not n or n >= len(convs):
         return convs
@@ -381,5 +381,5 @@ def prompts_of(
 ) -> tuple[list[list[int]], list[Any]]:
     """Token ids (chat template and generation prompt applied) and categories of n prompts from a
     data source, spread over its categories (all when n is 0); skipped: as load_conversations."""
-    convs = spread(load_conversations(source, split=split, column=column, skipped=skipped), n)
+    convs = round_robin_by_category(load_conversations(source, split=split, column=column, skipped=skipped), n)
     return [prompt_ids(tokenizer, c) for c in convs], [c.category for c in convs]

@@ -83,20 +83,22 @@ def drafter_from_config(
             f"drafter: hidden_size {hidden_size} must be a multiple of num_heads {num_heads}, "
             f"and num_heads a multiple of num_kv_heads {num_kv_heads}"
         )
-    t = target.config
+    target_config = target.config
     cfg = LlamaConfig(
-        vocab_size=t.vocab_size,
+        vocab_size=target_config.vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=t.rms_norm_eps,
-        rope_parameters=dict(getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=dict(
+            getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+        ),
         tie_word_embeddings=True,
     )
-    _same_special_ids(cfg, t)
+    _same_special_ids(cfg, target_config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=target.dtype)
     if init_embeddings:

@@ -3,7 +3,7 @@ and the helpers for parameters split across processes (ZeRO-3, FSDP). No Hydra i
 
     accelerator = make_accelerator(mixed_precision="no", grad_accum=2, seed=0, log_with=None, project_dir=out)
     kind = check_launch(accelerator, "distill", ("zero1", "zero2"), "why")  # refuses what a recipe does not fit
-    with whole(accelerator): model = load(...)          # stays whole under ZeRO-3
+    with unpartitioned(accelerator): model = load(...)   # stays whole under ZeRO-3
     sd = gathered_state_dict(accelerator, wrapped)       # the whole weights on rank 0 (every process calls it)
 """
 
@@ -149,7 +149,7 @@ def sharded(accelerator: Any) -> bool:
 
 
 @contextmanager
-def whole(accelerator: Any) -> Iterator[None]:
+def unpartitioned(accelerator: Any) -> Iterator[None]:
     """Models created inside stay whole on every process. Under ZeRO-3, transformers would otherwise
     partition every model at creation (zero.Init); a frozen target must stay whole, and the trained
     model is partitioned when accelerator.prepare() wraps it."""

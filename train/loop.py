@@ -61,7 +61,7 @@ class Horizon:
     schedule over another horizon), at the rate of the steps since the first (which pays for
     warm-up work), to what fits the nearer limit; it never cuts below decide_at. A checkpoint
     records it (state()), so a resumed run keeps the same steps and schedule. agree(n) -> n: every
-    process takes rank 0's decision (a broadcast); say: where the decision is told; wall: the Unix
+    process takes rank 0's decision (a broadcast); print_line: where the decision is told; wall: the Unix
     clock `until` is read against, once."""
 
     def __init__(
@@ -72,7 +72,7 @@ class Horizon:
         *,
         until: float | None = None,
         agree: Callable[[int], int] = lambda n: n,
-        say: Callable[[str], None] = print,
+        print_line: Callable[[str], None] = print,
         clock: Callable[[], float] = time.perf_counter,
         wall: Callable[[], float] = time.time,
     ):
@@ -81,7 +81,7 @@ class Horizon:
         self.configured = self.steps = max_steps
         self.max_minutes, self.decide_at = max_minutes, max(decide_at, 3)
         self.deadline = None if until is None else clock() + (until - wall())  # `until` on self.clock
-        self.agree, self.say, self.clock = agree, say, clock
+        self.agree, self.print_line, self.clock = agree, print_line, clock
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint records: the configured steps and the steps this run takes."""
@@ -124,12 +124,12 @@ class Horizon:
         steps = self.agree(min(self.steps, max(fit, done + 1)))
         need = elapsed + (self.steps - done) * per_step
         if steps < self.steps:
-            self.say(
+            self.print_line(
                 f"{limit}: {self.steps} steps would take ~{need / 60:.1f} min "
                 f"at {per_step:.2f} s a step here; training {steps} steps (the schedule ends there)"
             )
         else:
-            self.say(f"{limit}: {self.steps} steps fit (~{need / 60:.1f} min)")
+            self.print_line(f"{limit}: {self.steps} steps fit (~{need / 60:.1f} min)")
         self.steps = steps
 
 

@@ -270,7 +270,7 @@ def test_the_chat_presets_read_their_column_from_the_data_and_detect_the_builtin
         cfg = compose("eagle3", overrides=[f"data={preset}", f"data.train={tmp_path / 'd.jsonl'}", "data.max_samples=0",
                                            "validate.num_prompts=8"])  # fmt: skip
     said = []
-    run = SimpleNamespace(tokenizer=smol_tokenizer, say=said.append)
+    run = SimpleNamespace(tokenizer=smol_tokenizer, print_once=said.append)
     data = conversations(cfg, run)
     assert [c.id for c in data.train] == ["a", "b"] and len(data.val) == 8 and all(data.val_prompts)
     assert len(said) == 1 and "left out 4 of 6 records" in said[0]

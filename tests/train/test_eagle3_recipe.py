@@ -352,7 +352,7 @@ def test_the_phrase_table_is_built_once_from_at_most_phrase_tokens(monkeypatch):
     from train.data import Example
 
     said = []
-    run = SimpleNamespace(main=True, say=said.append, device="cpu")
+    run = SimpleNamespace(main=True, print_once=said.append, device="cpu")
     phrase = [1, 2, 3, 4, 5, 6, 7, 8]
     examples = [Example([0] + phrase, [False] + [True] * 8) for _ in range(2)]
     examples.append(Example([0] + phrase[::-1], [False] + [True] * 8))
@@ -360,4 +360,4 @@ def test_the_phrase_table_is_built_once_from_at_most_phrase_tokens(monkeypatch):
     table = eagle3.phrase_table(run, examples)
     assert table.get([1, 2, 3, 4]).tolist() == [5, 6, 7, 8] and table.get([8, 7, 6, 5]) is None
     assert said[0] == "phrase table: from the first 16 response tokens (of more)"
-    assert eagle3.phrase_table(SimpleNamespace(main=False, say=said.append), examples) is None
+    assert eagle3.phrase_table(SimpleNamespace(main=False, print_once=said.append), examples) is None

@@ -34,7 +34,7 @@ def test_the_steps_that_do_not_fit_are_cut_at_the_decision_step():
     # First step 30 s (warm-up work), then 2 s a step; 5 minutes: after 10 steps 48 s are spent,
     # 252 s are left, 126 more steps fit.
     clock, said = Clock(30.0, 2.0), []
-    horizon = Horizon(1000, max_minutes=5, decide_at=10, say=said.append, clock=clock)
+    horizon = Horizon(1000, max_minutes=5, decide_at=10, print_line=said.append, clock=clock)
     assert run(horizon, clock) == list(range(136))
     assert horizon.steps == 136 and horizon.state() == {"max_steps": 1000, "steps": 136}
     assert len(said) == 1 and "1000 steps would take ~33.8 min at 2.00 s a step" in said[0]
@@ -43,9 +43,9 @@ def test_the_steps_that_do_not_fit_are_cut_at_the_decision_step():
 
 def test_steps_that_fit_are_kept_and_no_limit_reads_no_clock():
     clock, said = Clock(1.0, 1.0), []
-    horizon = Horizon(50, max_minutes=5, decide_at=10, say=said.append, clock=clock)
+    horizon = Horizon(50, max_minutes=5, decide_at=10, print_line=said.append, clock=clock)
     assert run(horizon, clock) == list(range(50)) and said == ["trainer.max_minutes=5: 50 steps fit (~0.8 min)"]
-    unlimited = Horizon(50, clock=lambda: pytest.fail("read the clock"), say=pytest.fail)
+    unlimited = Horizon(50, clock=lambda: pytest.fail("read the clock"), print_line=pytest.fail)
     assert run(unlimited, Clock(1.0, 1.0)) == list(range(50))
 
 
@@ -53,7 +53,7 @@ def test_a_budget_already_spent_stops_at_the_decision_step_and_processes_agree()
     clock = Clock(100.0, 1.0)
     asked = []
     horizon = Horizon(
-        40, max_minutes=1, decide_at=5, say=lambda s: None, clock=clock, agree=lambda n: asked.append(n) or 7
+        40, max_minutes=1, decide_at=5, print_line=lambda s: None, clock=clock, agree=lambda n: asked.append(n) or 7
     )
     assert run(horizon, clock) == list(range(7))  # rank 0's decision (7) wins over this process's own (5)
     assert asked == [5]
@@ -65,7 +65,7 @@ def test_a_deadline_counts_the_time_before_the_loop_and_the_nearer_limit_wins():
     wall = lambda: 1_000_000.0  # noqa: E731  (the Unix time when the horizon is made)
     # The same budget as max_minutes=5 above when the loop starts at once: 136 steps.
     clock, said = Clock(30.0, 2.0), []
-    horizon = Horizon(1000, decide_at=10, until=wall() + 300, say=said.append, clock=clock, wall=wall)
+    horizon = Horizon(1000, decide_at=10, until=wall() + 300, print_line=said.append, clock=clock, wall=wall)
     assert run(horizon, clock) == list(range(136))
     assert said == [
         "trainer.train_until (4.2 min left): 1000 steps would take ~33.8 min at 2.00 s a step here; "
@@ -74,20 +74,24 @@ def test_a_deadline_counts_the_time_before_the_loop_and_the_nearer_limit_wins():
     # 100 s of data before the loop: 154 s left at the decision, 77 more steps; max_minutes=5 alone
     # would give 136, so the deadline cuts.
     clock, said = Clock(30.0, 2.0), []
-    horizon = Horizon(1000, max_minutes=5, decide_at=10, until=wall() + 300, say=said.append, clock=clock, wall=wall)
+    horizon = Horizon(
+        1000, max_minutes=5, decide_at=10, until=wall() + 300, print_line=said.append, clock=clock, wall=wall
+    )
     clock.now += 100
     assert run(horizon, clock) == list(range(86)) and said[0].startswith("trainer.train_until (2.6 min left)")
     # A far deadline: max_minutes cuts, and says so as before.
     clock, said = Clock(30.0, 2.0), []
-    horizon = Horizon(1000, max_minutes=5, decide_at=10, until=wall() + 3600, say=said.append, clock=clock, wall=wall)
+    horizon = Horizon(
+        1000, max_minutes=5, decide_at=10, until=wall() + 3600, print_line=said.append, clock=clock, wall=wall
+    )
     assert run(horizon, clock) == list(range(136)) and said[0].startswith("trainer.max_minutes=5: 1000 steps")
     # A deadline already past: the warm-up's steps and one more, as for a spent max_minutes.
     clock, said = Clock(30.0, 2.0), []
-    horizon = Horizon(1000, decide_at=10, until=wall() - 60, say=said.append, clock=clock, wall=wall)
+    horizon = Horizon(1000, decide_at=10, until=wall() - 60, print_line=said.append, clock=clock, wall=wall)
     assert run(horizon, clock) == list(range(10)) and said[0].startswith("trainer.train_until (0.0 min left)")
     # Steps that fit: said, nothing cut.
     clock, said = Clock(1.0, 1.0), []
-    horizon = Horizon(50, decide_at=10, until=wall() + 609, say=said.append, clock=clock, wall=wall)
+    horizon = Horizon(50, decide_at=10, until=wall() + 609, print_line=said.append, clock=clock, wall=wall)
     assert run(horizon, clock) == list(range(50))
     assert said == ["trainer.train_until (10.0 min left): 50 steps fit (~0.8 min)"]
     for bad in (True, "5", -3, 0):  # check_trainer refuses these before a run starts, in the same words
@@ -97,13 +101,13 @@ def test_a_deadline_counts_the_time_before_the_loop_and_the_nearer_limit_wins():
 
 def test_a_checkpoint_keeps_the_cut_unless_max_steps_changed():
     clock = Clock(30.0, 2.0)
-    first = Horizon(1000, max_minutes=5, decide_at=10, say=lambda s: None, clock=clock)
+    first = Horizon(1000, max_minutes=5, decide_at=10, print_line=lambda s: None, clock=clock)
     run(first, clock)
     saved = first.state()
-    again = Horizon(1000, max_minutes=5, decide_at=10, say=pytest.fail, clock=clock)
+    again = Horizon(1000, max_minutes=5, decide_at=10, print_line=pytest.fail, clock=clock)
     again.restore(saved)
     assert again.steps == 136 and run(again, clock, start=100) == list(range(100, 136))  # no second decision
-    more = Horizon(2000, max_minutes=5, decide_at=10, say=pytest.fail, clock=clock)
+    more = Horizon(2000, max_minutes=5, decide_at=10, print_line=pytest.fail, clock=clock)
     more.restore(saved)
     assert more.steps == 2000
     with pytest.raises(ValueError, match="max_minutes=0: give a positive number"):
@@ -117,7 +121,7 @@ def test_the_schedule_and_the_progress_bar_follow_the_cut():
     """Past the cut the learning rate is the schedule of a run configured with the cut's steps;
     before it (the warm-up) every step's rate is the same either way."""
     clock = Clock(30.0, 2.0)
-    horizon = Horizon(1000, max_minutes=5, decide_at=10, say=lambda s: None, clock=clock)
+    horizon = Horizon(1000, max_minutes=5, decide_at=10, print_line=lambda s: None, clock=clock)
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer, scheduler = make_optimizer([param], lr=0.1, weight_decay=0.0, warmup_steps=10, max_steps=horizon)
     other, reference = make_optimizer([param], lr=0.1, weight_decay=0.0, warmup_steps=10, max_steps=136)
