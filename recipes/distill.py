@@ -31,7 +31,7 @@ from recipes.run import (
     target_card,
     validation_due,
 )
-from specdec_runtime.drafters import ModelDrafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder
 from train import losses

@@ -39,12 +39,13 @@ from recipes.run import (
     validation_due,
 )
 from specdec_runtime.config import DecoderConfig
-from specdec_runtime.drafter_spec import LOOKUP
-from specdec_runtime.drafters import LookupFirst
-from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from specdec_runtime.drafters.lookup import LookupFirst
+from specdec_runtime.drafters.phrases import PhraseTable
+from specdec_runtime.drafters.spec import LOOKUP
 from specdec_runtime.loading import load_hf_config
 from specdec_runtime.paths import cache_root, resolve_model
-from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids, responses_of, with_responses
@@ -160,7 +161,7 @@ PHRASE_TOKENS = 4_000_000
 
 
 def phrase_table(run: Run, examples: list[Example]) -> PhraseTable | None:
-    """What the training responses agree follows 4 tokens (specdec_runtime.phrases), for lookup;
+    """What the training responses agree follows 4 tokens (specdec_runtime.drafters.phrases), for lookup;
     built on the main process (validation and export run there) from up to PHRASE_TOKENS tokens."""
     if not run.main:
         return None

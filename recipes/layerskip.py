@@ -28,8 +28,8 @@ from recipes.checks import check_tracking, refuse, run_or_exit, target_hub_id
 from recipes.data import val_source
 from recipes.run import Run, finish, make_tracker, record_config, start
 from specdec_runtime.config import DecoderConfig
+from specdec_runtime.drafters.layerskip import SkipSet, skip_drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.layerskip import SkipSet, skip_drafter
 from specdec_runtime.loading import LoadedModel, load_hf_config, load_model
 from specdec_runtime.paths import resolve_model
 from train.data import prompts_of

@@ -37,10 +37,10 @@ from recipes.run import (
     start,
     target_card,
 )
+from specdec_runtime.drafters.medusa import MedusaDrafter, MedusaHeads
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.hardware import resolve_dtype
 from specdec_runtime.measure import measure
-from specdec_runtime.medusa import MedusaDrafter, MedusaHeads
 from specdec_runtime.paths import cache_root
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree

@@ -36,10 +36,10 @@ from recipes.run import (
     start,
     validation_due,
 )
+from specdec_runtime.drafters.mtp import MTP_WEIGHTS, MTPDrafter, MTPHeads
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.hardware import resolve_dtype
 from specdec_runtime.loading import load_hf_model
-from specdec_runtime.mtp import MTP_WEIGHTS, MTPDrafter, MTPHeads
 from specdec_runtime.paths import cache_root
 from train.checkpoint import save_checkpoint
 from train.corpus import corpus_documents, packed_corpus, train_tokenizer

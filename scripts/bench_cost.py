@@ -17,7 +17,7 @@ weights of the shapes the recipes train (the cost does not depend on the values)
 
 --argmax-only times the steps as greedy decoding runs them: where the CPU kernel runs an fp32
 head, it reads the lm_head's bf16 screen and only the fp32 panels that can hold the argmax
-(model.Decoder.head_screen), ~57 MB less a step than the bound counts on the bundled target.
+(cpu.DecoderKernel.screen), ~57 MB less a step than the bound counts on the bundled target.
 """
 
 import argparse
@@ -26,13 +26,15 @@ import time
 
 import torch
 
-from specdec_runtime import cpu_kernel
-from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from specdec_runtime.cpu import kernel as cpu_kernel
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from specdec_runtime.drafters.medusa import MedusaHeads
+from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.hardware import fast_bf16, resolve_dtype, using_threads
+from specdec_runtime.layers import Linear, linear
 from specdec_runtime.loading import load_model
-from specdec_runtime.medusa import MedusaHeads
-from specdec_runtime.model import Decoder, Linear, linear
+from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 
@@ -77,7 +79,7 @@ def step_and_bandwidth(step, reps: int) -> tuple[float, float]:
     with the machine's speed as the step does. On huge pages where the model's packed weights are
     (cpu_kernel.on_huge_pages: a plain stream reads faster from them too, so the bound is the faster one)."""
     (x,) = cpu_kernel.on_huge_pages([torch.ones(128 * 2**20)])
-    reads = [x.sum] + ([lambda: cpu_kernel.stream_sum(x)] if cpu_kernel.kernel() is not None else [])
+    reads = [x.sum] + ([lambda: cpu_kernel.stream_sum(x)] if cpu_kernel.library() is not None else [])
     for _ in range(3):
         step(), [read() for read in reads]
     ms, gbs = [], []
@@ -174,10 +176,10 @@ def main() -> None:
     for dtype in dtypes:
         dt = resolve_dtype(dtype, cpu)
         # Each path in turn: torch's ops (MKL's products on x86), and the compiled kernels where they
-        # are built (cpu_kernel.py: a decode or verify step of up to max_rows() rows runs its layers in
+        # are built (cpu/kernel.py: a decode or verify step of up to max_rows() rows runs its layers in
         # layers.c, the lm_head in skinny.c; a bf16 model as its bf16 weights, fp32 activations).
         paths = {"torch": cpu_kernel.disabled}
-        if cpu_kernel.kernel() is not None and dt in (torch.float32, torch.bfloat16):
+        if cpu_kernel.library() is not None and dt in (torch.float32, torch.bfloat16):
             paths["kernel"] = contextlib.nullcontext
         rows = {}
         threads = torch.get_num_threads()
@@ -194,7 +196,7 @@ def main() -> None:
                 bound = read / (bw * 1e9) * 1000
                 gemv = {n: gemv_gbs(m, n) for n in sorted({1, threads})}
                 what = f"{dtype} weights, fp32 activations" if m.bf16_weights else dtype
-                screen = m.head_screen() if args.argmax_only and path == "kernel" else None
+                screen = m.native().screen() if args.argmax_only and path == "kernel" else None
                 if screen is not None:  # it reads the screen instead of the fp32 head (and 1-2 panels a row)
                     fewer = read - m.lm_head.weight.numel() * 4 + screen.packed.numel() * 2
                     what += (

@@ -1,4 +1,4 @@
-"""What the CPU kernels (specdec_runtime/cpu_kernel.py) buy in generation: torch's ops, the kernel's
+"""What the CPU kernels (specdec_runtime/cpu/kernel.py) buy in generation: torch's ops, the kernel's
 products in torch's sublayers, and the kernel's whole sublayers (layers.c), autoregressive and
 speculative, interleaved per prompt so the machine's drift hits all three.
 
@@ -17,8 +17,8 @@ import contextlib
 import torch
 from tqdm import tqdm
 
-from specdec_runtime import cpu_kernel
-from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.cpu import kernel as cpu_kernel
+from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
 from specdec_runtime.prompts import builtin_prompts, encode_prompt, first_per_category, read_prompts
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu_kernel.kernel() is None:
+    if cpu_kernel.library() is None:
         raise SystemExit("the CPU kernel cannot be used here (the line above says why): nothing to compare")
     paths = {"torch": cpu_kernel.disabled, "products": cpu_kernel.products_only, "sublayers": contextlib.nullcontext}
     # The torch path's target and drafter keep W^T for MKL's products (loaded inside disabled()),

@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec_runtime.drafters import Drafter, LookupFirst
-from specdec_runtime.eagle3 import Eagle3Drafter
-from specdec_runtime.eagle3_format import read_speculators
-from specdec_runtime.generate import generate, warm_up
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3_format import read_speculators
+from specdec_runtime.drafters.lookup import LookupFirst
+from specdec_runtime.drafters.phrases import PhraseTable
+from specdec_runtime.drafters.protocol import Drafter
+from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
-from specdec_runtime.phrases import PhraseTable
+from specdec_runtime.measure import warm_up
 from specdec_runtime.prompts import builtin_prompts, encode_prompt, first_per_category, read_prompts
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats

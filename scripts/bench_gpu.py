@@ -43,10 +43,11 @@ import torch
 
 from specdec_runtime import graphs
 from specdec_runtime.config import DecoderConfig
-from specdec_runtime.drafters import ModelDrafter
-from specdec_runtime.eagle3 import CATCH_UP_ROWS, Eagle3Config, Eagle3Drafter, Eagle3Model
-from specdec_runtime.generate import generate, warm_up
-from specdec_runtime.measure import divergences
+from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, Eagle3Drafter
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from specdec_runtime.drafters.standalone import ModelDrafter
+from specdec_runtime.generate import generate
+from specdec_runtime.measure import divergences, warm_up
 from specdec_runtime.model import Decoder
 from specdec_runtime.reference import assisted_kwargs, hf_generate
 from specdec_runtime.sampling import Sampler

@@ -43,7 +43,7 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from specdec_runtime.layerskip import SkipSet, skip_drafter
+    from specdec_runtime.drafters.layerskip import SkipSet, skip_drafter
     from specdec_runtime.loading import load_model
     from train.data import prompts_of
     from train.layerskip import (

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from specdec_runtime.drafters.medusa import MedusaDrafter, read_layout, read_tree
 from specdec_runtime.loading import load_model
 from specdec_runtime.measure import measure
-from specdec_runtime.medusa import MedusaDrafter, read_layout, read_tree
 from specdec_runtime.prompts import builtin_prompts, encode_prompt, read_prompts
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specdec_runtime.drafters import ModelDrafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_hf_model, load_model
 from specdec_runtime.prompts import builtin_prompts, encode_prompt, read_prompts

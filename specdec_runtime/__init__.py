@@ -11,8 +11,10 @@ package alone.
 """
 
 from specdec_runtime.config import DecoderConfig
-from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
+from specdec_runtime.drafters.lookup import NgramDrafter
+from specdec_runtime.drafters.protocol import Draft, Drafter
+from specdec_runtime.drafters.spec import build_drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import Generation, generate
 from specdec_runtime.loading import LoadedModel, load_hf_model, load_model

@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 
-from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.drafters import ModelDrafter
+from specdec_runtime.drafters.spec import build_drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.generate import generate, warm_up
+from specdec_runtime.generate import generate
 from specdec_runtime.loading import LoadedModel
+from specdec_runtime.measure import warm_up
 from specdec_runtime.paths import resolve_model
 from specdec_runtime.prompts import Prompt
 from specdec_runtime.reference import assisted_kwargs, hf_generate
@@ -68,7 +69,7 @@ class BenchSettings:
     tree: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    products: str = "torch"  # a CPU's few-row products: cpu_kernel.products()
+    products: str = "torch"  # a CPU's few-row products: cpu.products()
     threads: int | None = None  # CPU threads every run decodes on (None on a GPU)
     chat: bool = True
     reference: bool = True

@@ -195,7 +195,7 @@ def encode_all(target: "LoadedModel", prompts: list, args: argparse.Namespace) -
 def run_generate(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specdec_runtime.drafter_spec import build_drafter
+    from specdec_runtime.drafters.spec import build_drafter
     from specdec_runtime.measure import measure
     from specdec_runtime.prompts import Prompt, builtin_prompts, read_prompts
     from specdec_runtime.sampling import Sampler
@@ -296,7 +296,7 @@ def run_bench(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
-    from specdec_runtime import bench, cpu_kernel
+    from specdec_runtime import bench, cpu
     from specdec_runtime.loading import load_hf_model
     from specdec_runtime.prompts import builtin_prompts, first_per_category, read_prompts
 
@@ -321,6 +321,7 @@ def run_bench(args: argparse.Namespace) -> None:
     target = load_target(args)
     encoded = encode_all(target, prompts, args)
     m = target.model
+    native = m.native()  # the CPU kernel's view of the model, where it runs there
     settings = bench.BenchSettings(
         target=args.target,
         prompts=bench.prompts_digest(prompts, encoded),
@@ -336,9 +337,9 @@ def run_bench(args: argparse.Namespace) -> None:
         tree=args.tree,
         device=m.device.type,
         dtype=str(m.weight_dtype).removeprefix("torch."),
-        products=cpu_kernel.products(m.device, m.dtype)
+        products=cpu.products(m.device, m.dtype)
         + " (bf16 weights, fp32 activations)" * m.bf16_weights
-        + "; greedy steps read the lm_head's bf16 screen" * (m.head_screen() is not None),
+        + "; greedy steps read the lm_head's bf16 screen" * (native is not None and native.screen() is not None),
         chat=not args.no_chat_template,
         reference=not args.no_reference,
         paired=args.paired,

@@ -79,7 +79,7 @@ def infer_claims(folder: Path) -> tuple[str, list[Claim]]:
             claims += [Claim("transformers", "target", "model"), Claim("vllm", "target", "model")]
         return "medusa", claims
     if "model_type" in c:
-        from specdec_runtime.mtp import read_mtp_config
+        from specdec_runtime.drafters.mtp import read_mtp_config
 
         role = "model" if read_mtp_config(folder) is not None else "draft_model"
         kind = "mtp" if role == "model" else "standalone"

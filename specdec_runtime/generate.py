@@ -21,19 +21,19 @@ through each weight once.
 """
 
 import time
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from specdec_runtime.drafters import Draft, Drafter, LookupFirst
+from specdec_runtime.cpu.host_rules import greedy_on_host, sample_on_host
+from specdec_runtime.drafters.protocol import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.tree import DeviceTree, Tree
-from specdec_runtime.verify import greedy_on_host, sample_on_host, verify, verify_forced
+from specdec_runtime.tree import DeviceTree
+from specdec_runtime.verify import verify, verify_forced
 
 # Verification over host lists where the target runs on a CPU (decide_on_host): there the device
 # rules' dozen tensor ops a round cost more than the rules themselves. False: the device rules
@@ -70,7 +70,7 @@ def verify_forward(
     if draft is None or not draft.tokens.numel():
         out = target(root[None], L - 1, **opts)
     elif draft.tree is not None:
-        t = draft.tree.on(ids.device)
+        t = draft.tree.tensors_on(ids.device)
         out = target(torch.cat([root, draft.tokens])[None], L - 1, tree=(t["depth"], t["ancestor"]), **opts)
     elif draft.residual is not None:  # resume where an early-exit drafter stopped
         out = target(draft.residual, L - 1, first_layer=draft.resume_layer, **opts)
@@ -85,7 +85,7 @@ def decide_on_host(
 ) -> tuple[list[int], list[int]] | None:
     """A round's verification over host lists, for a target on a CPU (HOST_RULES): (path, new), new
     the n accepted tokens and the target's own after them, path[:n + 1] the accepted nodes, root
-    first (verify.greedy_on_host, sample_on_host); or None where the device rule applies (sampled
+    first (cpu/host_rules.py: greedy_on_host, sample_on_host); or None where the device rule applies (sampled
     drafts that carry their distributions, typical acceptance, a greedy round without the kernel's
     argmax)."""
     g = 0 if draft is None else draft.tokens.shape[0]
@@ -96,61 +96,6 @@ def decide_on_host(
     if not sampler.greedy and typical is None and (draft is None or draft.probs is None):
         return sample_on_host(tree, draft.tokens.tolist() if g else [], verified.logits, sampler)
     return None
-
-
-def warm_up(
-    target: Decoder,
-    drafter: Drafter | None,
-    prompt: list[int] | Tensor,
-    sampler: Callable[[], Sampler],
-    *,
-    max_new_tokens: int = 256,
-    gamma: int = 4,
-    adaptive_gamma: bool = False,
-    max_gamma: int = 16,
-    **generate_kwargs,
-) -> None:
-    """Decode a few tokens of `prompt` as generate(**the same arguments) would, so that what first
-    calls pay (allocations, lazy init; on the fast path compiling and capturing each step shape)
-    is paid before anything is timed. On the fast path every draft length the drafter can return
-    (1 up to drafter.longest(gamma), max_gamma where gamma adapts) runs once: a verify shape first
-    seen inside a timed prompt would put its compilation and capture in that prompt's time (a
-    lookup of 8 tokens at gamma 2 verifies 9). LookupFirst's lookups are chains of any of those
-    lengths whatever its model drafts (an EAGLE-3 tree drafter's: trees), so chains of each length
-    are verified too (_Chains: captured inside timed prompts, they once made EAGLE-3 + lookup slower
-    than autoregressive decoding on an H200: docs/log/gpu.md); and a LookupFirst's model alone."""
-    kw = dict(generate_kwargs, adaptive_gamma=False)
-    if drafter is None or not target.compiled:
-        generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)
-        return
-    longest = drafter.longest(max_gamma if adaptive_gamma else gamma)
-    merged = drafter.tokens + drafter.merge if isinstance(drafter, LookupFirst) and drafter.merge else 0
-    short = min(max_new_tokens, max(8, longest + 2, merged + 2))  # room for a full draft of every length
-    for g in range(1, max(longest, merged) + 1):
-        if g <= longest:
-            generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
-            if isinstance(drafter, LookupFirst):
-                generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
-        if isinstance(drafter, LookupFirst) and g <= drafter.drafter.longest(max_gamma if adaptive_gamma else gamma):
-            # its model alone: where lookups or phrases draft every round of `prompt`, the model's own
-            # captured steps (an EAGLE-3 tree's on a GPU) would otherwise be captured in a timed prompt
-            generate(target, prompt, drafter.drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
-        if g <= merged:  # merged trees of g nodes (the shape of a chain's tree: a step's key is its rows)
-            generate(target, prompt, _Chains(drafter, tree=True), sampler(), max_new_tokens=short, gamma=g, **kw)
-
-
-class _Chains(Drafter):
-    """Drafts gamma copies of the newest token, reading what `drafter` reads from the target (its
-    taps and tree slots): warm_up's way to verify a chain of each length as that drafter's would be
-    (tree: as a tree of that many nodes, LookupFirst's merged trees)."""
-
-    name = "warm-up chains"
-
-    def __init__(self, drafter: Drafter, tree: bool = False):
-        self.hidden_layers, self.tree_nodes, self.tree = drafter.hidden_layers, drafter.tree_nodes, tree
-
-    def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
-        return Draft(ids[-1:].repeat(gamma), None, tree=Tree.chain(gamma) if self.tree else None)
 
 
 def cut(draft: Draft, g: int) -> Draft:

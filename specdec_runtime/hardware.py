@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Weights, linear
+from specdec_runtime.layers import Weights, linear
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -138,7 +138,7 @@ def thread_candidates() -> tuple[list[int], str]:
 def _decode_work() -> Any:
     """A decode and a verify step's kind of product (1 and 3 rows of a 64 MB fp32 weight) as the
     runtime runs them: the CPU kernel where it is built, else MKL. Bound by memory bandwidth."""
-    w = Weights.of(torch.randn(2048, 8192) * 0.02, None, cpu_copy=True)
+    w = Weights.from_matrix(torch.randn(2048, 8192) * 0.02, None, cpu_copy=True)
     x1, x3 = torch.randn(1, 2048), torch.randn(3, 2048)
 
     def run() -> None:

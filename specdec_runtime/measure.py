@@ -3,6 +3,7 @@
     report = measure(target, drafter, [ids, ...], sampler=lambda: Sampler(), baseline=True,
                      max_new_tokens=128, gamma=4, stop_ids=target.stop_ids)
     report.total().tau, report.speedup(), report.lossless_rate()
+    warm_up(target, drafter, ids, sampler=Sampler, gamma=4)   # what a timed run would first pay, paid before it
     divergences(bf16_target, fp32_target, [(prompt, ar_tokens, spec_tokens), ...])   # near-ties or bugs
 
 With baseline=True each prompt is decoded autoregressively right beside the speculative run, so
@@ -14,12 +15,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
-from specdec_runtime.drafters import Drafter
-from specdec_runtime.generate import Generation, generate, warm_up
+from specdec_runtime.drafters.lookup import LookupFirst
+from specdec_runtime.drafters.protocol import Draft, Drafter
+from specdec_runtime.generate import Generation, generate
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.stats import GenerationStats
+from specdec_runtime.tree import Tree
 
 
 @dataclass
@@ -124,3 +128,58 @@ def divergences(
             }
         )
     return out
+
+
+def warm_up(
+    target: Decoder,
+    drafter: Drafter | None,
+    prompt: list[int] | Tensor,
+    sampler: Callable[[], Sampler],
+    *,
+    max_new_tokens: int = 256,
+    gamma: int = 4,
+    adaptive_gamma: bool = False,
+    max_gamma: int = 16,
+    **generate_kwargs,
+) -> None:
+    """Decode a few tokens of `prompt` as generate(**the same arguments) would, so that what first
+    calls pay (allocations, lazy init; on the fast path compiling and capturing each step shape)
+    is paid before anything is timed. On the fast path every draft length the drafter can return
+    (1 up to drafter.longest(gamma), max_gamma where gamma adapts) runs once: a verify shape first
+    seen inside a timed prompt would put its compilation and capture in that prompt's time (a
+    lookup of 8 tokens at gamma 2 verifies 9). LookupFirst's lookups are chains of any of those
+    lengths whatever its model drafts (an EAGLE-3 tree drafter's: trees), so chains of each length
+    are verified too (_Chains: captured inside timed prompts, they once made EAGLE-3 + lookup slower
+    than autoregressive decoding on an H200: docs/log/gpu.md); and a LookupFirst's model alone."""
+    kw = dict(generate_kwargs, adaptive_gamma=False)
+    if drafter is None or not target.compiled:
+        generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)
+        return
+    longest = drafter.longest(max_gamma if adaptive_gamma else gamma)
+    merged = drafter.tokens + drafter.merge if isinstance(drafter, LookupFirst) and drafter.merge else 0
+    short = min(max_new_tokens, max(8, longest + 2, merged + 2))  # room for a full draft of every length
+    for g in range(1, max(longest, merged) + 1):
+        if g <= longest:
+            generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
+            if isinstance(drafter, LookupFirst):
+                generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
+        if isinstance(drafter, LookupFirst) and g <= drafter.drafter.longest(max_gamma if adaptive_gamma else gamma):
+            # its model alone: where lookups or phrases draft every round of `prompt`, the model's own
+            # captured steps (an EAGLE-3 tree's on a GPU) would otherwise be captured in a timed prompt
+            generate(target, prompt, drafter.drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
+        if g <= merged:  # merged trees of g nodes (the shape of a chain's tree: a step's key is its rows)
+            generate(target, prompt, _Chains(drafter, tree=True), sampler(), max_new_tokens=short, gamma=g, **kw)
+
+
+class _Chains(Drafter):
+    """Drafts gamma copies of the newest token, reading what `drafter` reads from the target (its
+    taps and tree slots): warm_up's way to verify a chain of each length as that drafter's would be
+    (tree: as a tree of that many nodes, LookupFirst's merged trees)."""
+
+    name = "warm-up chains"
+
+    def __init__(self, drafter: Drafter, tree: bool = False):
+        self.hidden_layers, self.tree_nodes, self.tree = drafter.hidden_layers, drafter.tree_nodes, tree
+
+    def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
+        return Draft(ids[-1:].repeat(gamma), None, tree=Tree.chain(gamma) if self.tree else None)

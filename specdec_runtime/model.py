@@ -38,11 +38,7 @@ avoids by reserving the largest capacity up front (generate(..., capacity=)). Af
 is compiled or captured again (tests/runtime/test_fast_path.py counts both). Off CUDA the captured
 steps are emulated with the same buffers and lifetimes, which is what the CPU tests exercise.
 
-Batch-1 decoding on a CPU is bound by weight reads plus per-op dispatch, so the layout is chosen
-for few, large ops: q/k/v and gate/up fused, weights stored [in, out] so the residual add folds
-into addmm(x, h, W), RoPE on adjacent dim pairs (q/k head dims interleaved at load time, which
-leaves q.k unchanged), RMSNorm as one fused kernel, one K/V write per layer, GQA by folding query
-groups into the sequence axis instead of repeating keys, no nn.Module calls in the layer loop.
+The layers themselves, their weights' layout and the functions a step runs: layers.py.
 """
 
 from dataclasses import dataclass, field
@@ -53,14 +49,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_runtime import cpu_kernel
-from specdec_runtime.config import DecoderConfig, rope_inv_freq
+from specdec_runtime import cpu
+from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.graphs import CapturedStep
-
-# A prompt longer than the CPU kernel takes in one call is prefilled this many tokens a call
-# (Decoder.prefill): the fastest chunk tried, all well under torch's one pass (docs/log/cpu-kernel.md).
-PREFILL_CHUNK = 128
+from specdec_runtime.layers import (
+    Block,
+    Linear,
+    attention,
+    block_state_dict,
+    mlp,
+    normed_queries,
+    projected,
+    rms_norm,
+    rope_table,
+    split_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class DecoderOutput(NamedTuple):
     # position, concatenated [B, T, len(taps) * H] (an MTP trunk's output, EAGLE-3's features).
     hidden: Tensor | None
     # The logits' argmax [B, T'] where the forward computed it beside them (the CPU kernel's head:
-    # cpu_kernel.decoder_layers), the index argmax(logits) gives; None elsewhere.
+    # cpu.DecoderKernel.run), the index argmax(logits) gives; None elsewhere.
     greedy: Tensor | None = None
 
 
@@ -111,240 +115,6 @@ class KVCache(nn.Module):
     def move(self, src: Tensor, dst: int) -> None:
         """Copy slots `src` [n] to dst..dst+n-1 in every layer (keeps an accepted tree path)."""
         self.kv[:, :, :, dst : dst + src.numel()] = self.kv.index_select(3, src)
-
-
-def rms_norm(x: Tensor, weight2: Tensor, eps: float) -> Tensor:
-    """RMSNorm of x [..., H] with its weight stored twice, weight2 = [w, w] [2H].
-
-    In fp32 it runs as one fused kernel: LayerNorm of [x, -x] has mean 0 and variance mean(x^2),
-    so it equals RMSNorm (F.rms_norm is six kernels on CPU; at batch 1 each costs more than the
-    math). Half precision follows transformers: normalize in fp32, cast back, then scale.
-    """
-    H = x.shape[-1]
-    if x.dtype == torch.float32:
-        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * H,), weight2, None, eps)[..., :H]
-    return weight2[:H] * F.rms_norm(x.float(), (H,), eps=eps).to(x.dtype)
-
-
-def interleave_rope_dims(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    """Reorder a q/k projection's output rows [n_heads * D, ...] from rotate-half pairs (i, i + D/2)
-    to adjacent pairs (2i, 2i + 1). q.k is unchanged."""
-    order = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
-    return w.view(n_heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
-
-
-def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
-    """Rotate the adjacent dim pairs of x [B, T, heads, D] in place: (a, b) -> (a c - b s, b c + a s).
-    cos [T, 1, D] holds c twice per pair, sin [T, 1, D] holds (-s, s) per pair (see rope_table)."""
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (b, a) per pair, a copy
-    x.mul_(cos).add_(swapped.mul_(sin))  # both products rounded to x's dtype, as transformers does
-
-
-def rope_table(cfg: DecoderConfig, size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """[S, 2, D]: per position, cos repeated per dim pair and (-sin, sin) per pair, in the model's
-    dtype (rounded from fp32 as transformers does)."""
-    pos = torch.arange(size, device=device, dtype=torch.float32)
-    freqs = pos[:, None] * rope_inv_freq(cfg).to(device)[None, :]  # [S, D/2]
-    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-    return torch.stack([cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], dim=1)
-
-
-class Weights(NamedTuple):
-    """A Linear's tensors (Linear.params). On a CPU the model also keeps one copy of W for products of
-    a few rows: packed for the runtime's CPU kernel where it is built for W's dtype (fp32), else
-    W^T for MKL (see linear())."""
-
-    w: Tensor  # [in, out]
-    t: Tensor | None = None  # W^T [out, in]
-    bias: Tensor | None = None
-    packed: Tensor | None = None  # W^T in cpu_kernel.pack's layout
-
-    @classmethod
-    def of(
-        cls, w: Tensor, bias: Tensor | None = None, cpu_copy: bool = False, bf16: bool = False, pairs: bool = False
-    ) -> "Weights":
-        """W (+ bias), with its CPU copy when cpu_copy; bf16: the kernel's copy rounded to bf16 (half
-        the bytes a product reads; a drafter's weights, see cpu_kernel.pack); pairs: in bf16 pairs,
-        multiplied by rows rounded to bf16 too (a drafter's, where cpu_kernel.pairs())."""
-        if not cpu_copy:
-            return cls(w, None, bias)
-        if cpu_kernel.packs(w):
-            return cls(w, None, bias, cpu_kernel.pack(w, bf16, pairs=pairs))
-        return cls(w, w.detach().t().contiguous(), bias)
-
-
-def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
-    """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. Where the model keeps a CPU
-    copy: up to cpu_kernel.max_rows() fp32 rows without autograd go to the runtime's CPU kernel
-    (w.packed), which streams the weight once over all threads (MKL's 1-row product runs on one
-    core); where the kernel is not built, several rows go to MKL's W^T @ x^T (w.t; its x @ W
-    re-reads W for every few rows: verifying 5 tokens cost 2.5 decode steps instead of 1.3-1.6;
-    scripts/bench_cost.py). Otherwise one row reads W [in, out] (the GEMV streams it once), with
-    the residual add folded into addmm."""
-    weight, weight_t, bias, packed = w
-    if packed is not None and cpu_kernel.usable(x):
-        return cpu_kernel.matmul(x, w, residual)
-    if weight_t is not None and x.shape[0] > 1:
-        if x.stride(-1) != 1:  # MKL's fast kernel wants x^T as a transposed view of row-major x
-            x = x.contiguous()
-        y = (weight_t @ x.t()).t()
-        if residual is None and bias is None:
-            return y.contiguous()  # row-major out, for the next product (and elementwise ops)
-        if residual is not None:
-            y = y + residual
-    elif residual is not None:
-        y = torch.addmm(residual, x, weight)  # the residual add folded into the matmul
-    elif bias is not None:
-        return torch.addmm(bias, x, weight)
-    else:
-        return x @ weight
-    return y if bias is None else y + bias
-
-
-def attention(
-    x: Tensor,
-    B: int,
-    norm: Tensor,
-    qkv: Weights,
-    o: Weights,
-    cos: Tensor,
-    sin: Tensor,
-    kv: Tensor,
-    slots: Tensor,
-    mask: Tensor | None,
-    bound: int,
-    eps: float,
-) -> Tensor:
-    """x + attention(norm(x)) for x [B*T, H]. Writes this layer's K/V into kv [B, 2Hkv, S, D] at
-    slots [T], then attends over kv's first `bound` slots under mask [group * T, bound] (None:
-    every slot). A function of tensors, so that one compiled version serves every layer. A few
-    fp32 rows on a CPU run in the CPU kernel (cpu_kernel.attention, norm included)."""
-    if cpu_kernel.sublayer_usable(x, B, qkv, o):
-        return cpu_kernel.attention(x, norm, eps, x, qkv, o, cos, sin, kv, slots, mask, bound)
-    return self_attention(rms_norm(x, norm, eps), x, B, qkv, o, cos, sin, kv, slots, mask, bound)
-
-
-def self_attention(
-    h: Tensor,
-    residual: Tensor,
-    B: int,
-    qkv: Weights,
-    o: Weights,
-    cos: Tensor,
-    sin: Tensor,
-    kv: Tensor,
-    slots: Tensor,
-    mask: Tensor | None,
-    bound: int,
-) -> Tensor:
-    """residual + o(attention) of the normalized input h [B*T, in] (see attention(); an EAGLE-3
-    layer's h is two normalized inputs side by side)."""
-    if cpu_kernel.sublayer_usable(h, B, qkv, o):
-        return cpu_kernel.attention(h, None, 0.0, residual, qkv, o, cos, sin, kv, slots, mask, bound)
-    q = queries(h, B, qkv, cos, sin, kv, slots)
-    return projected(attend(q, kv, mask, bound), residual, B, o)
-
-
-def queries(h: Tensor, B: int, qkv: Weights, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor) -> Tensor:
-    """Attention's first part: q/k/v of h [B*T, in] with rope, this layer's keys and values written
-    into kv at slots [T]: the queries [B, Hkv, group * T, D] (GQA without repeating keys: each kv
-    head's query group folded into the sequence axis)."""
-    D = cos.shape[-1]
-    Hkv = kv.shape[1] // 2
-    H = qkv[0].shape[1] // D - 2 * Hkv
-    T = h.shape[0] // B
-    qkv_out = linear(h, qkv).view(B, T, H + 2 * Hkv, D)
-    apply_rope_(qkv_out[:, :, : H + Hkv], cos, sin)  # q and k heads at once
-    kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
-    return qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
-
-
-def attend(q: Tensor, kv: Tensor, mask: Tensor | None, bound: int) -> Tensor:
-    """The queries over kv's first `bound` slots under mask [group * T, bound] (None: all of them)."""
-    k, v = kv[:, :, :bound].split(kv.shape[1] // 2, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def projected(out: Tensor, residual: Tensor, B: int, o: Weights) -> Tensor:
-    """residual + o(out) for attend()'s [B, Hkv, group*T, D] -> [B*T, H*D] (CUDA's kernels may hand
-    it back in another memory layout, the memory-efficient one's [B, group*T, Hkv, D]: reshape
-    copies only then)."""
-    T = residual.shape[0] // B
-    H, D = o[0].shape[0] // out.shape[-1], out.shape[-1]
-    out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-    return linear(out, o, residual=residual)
-
-
-def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, bound, eps) -> Tensor:
-    """attention() on the fast path: its compiled halves (first: norm and queries(); last:
-    projected()) around the SDPA over the step's span, which runs as it is inside the captured step,
-    so that one compiled version serves every span (Decoder.forward)."""
-    q = first(x, B, norm, qkv, cos, sin, kv, slots, eps)
-    return last(attend(q, kv, mask, bound), x, B, o)
-
-
-def _normed_queries(x, B, norm, qkv, cos, sin, kv, slots, eps) -> Tensor:
-    return queries(rms_norm(x, norm, eps), B, qkv, cos, sin, kv, slots)
-
-
-def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) -> Tensor:
-    """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H] (a few fp32 rows of one sequence on
-    a CPU: in the CPU kernel, cpu_kernel.mlp)."""
-    if cpu_kernel.sublayer_usable(x, 1, gate_up, down):  # row by row: any batch is one
-        return cpu_kernel.mlp(x, norm, eps, gate_up, down)
-    h = rms_norm(x, norm, eps)
-    gate, up = linear(h, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate).mul_(up), down, residual=x)
-
-
-class Linear(nn.Module):
-    """Holds a weight stored [in, out] (+ bias), and on request the copy a CPU's products of a few
-    rows read (Weights.of, linear()); the decoder calls linear() on them directly."""
-
-    def __init__(self, n_in: int, n_out: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
-        self.register_buffer("weight_t", None, persistent=False)
-        self.register_buffer("weight_packed", None, persistent=False)
-
-    @property
-    def params(self) -> Weights:
-        return Weights(self.weight, self.weight_t, self.bias, self.weight_packed)
-
-    def keep_cpu_copy(self, bf16: bool = False) -> None:
-        """bf16: the kernel's copy in bf16 (the weight's values must be bf16's: Decoder.bf16_weights)."""
-        _, self.weight_t, _, self.weight_packed = Weights.of(self.weight, cpu_copy=True, bf16=bf16)
-
-    @property
-    def cpu_copy(self) -> bool:
-        """Whether keep_cpu_copy() ran."""
-        return self.weight_t is not None or self.weight_packed is not None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x.reshape(-1, x.shape[-1]), self.params).view(*x.shape[:-1], -1)
-
-
-class Block(nn.Module):
-    """One pre-norm layer's weights: x + attn(norm(x)), then x + mlp(norm(x)) (the functions above)."""
-
-    def __init__(self, cfg: DecoderConfig):
-        super().__init__()
-        self.eps = cfg.rms_norm_eps
-        self.attn_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
-        self.qkv = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.qkv_bias)
-        self.o = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
-        self.mlp_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
-
-    @property
-    def attn_weights(self) -> tuple[Tensor, Weights, Weights]:
-        return self.attn_norm, self.qkv.params, self.o.params
-
-    @property
-    def mlp_weights(self) -> tuple[Tensor, Weights, Weights]:
-        return self.mlp_norm, self.gate_up.params, self.down.params
 
 
 class AttentionInputs(NamedTuple):
@@ -379,8 +149,7 @@ class Decoder(nn.Module):
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
         self.live_spans = True  # fast-path steps attend over a span of the cache (spans()); False: all of it
-        self._stack: cpu_kernel.Stack | None = None  # the layers' weights for the CPU kernel (kernel_stack())
-        self._screen: cpu_kernel.Screen | None = None  # the lm_head's screen for the kernel (head_screen())
+        self._native: cpu.DecoderKernel | None = None  # the CPU kernel's view of the layers (native())
         # A bf16 model on a CPU with the kernel: fp32 parameters holding bf16 values, packed in bf16
         # for the kernel (from_hf_state_dict). Activations, cache and logits are fp32.
         self.bf16_weights = False
@@ -438,7 +207,7 @@ class Decoder(nn.Module):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
-        halves = torch.compile(_normed_queries, **opts), torch.compile(projected, **opts)
+        halves = torch.compile(normed_queries, **opts), torch.compile(projected, **opts)
         self.layer_fns = (partial(split_attention, *halves), torch.compile(mlp, **opts))
         self.steps = {}
 
@@ -446,46 +215,35 @@ class Decoder(nn.Module):
         """Keep every weight also in the layout a CPU's products of a few rows stream once (twice
         the weights' memory; 1.5 times with bf16_weights): the CPU kernel's, or W^T for MKL where
         it is not built (linear()); the packed ones side by side on huge pages
-        (cpu_kernel.on_huge_pages)."""
+        (cpu.on_huge_pages)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
             m.keep_cpu_copy(self.bf16_weights)
         packed = [m for m in linears if m.weight_packed is not None]
-        for m, copy in zip(packed, cpu_kernel.on_huge_pages([m.weight_packed for m in packed])):
+        for m, copy in zip(packed, cpu.on_huge_pages([m.weight_packed for m in packed])):
             m.weight_packed = copy
-        self._stack = self._screen = None
+        self._native = None
 
-    def kernel_stack(self) -> "cpu_kernel.Stack | None":
-        """The layers as the CPU kernel runs them in one call (cpu_kernel.stack; None where their
-        weights are not packed), built on first use and dropped whenever the weights' tensors may
-        have been replaced (keep_cpu_copies, load_state_dict, to())."""
-        if self._stack is None:
-            self._stack = cpu_kernel.stack([(*b.attn_weights, *b.mlp_weights) for b in self.layers])
-        return self._stack
+    def native(self) -> "cpu.DecoderKernel | None":
+        """The CPU kernel's view of this model's layers and head (cpu.DecoderKernel: a forward's whole
+        stack in one call), where the model keeps CPU copies (keep_cpu_copies); built on first use
+        and again whenever the weights' tensors may have been replaced (load_state_dict, to())."""
+        if self._native is None and self.lm_head.cpu_copy:
+            layers = [(*b.attn_weights, *b.mlp_weights) for b in self.layers]
+            self._native = cpu.DecoderKernel(layers, self.norm, self.lm_head.params)
+        return self._native
 
-    def head_screen(self) -> "cpu_kernel.Screen | None":
-        """The lm_head's screen (cpu_kernel.head_screen: the head again in bf16, half its bytes, and
-        its outputs' norms), with which the CPU kernel finds a greedy step's argmax exactly without
-        reading most of the fp32 head (argmax_only; a decode step of the bundled target reads 490
-        MB instead of 547). None where the kernel does not read an fp32 head. Built on first use
-        (~0.3 s and half the head's memory more) and again whenever the weights may have changed."""
-        head = self.lm_head.params
-        if self._screen is None and head.packed is not None and head.packed.dtype == torch.float32:
-            screen = cpu_kernel.head_screen(head)
-            self._screen = screen._replace(packed=cpu_kernel.on_huge_pages([screen.packed])[0])
-        return self._screen
-
-    def __getstate__(self):  # copies and pickles rebuild the stack (its pointers are this model's) and the screen
-        return {**super().__getstate__(), "_stack": None, "_screen": None}
+    def __getstate__(self):  # copies and pickles build their own (its pointers are this model's)
+        return {**super().__getstate__(), "_native": None}
 
     def _apply(self, fn, *args, **kwargs):
-        self._stack = self._screen = None
+        self._native = None
         return super()._apply(fn, *args, **kwargs)
 
     def load_state_dict(self, *args, **kwargs):
-        """nn.Module's, and the CPU copies of the weights (Weights.of) made again where kept (a
+        """nn.Module's, and the CPU copies of the weights (Weights.from_matrix) made again where kept (a
         bf16_weights model rounds what it loads to bf16, as its weights are)."""
-        self._stack = self._screen = None
+        self._native = None
         result = super().load_state_dict(*args, **kwargs)
         if self.bf16_weights:
             with torch.no_grad():
@@ -514,7 +272,7 @@ class Decoder(nn.Module):
 
     def embedding_panels(self) -> Tensor:
         """The embedding table as panels [V / P, H, P], token t at [t // P, :, t % P]: where it is
-        tied to an lm_head the CPU kernel reads, that packed copy (cpu_kernel.pack: a token's H
+        tied to an lm_head the CPU kernel reads, that packed copy (cpu.pack: a token's H
         values 4 P bytes apart in one run, which the hardware prefetcher streams), else the table
         itself as [V, H, 1]. A tied table's [H, V] weight holds a token's values a row (4 V bytes)
         apart, each on its own page, which the prefetcher cannot stream (docs/log/cpu-kernel.md)."""
@@ -576,20 +334,17 @@ class Decoder(nn.Module):
         """A forward at slot 0 that always runs eagerly (prompts of any length: no graph per length).
 
         Where the CPU kernel runs this model's layers (one sequence, fp32, packed weights), a prompt
-        longer than a kernel call takes (cpu_kernel.max_rows()) runs in chunks of PREFILL_CHUNK
-        tokens, each attending to the slots before it, instead of through torch's ops: its rows are
-        bitwise those of one kernel call and of decode steps, and they take about half the time
-        (docs/log/cpu-kernel.md)."""
+        longer than a kernel call takes (cpu.max_rows()) runs in chunks of cpu.PREFILL_CHUNK tokens,
+        each attending to the slots before it, instead of through torch's ops: its rows are bitwise
+        those of one kernel call and of decode steps (cpu.DecoderKernel.chunks)."""
         opts, (B, T) = self._options(ids, **kwargs), ids.shape[:2]
-        chunked = T > PREFILL_CHUNK  # (one chunk or none: the same call)
-        if chunked:  # whether the kernel takes a chunk's rows, and one call would not take them all
-            chunked = self._stack_in_kernel(B * PREFILL_CHUNK, B) and T > cpu_kernel.max_rows()
-        if not chunked:
+        native = self._native_for(B)
+        if native is None or not native.chunks(T):
             return self._forward(ids, self.slots[0], T, **opts)
         keep, head = opts.pop("logits_to_keep"), opts.pop("head")
         logits, hidden = [], []
-        for a in range(0, T, PREFILL_CHUNK):
-            b = min(a + PREFILL_CHUNK, T)
+        for a in range(0, T, cpu.PREFILL_CHUNK):
+            b = min(a + cpu.PREFILL_CHUNK, T)
             wanted = b - a if keep == 0 else max(0, b - max(a, T - keep))  # logits of this chunk's rows
             here = dict(logits_to_keep=0 if wanted == b - a else wanted, head=head and wanted > 0)
             out = self._forward(ids[:, a:b], self.slots[a], b, **here, **opts)
@@ -598,15 +353,9 @@ class Decoder(nn.Module):
         logits = torch.cat(logits, dim=1) if logits else None
         return DecoderOutput(logits, torch.cat(hidden, dim=1) if hidden else None)
 
-    def _stack_in_kernel(self, rows: int, B: int) -> bool:
-        """Whether the CPU kernel runs B * T = rows rows through the whole layer stack in one call
-        (cpu_kernel.decoder_layers): one sequence, rows it takes, the layers' weights packed."""
-        return (
-            B == 1
-            and self.row_start is None
-            and cpu_kernel.stack_takes(self.device, self.dtype, rows)
-            and self.kernel_stack() is not None
-        )
+    def _native_for(self, B: int) -> "cpu.DecoderKernel | None":
+        """native() for a forward of B rows: the CPU kernel runs one sequence, unpadded."""
+        return self.native() if B == 1 and self.row_start is None else None
 
     @torch.inference_mode()  # inference only: training uses the transformers model
     def forward(self, x: Tensor, start: int, **kwargs) -> DecoderOutput:
@@ -619,7 +368,7 @@ class Decoder(nn.Module):
         only project the last n positions (0 = all). taps: return the residual streams after these
         layer counts (see DecoderOutput). head=False: no norm / lm_head (logits None). argmax_only:
         the caller reads only the logits' argmax (greedy decoding): where the CPU kernel runs the
-        head, it finds it exactly from the head's screen (head_screen()) and the logits are None;
+        head, it finds it exactly from the head's screen (cpu.DecoderKernel.screen) and the logits are None;
         elsewhere the output is as without it.
         """
         T = x.shape[1]
@@ -714,7 +463,8 @@ class Decoder(nn.Module):
     ) -> DecoderOutput:
         """The forward itself, at 0-dim slot `start` (bound, span: see attention_inputs)."""
         B, T = x.shape[:2]
-        in_kernel = layer_fns == (attention, mlp) and self._stack_in_kernel(B * T, B)
+        native = self._native_for(B) if layer_fns == (attention, mlp) else None
+        in_kernel = native is not None and native.takes(B * T)
         if first_layer == 0 and not in_kernel:
             x = self.embed_tokens(x)
         a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel, span=span)
@@ -729,14 +479,11 @@ class Decoder(nn.Module):
         if in_kernel:
             c = self.config  # the CPU kernel runs the embedding, the layers and the head where it is packed in one call
             dims = (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
-            lm_head = self.lm_head.params
-            fused = (self.norm, lm_head) if head and lm_head.packed is not None else None
             embed = self.embedding_panels() if first_layer == 0 else None
-            screen = self.head_screen() if fused is not None and argmax_only else None
             rows = h.view(-1) if embed is not None else h
-            h, hidden, logits, greedy = cpu_kernel.decoder_layers(
-                self._stack, rows, first_layer, last, (skip_attn, skip_mlp), taps, dims, c.rms_norm_eps,
-                a.cos, a.sin, self.cache.kv, a.slots, a.mask, a.bound, fused, logits_to_keep, embed, screen,
+            h, hidden, logits, greedy = native.run(
+                rows, first_layer, last, (skip_attn, skip_mlp), taps, dims, c.rms_norm_eps, a, self.cache.kv, head,
+                logits_to_keep, embed, argmax_only,
             )  # fmt: skip
             if greedy is not None:
                 hidden = hidden.view(B, T, -1) if hidden is not None else None
@@ -768,8 +515,9 @@ class Decoder(nn.Module):
             h = h[:, -logits_to_keep:]
         lm_head, eps = self.lm_head.params, self.config.rms_norm_eps
         rows = h.reshape(-1, h.shape[-1])
-        if lm_head.packed is not None and cpu_kernel.usable(rows):  # as the stack's call computes them
-            return DecoderOutput(cpu_kernel.head_rows(rows, self.norm, eps, lm_head).view(B, h.shape[1], -1), hidden)
+        logits = cpu.head_rows(rows, self.norm, eps, lm_head)  # as the stack's call computes them, where it can
+        if logits is not None:
+            return DecoderOutput(logits.view(B, h.shape[1], -1), hidden)
         return DecoderOutput(self.lm_head(rms_norm(h, self.norm, eps)), hidden)
 
     @classmethod
@@ -789,18 +537,18 @@ class Decoder(nn.Module):
         vocab_ids [N]: keep only these rows of the lm_head (a drafter's draft vocabulary); its
         logits then cover those ids, in that order, and `model.vocab_ids` maps them back.
         cpu_copies: also keep every weight as a CPU's few-row products read it (see linear();
-        default: on a CPU). bf16 on a CPU whose kernel is built (cpu_kernel.reads_bf16_weights):
+        default: on a CPU). bf16 on a CPU whose kernel is built (cpu.reads_bf16_weights):
         the bf16 weights, held as fp32 values and packed in bf16 for the kernel, with fp32
         activations (bf16_weights): half the bytes a step reads, and transformers' fp32 arithmetic
         on the bf16 checkpoint, where torch's bf16 ops on a CPU are slow and round every activation.
         float32 there, from weights that are all bf16 values (a checkpoint saved in bf16, as most
         are): the same, which is then the fp32 model exactly, bitwise, at half the bytes.
         """
-        cpu = torch.device(device).type == "cpu"
-        cpu_copies = cpu if cpu_copies is None else cpu_copies
+        on_cpu = torch.device(device).type == "cpu"
+        cpu_copies = on_cpu if cpu_copies is None else cpu_copies
         bf16_weights = (
             cpu_copies
-            and cpu_kernel.reads_bf16_weights(torch.device(device))
+            and cpu.reads_bf16_weights(torch.device(device))
             and (dtype == torch.bfloat16 or dtype == torch.float32 and holds_bf16_values(sd.values()))
         )
         with torch.device("meta"):
@@ -843,31 +591,3 @@ def holds_bf16_values(tensors) -> bool:
         if t.is_floating_point() and t.dtype != torch.bfloat16 and not torch.equal(t, t.bfloat16().to(t.dtype)):
             return False
     return True
-
-
-def block_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], src: str, dst: str, prep) -> dict[str, Tensor]:
-    """One transformers decoder layer's weights (keys under `src`) as a Block's (keys under `dst`):
-    q/k/v and gate/up fused, [in, out], q/k rows interleaved for rope, norms doubled; prep(w)
-    places a tensor on the right device and dtype."""
-    a, m, o = src + "self_attn.", src + "mlp.", dst
-    twice = lambda w: prep(torch.cat([w, w]))  # noqa: E731  (norm weights, see rms_norm)
-    q = interleave_rope_dims(sd[a + "q_proj.weight"], cfg.num_heads, cfg.head_dim)
-    k = interleave_rope_dims(sd[a + "k_proj.weight"], cfg.num_kv_heads, cfg.head_dim)
-    own = {
-        o + "attn_norm": twice(sd[src + "input_layernorm.weight"]),
-        o + "mlp_norm": twice(sd[src + "post_attention_layernorm.weight"]),
-        o + "qkv.weight": prep(torch.cat([q, k, sd[a + "v_proj.weight"]]).t()),
-        o + "o.weight": prep(sd[a + "o_proj.weight"].t()),
-        o + "gate_up.weight": prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t()),
-        o + "down.weight": prep(sd[m + "down_proj.weight"].t()),
-    }
-    if cfg.qkv_bias:
-        qb = interleave_rope_dims(sd[a + "q_proj.bias"], cfg.num_heads, cfg.head_dim)
-        kb = interleave_rope_dims(sd[a + "k_proj.bias"], cfg.num_kv_heads, cfg.head_dim)
-        own[o + "qkv.bias"] = prep(torch.cat([qb, kb, sd[a + "v_proj.bias"]]))
-    if cfg.o_bias:
-        own[o + "o.bias"] = prep(sd[a + "o_proj.bias"])
-    if cfg.mlp_bias:
-        own[o + "gate_up.bias"] = prep(torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]]))
-        own[o + "down.bias"] = prep(sd[m + "down_proj.bias"])
-    return own

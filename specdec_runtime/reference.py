@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from specdec_runtime.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec_runtime.drafters.lookup import NgramDrafter
+from specdec_runtime.drafters.protocol import Drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 
 
 def truncated_hf(hf: Any, k: int) -> Any:

@@ -11,14 +11,15 @@ the two distributions the user asked for (Leviathan et al. 2023, Chen et al. 202
 import torch
 from torch import Tensor
 
-from specdec_runtime import cpu_kernel
+from specdec_runtime import cpu
 from specdec_runtime.errors import SpecdecError
 
 
 def argmax(logits: Tensor) -> Tensor:
     """logits.argmax(-1), the greedy choice per row: in the CPU kernel where it takes them (fp32
-    on a CPU: cpu_kernel.argmax, one pass), torch's elsewhere. The same index either way."""
-    return cpu_kernel.argmax(logits) if cpu_kernel.serves_argmax(logits) else logits.argmax(-1)
+    on a CPU: cpu.argmax, one pass), torch's elsewhere. The same index either way."""
+    best = cpu.argmax(logits)
+    return best if best is not None else logits.argmax(-1)
 
 
 def warp(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:

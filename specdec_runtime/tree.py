@@ -153,7 +153,7 @@ class Tree:
             "levels": levels,
         }
 
-    def on(self, device: torch.device) -> dict[str, Tensor]:
+    def tensors_on(self, device: torch.device) -> dict[str, Tensor]:
         """`tensors` on a device (cached per device)."""
         cache = self.__dict__.setdefault("_on", {})
         if device not in cache:
@@ -165,7 +165,7 @@ class Tree:
 
         root: 0-dim token id; topk_ids [heads, k] the heads' candidates, best first.
         """
-        t = self.on(topk_ids.device)
+        t = self.tensors_on(topk_ids.device)
         d, r = t["depth"][1:] - 1, t["rank"][1:]
         return torch.cat([root.view(1), topk_ids[d, r]])
 
@@ -184,7 +184,7 @@ class DeviceTree:
     def __len__(self) -> int:
         return self.tensors["parent"].shape[0] - 1
 
-    def on(self, device: torch.device) -> dict[str, Tensor]:
+    def tensors_on(self, device: torch.device) -> dict[str, Tensor]:
         return {k: v.to(device) for k, v in self.tensors.items()}  # (no copy on its own device)
 
     @property

@@ -7,16 +7,15 @@
     v = verify_tree_greedy(tree, nodes, target_logits)
     v = verify_tree_sample(tree, nodes, target_probs, sampler)
     v = verify_tree_typical(tree, nodes, target_probs, sampler, threshold=0.09, alpha=0.3)   # LOSSY
-    path, new = greedy_on_host(tree, tokens, choice)     # the greedy rules over host lists (a CPU's rounds)
-    path, new = sample_on_host(tree, tokens, logits, sampler)   # sampling's, warping only the rows it walks
 
 Every rule returns a Verdict: the accepted branch as node indices per depth (root first: path[:n + 1]
 is accepted, a chain's path is 0..g), the accepted length n and the target's own next token after
 it. The target's logits / probabilities have one row per node: the root (the newest token, which
 the target has chosen but not cached) and every draft token. Everything stays on the device, so
 the caller syncs with the host once per round. On a CPU the device is the host: greedy rounds read
-the argmax the forward computed beside the logits with the draft at once and decide with
-greedy_on_host, sampled rounds of deterministic drafts with sample_on_host.
+the argmax the forward computed beside the logits with the draft at once and decide with the same
+rules over host lists (cpu/host_rules.py: greedy_on_host; sampled rounds of deterministic drafts,
+sample_on_host).
 """
 
 from typing import NamedTuple
@@ -24,7 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specdec_runtime.drafters import Draft
+from specdec_runtime.cpu.host_rules import walk_on_host
+from specdec_runtime.drafters.protocol import Draft
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.tree import Tree
 
@@ -102,7 +102,7 @@ def verify_forced(
     if draft.tree is None:
         n = accepted_prefix(u[1 : tokens.shape[0] + 1])
         return Verdict(chain_path(tokens.shape[0], tokens.device), n, pick(choice, n))
-    t = draft.tree.on(tokens.device)
+    t = draft.tree.tensors_on(tokens.device)
     chosen = ~t["earlier"].any(dim=1) & u[t["depth"]]
     path, n = _walk_on_device(t, chosen)
     return Verdict(path, n, pick(choice, pick(path, n)))
@@ -150,85 +150,11 @@ def _walk(tree: Tree, t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Ten
 
     chosen [N+1] bool (the root counts as chosen). Returns (path [D+1], accept_len): the node per
     depth, root first; entries past accept_len point at the root. On a CPU the device is the host,
-    so the tree's own lists are walked (_walk_on_host: a dozen small tensor ops, cold after the
+    so the tree's own lists are walked (host_rules.walk_on_host: a dozen small tensor ops, cold after the
     target's weight stream, cost more there: docs/log/cpu-kernel.md); elsewhere it stays on the
     device (_walk_on_device), so that the loop syncs once a round.
     """
-    return _walk_on_host(tree, chosen) if chosen.device.type == "cpu" else _walk_on_device(t, chosen)
-
-
-def _walk_on_host(tree: Tree, chosen: Tensor) -> tuple[Tensor, Tensor]:
-    path, n = _deepest(tree, chosen.tolist())
-    return torch.tensor(path), torch.tensor(n)
-
-
-def _deepest(tree: Tree, ok: list) -> tuple[list[int], int]:
-    """_walk over host lists: ok [N+1] whether each node is chosen (the root's entry is not read)."""
-    parent, depth = tree.structure
-    reached, last = [True] + [False] * len(tree), 0
-    for i in range(1, len(reached)):  # parents come before their children
-        reached[i] = bool(ok[i]) and reached[parent[i]]
-        if reached[i] and depth[i] > depth[last]:
-            last = i
-    n = depth[last]
-    path = [0] * (tree.depth + 1)
-    for d in range(n, 0, -1):
-        path[d], last = last, parent[last]
-    return path, n
-
-
-def greedy_on_host(tree: Tree | None, tokens: list[int], choice: list[int]) -> tuple[list[int], list[int]]:
-    """Greedy verification on the host, where the target's forward computed its argmax on a CPU:
-    the draft's tokens [N] (a chain, or the nodes of `tree`) and the target's choice after the
-    root and after each of them [N + 1], as lists. Returns (path, new): the accepted branch as
-    node indices per depth, root first (as Verdict.path, entries past the accepted length
-    pointing at the root), and its accepted tokens followed by the target's own.
-    verify_greedy's and verify_tree_greedy's rule, over Python lists: on a CPU the device is the
-    host, and the rule's and the loop's dozen tensor ops, cold after the target's weight stream,
-    cost more than the lists (docs/log/cpu-kernel.md)."""
-    if tree is None:
-        n = 0
-        while n < len(tokens) and tokens[n] == choice[n]:
-            n += 1
-        return list(range(len(tokens) + 1)), tokens[:n] + [choice[n]]
-    parent = tree.structure[0]
-    path, n = _deepest(tree, [True] + [tokens[i - 1] == choice[parent[i]] for i in range(1, len(parent))])
-    return path, [tokens[i - 1] for i in path[1 : n + 1]] + [choice[path[n]]]
-
-
-def sample_on_host(
-    tree: Tree | None, tokens: list[int], logits: Tensor, sampler: Sampler
-) -> tuple[list[int], list[int]]:
-    """Lossless verification of a deterministic draft for a sampler on a CPU: the draft's tokens
-    [N] (a chain, or the nodes of `tree`) and the target's logits after the root and after each of
-    them [N + 1, V]. verify_tree_sample's rule (for a chain, verify_sample's with a one-hot
-    proposal), walked from the root: at each node, its children are tried best-first, child c
-    accepted with probability p(c) / (1 - the mass of the siblings rejected before it); where all
-    are rejected, or at a leaf, the next token is drawn from p less the rejected children. Only the
-    rows the walk reaches are warped, where the device rules warp every row and run a dozen [N + 1,
-    V] tensor ops (docs/log/cpu-kernel.md). Returns (path, new): the accepted nodes, root first, and their tokens
-    followed by the target's."""
-    parent = tree.structure[0] if tree is not None else list(range(-1, len(tokens)))
-    # u[c]: node c's acceptance draw, drawn as the device rules draw them (a tree: one a node, the
-    # root's unused; a chain: one a token), so that a seed samples the same tokens either way
-    u = sampler.uniform(len(tokens) + (tree is not None), logits.device).tolist()
-    u = u if tree is not None else [0.0] + u
-    path = [0]
-    while True:
-        node = path[-1]
-        p = sampler.probs(logits[node])
-        children = [c for c in range(node + 1, len(parent)) if parent[c] == node]  # best-first: ranks ascend
-        tried = 0.0
-        for c, p_c in zip(children, p[[tokens[c - 1] for c in children]].tolist() if children else ()):
-            if u[c] * max(1.0 - tried, 0.0) < p_c:  # u < p(c) / (1 - tried) without dividing
-                path.append(c)
-                break
-            tried += p_c
-        else:
-            if children:  # each was tried and rejected: the residual (p entirely on them: probability 0)
-                rest = p.index_fill(0, torch.tensor([tokens[c - 1] for c in children]), 0.0)
-                p = rest if rest.sum() > 0 else p
-            return path, [tokens[c - 1] for c in path[1:]] + [int(sampler.sample(p))]
+    return walk_on_host(tree, chosen) if chosen.device.type == "cpu" else _walk_on_device(t, chosen)
 
 
 def _walk_on_device(t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
@@ -249,7 +175,7 @@ def verify_tree_greedy(tree: Tree, tokens: Tensor, logits: Tensor, greedy: Tenso
     tokens [N+1] node tokens (root first); logits [N+1, V] the target's logits after each node
     (greedy: their argmax, where it is known).
     """
-    t = tree.on(tokens.device)
+    t = tree.tensors_on(tokens.device)
     choice = argmax(logits) if greedy is None else greedy  # [N+1]
     chosen = tokens == choice[t["parent"]]  # siblings are distinct, so at most one matches
     path, n = _walk(tree, t, chosen)
@@ -265,7 +191,7 @@ def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampl
     and renormalized. When every child is rejected the next token is drawn from that residual.
     Each step is a speculative-sampling step with a one-hot draft, so tokens follow p exactly.
     """
-    t = tree.on(tokens.device)
+    t = tree.tensors_on(tokens.device)
     p_tok = probs[t["parent"], tokens]  # [N+1] p_parent(token)
     tried_mass = t["earlier"].to(probs.dtype) @ p_tok  # [N+1] mass of earlier siblings
     u = sampler.uniform(tokens.shape[0], tokens.device)
@@ -292,7 +218,7 @@ def verify_tree_typical(
 
     Output no longer follows the target's distribution exactly; it trades fidelity for tau.
     """
-    t = tree.on(tokens.device)
+    t = tree.tensors_on(tokens.device)
     entropy = -(probs * probs.clamp(min=1e-30).log()).sum(dim=-1)  # [N+1]
     bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
     chosen = probs[t["parent"], tokens] > bar[t["parent"]]

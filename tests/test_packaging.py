@@ -33,15 +33,15 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_holds_every_file_the_cpu_backend_needs(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {f"specdec_runtime/csrc/{p.name}" for p in (ROOT / "specdec_runtime/csrc").iterdir()}
+    sources = {f"specdec_runtime/cpu/csrc/{p.name}" for p in (ROOT / "specdec_runtime/cpu/csrc").iterdir()}
     assert sources and sources <= names, sources - names
     included = {
         line.split('"')[1]
-        for p in (ROOT / "specdec_runtime/csrc").glob("*.c")
+        for p in (ROOT / "specdec_runtime/cpu/csrc").glob("*.c")
         for line in p.read_text().splitlines()
         if line.startswith('#include "')
     }
-    assert included and {f"specdec_runtime/csrc/{h}" for h in included} <= names
+    assert included and {f"specdec_runtime/cpu/csrc/{h}" for h in included} <= names
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU kernel is built on Linux only")
@@ -61,14 +61,14 @@ def test_installed_in_a_fresh_virtualenv_it_builds_and_uses_the_kernel(wheel, tm
     script = textwrap.dedent(
         """
         import sys, torch, specdec_runtime
-        from specdec_runtime import cpu_kernel
+        from specdec_runtime.cpu import kernel as cpu_kernel
         from specdec_runtime.paths import cache_root
-        from specdec_runtime.model import Weights, linear
+        from specdec_runtime.layers import Weights, linear
         assert specdec_runtime.__file__.startswith(sys.argv[1]), specdec_runtime.__file__
-        assert cpu_kernel.kernel() is not None, "the kernel was not built"
+        assert cpu_kernel.library() is not None, "the kernel was not built"
         torch.manual_seed(0)
         x, w = torch.randn(3, 256), torch.randn(256, 384)
-        got = linear(x, Weights.of(w, None, True))
+        got = linear(x, Weights.from_matrix(w, None, True))
         assert torch.allclose(got, x @ w, atol=1e-3, rtol=1e-4)
         built = list((cache_root() / "kernels").glob("*.so"))
         assert len(built) == 1, built

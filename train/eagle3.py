@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_runtime.eagle3 import Eagle3Model, grouped
+from specdec_runtime.drafters.eagle3_model import Eagle3Model, grouped
 
 
 def target_states(aux_layers: Sequence[int]) -> Callable[[Any, Tensor, Tensor], dict[str, Tensor]]:

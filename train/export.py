@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from specdec_runtime.drafter_spec import LOOKUP
+from specdec_runtime.drafters.phrases import PhraseTable
+from specdec_runtime.drafters.spec import LOOKUP
 from specdec_runtime.export_check import Claim, Report, check_export, target_facts, write_manifest
 from specdec_runtime.paths import DRAFT_VOCAB_FILE, is_hub_id
-from specdec_runtime.phrases import PhraseTable
 from train.draft_model import full_state_dict
 
 KINDS = ("standalone", "medusa", "mtp", "layerskip", "eagle3")
@@ -296,8 +296,14 @@ def export_medusa(
     """Medusa heads: the FasterDecoding layout at the root (medusa_lm_head.pt where FasterDecoding
     loads them right, else medusa_lm_head.safetensors, which it does not read), vLLM's in vllm/, the
     calibrated tree; Medusa-2 adds target/ (the adapted target, merged) and lora/ (the adapter alone)."""
+    from specdec_runtime.drafters.medusa import (
+        FASTER_DECODING_PT,
+        FASTER_DECODING_WEIGHTS,
+        TREE_FILE,
+        to_layout,
+        write_layout,
+    )
     from specdec_runtime.engines import Folder, faster_decoding
-    from specdec_runtime.medusa import FASTER_DECODING_PT, FASTER_DECODING_WEIGHTS, TREE_FILE, to_layout, write_layout
 
     get, folder = _fetch(card, out)
     joint = target_model is not None
@@ -375,7 +381,7 @@ def export_mtp(
     heads (specdec/mtp_heads.safetensors, described by specdec/mtp_config.json)."""
     from safetensors.torch import save_file
 
-    from specdec_runtime.mtp import MTP_CONFIG, MTP_WEIGHTS
+    from specdec_runtime.drafters.mtp import MTP_CONFIG, MTP_WEIGHTS
 
     get, folder = _fetch(card, out)
     n = meta["num_heads"]
@@ -426,12 +432,12 @@ def export_eagle3(
     drafting: dict[str, int],
     phrases: PhraseTable | None = None,
 ) -> Path:
-    """An EAGLE-3 drafter in the speculators format (specdec_runtime.eagle3_format) and SGLang's
-    flat layout (sglang/), with its card and, given one, the phrase table (specdec_runtime.phrases:
+    """An EAGLE-3 drafter in the speculators format (specdec_runtime.drafters.eagle3_format) and SGLang's
+    flat layout (sglang/), with its card and, given one, the phrase table (specdec_runtime.drafters.phrases:
     specdec's runtime drafts from it with DIR+lookup; in specdec_phrases/, which serving engines do not
     read). The verifier is the card's target_id; card.target_config gives its architectures and the
     dtype SGLang runs the drafter in (the target's, else bf16: SGLang runs an fp32 drafter in fp16)."""
-    from specdec_runtime.eagle3_format import save_speculators
+    from specdec_runtime.drafters.eagle3_format import save_speculators
 
     target_config = card.target_config or {}
     dtype = target_config.get("torch_dtype") or target_config.get("dtype")

@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-from specdec_runtime.drafters import DraftExit, ModelDrafter
+from specdec_runtime.drafters.protocol import DraftExit
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.model import Decoder, LayerSkip

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_runtime.medusa import MedusaHeads
+from specdec_runtime.drafters.medusa import MedusaHeads
 from train.data import Example, collate
 
 

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec_runtime.config import DecoderConfig
-from specdec_runtime.drafters import Drafter
+from specdec_runtime.drafters.protocol import Drafter
 from specdec_runtime.hardware import resolve_dtype, using_threads
 from specdec_runtime.measure import measure
 from specdec_runtime.model import Decoder

@@ -146,7 +146,7 @@ def test_paired_measures_each_drafter_against_an_autoregressive_run_beside_it(ti
 
 
 def test_a_drafter_that_fails_to_decode_is_reported_and_the_rest_run(tiny_dir, tmp_path, monkeypatch, capsys):
-    from specdec_runtime.drafters import NgramDrafter
+    from specdec_runtime.drafters.lookup import NgramDrafter
 
     monkeypatch.setattr(NgramDrafter, "draft", lambda *a: 1 / 0)
     out = tmp_path / "out"

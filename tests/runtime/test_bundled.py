@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.generate import generate
 from specdec_runtime.prompts import encode_prompt
 

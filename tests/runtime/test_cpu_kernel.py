@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (specdec_runtime/cpu_kernel.py). Products of a few rows: against the
+"""The compiled CPU kernels (specdec_runtime/cpu/kernel.py). Products of a few rows: against the
 float64 product, row for row independent of the other rows and of the thread count, used by
 linear() exactly where they should be, refused with a reason where they cannot be built. Whole
 sublayers (layers.c): against the decoder in float64, as close as torch's fp32 path, a verify
@@ -13,18 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_runtime import cpu_kernel
-from specdec_runtime.model import LayerSkip, Weights, linear
+from specdec_runtime.cpu import build
+from specdec_runtime.cpu import kernel as cpu_kernel
+from specdec_runtime.layers import Weights, linear
+from specdec_runtime.model import LayerSkip
 from specdec_runtime.tree import Tree
 
 needs_kernel = pytest.mark.skipif(
-    cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here (the reason is printed above)"
+    cpu_kernel.library() is None, reason="the CPU kernel cannot be built here (the reason is printed above)"
 )
 
 
 def packed(wt, bias=None):
     """Weights of W^T [N, K] (+ bias) with the kernel's packed copy."""
-    return Weights.of(wt.t().contiguous(), bias, cpu_copy=True)
+    return Weights.from_matrix(wt.t().contiguous(), bias, cpu_copy=True)
 
 
 @pytest.mark.parametrize("width", [16, 32])
@@ -78,7 +80,7 @@ def test_bf16_weights_are_the_rounded_weights_widened_exactly(M, K, N):
     g = torch.Generator().manual_seed(K + N + M)
     x, w = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
     bias, residual = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
-    half = Weights.of(w, bias, cpu_copy=True, bf16=True)
+    half = Weights.from_matrix(w, bias, cpu_copy=True, bf16=True)
     assert half.packed.dtype == torch.bfloat16
     assert half.packed.shape == cpu_kernel.pack(w).shape
     rounded = w.bfloat16().float()
@@ -115,7 +117,7 @@ def test_rows_do_not_depend_on_the_other_rows_or_threads():
 def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 48, generator=g)  # [in, out]
-    params = Weights.of(w, torch.randn(48, generator=g), cpu_copy=True)
+    params = Weights.from_matrix(w, torch.randn(48, generator=g), cpu_copy=True)
     calls = []
     real = cpu_kernel.matmul
 
@@ -131,7 +133,7 @@ def test_linear_uses_it_only_for_few_fp32_rows_without_autograd():
                 torch.testing.assert_close(linear(x, params), x @ w + params.bias)
             with cpu_kernel.disabled():
                 linear(torch.randn(3, 64), params)
-            linear(torch.randn(2, 64, dtype=torch.float64), Weights.of(w.double(), params.bias.double(), True))
+            linear(torch.randn(2, 64, dtype=torch.float64), Weights.from_matrix(w.double(), params.bias.double(), True))
         x = torch.randn(2, 64, requires_grad=True)
         linear(x, params).sum().backward()  # autograd: torch's products
         assert x.grad is not None
@@ -189,12 +191,12 @@ def test_its_row_limit_is_the_builds():
     AVX-512, and products of bf16 pairs where it targets AVX512-BF16 too (the compiler's own macros
     for the build's -march); with the passes the kernel takes steps (prefills) of up to
     WIDE_MAX_ROWS rows, without them MAX_ROWS."""
-    march = os.environ.get(cpu_kernel.MARCH) or "native"
+    march = os.environ.get(build.MARCH) or "native"
     cmd = [os.environ.get("CC", "cc"), f"-march={march}", "-dM", "-E", "-x", "c", "/dev/null"]
     macros = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     wide, pairs = "__AVX512F__" in macros, "__AVX512F__" in macros and "__AVX512BF16__" in macros
-    assert cpu_kernel.kernel().skinny_wide() == int(wide) and cpu_kernel.pairs() == pairs
-    assert cpu_kernel.max_rows() == (cpu_kernel.WIDE_MAX_ROWS if wide else cpu_kernel.MAX_ROWS)
+    assert cpu_kernel.library().skinny_wide() == int(wide) and cpu_kernel.pairs() == pairs
+    assert cpu_kernel.max_rows() == (build.WIDE_MAX_ROWS if wide else build.MAX_ROWS)
 
 
 def mapping_of(ptr: int) -> dict[str, str]:
@@ -257,7 +259,7 @@ def test_a_models_packed_weights_run_from_huge_pages_bitwise_as_from_torchs_memo
 def test_rows_off_the_cpu_never_load_the_library(monkeypatch):
     """A GPU's rows (the meta device stands in) are refused before the library is asked anything:
     building it on a GPU machine would cost a compile, and a stderr line where it cannot be built."""
-    monkeypatch.setattr(cpu_kernel, "kernel", lambda: pytest.fail("the library was loaded for rows off the CPU"))
+    monkeypatch.setattr(cpu_kernel, "library", lambda: pytest.fail("the library was loaded for rows off the CPU"))
     with torch.inference_mode():
         assert not cpu_kernel.usable(torch.empty(1, 8, device="meta"))
         assert not cpu_kernel.stack_usable(torch.empty(600, 8, device="meta"))
@@ -267,28 +269,28 @@ def test_refused_with_a_reason(monkeypatch, tmp_path, capsys):
     """No compiler: torch's products, and one line on stderr saying why and how to hide it."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    cpu_kernel.kernel.cache_clear()
+    cpu_kernel.library.cache_clear()
     try:
-        assert cpu_kernel.kernel() is None
+        assert cpu_kernel.library() is None
         err = capsys.readouterr().err
         assert "CPU kernel not used" in err and "SPECDEC_CPU_KERNEL=0" in err
         with torch.inference_mode():
             assert not cpu_kernel.usable(torch.randn(1, 8))
         monkeypatch.setenv("SPECDEC_CPU_KERNEL", "0")
-        cpu_kernel.kernel.cache_clear()
-        assert cpu_kernel.kernel() is None and capsys.readouterr().err == ""
+        cpu_kernel.library.cache_clear()
+        assert cpu_kernel.library() is None and capsys.readouterr().err == ""
     finally:
-        cpu_kernel.kernel.cache_clear()
+        cpu_kernel.library.cache_clear()
     assert not list(tmp_path.glob("kernels/*.so"))
 
 
 @needs_kernel
 def test_built_once_per_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    first = cpu_kernel._build()
+    first = build._build()
     assert first.parent == tmp_path / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernel._build() == first and first.stat().st_mtime_ns == mtime
+    assert build._build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
 
 
@@ -313,10 +315,10 @@ def test_the_avx2_build_passes_the_same_checks(tmp_path):
 def test_a_weight_it_cannot_read_is_refused():
     x = torch.randn(2, 16)
     w = torch.randn(16, 8)
-    for bad in (packed(torch.randn(8, 12)), Weights.of(w), Weights.of(w.double(), cpu_copy=True)):
+    for bad in (packed(torch.randn(8, 12)), Weights.from_matrix(w), Weights.from_matrix(w.double(), cpu_copy=True)):
         with pytest.raises(ValueError, match="need packed float32"):
             cpu_kernel.matmul(x, bad)
-    assert Weights.of(w.double(), cpu_copy=True).t is not None  # fp64: MKL's W^T instead
+    assert Weights.from_matrix(w.double(), cpu_copy=True).t is not None  # fp64: MKL's W^T instead
 
 
 def wide_decoder(head_dim: int, **over):
@@ -388,7 +390,7 @@ def test_a_prompt_longer_than_a_kernel_call_is_prefilled_in_chunks(monkeypatch):
     rows (each attending to the slots before it), not through torch's ops: its logits (all of them,
     or the last few across chunks), taps and KV cache are bitwise one kernel call's, and as close
     to float64 as torch's prefill."""
-    from specdec_runtime import model as model_module
+    from specdec_runtime import cpu
 
     model = wide_decoder(64)
     ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(5))
@@ -407,7 +409,7 @@ def test_a_prompt_longer_than_a_kernel_call_is_prefilled_in_chunks(monkeypatch):
     layers = cpu_kernel.decoder_layers
     monkeypatch.setattr(cpu_kernel, "decoder_layers", lambda s, x, *a: calls.append(len(x)) or layers(s, x, *a))
     monkeypatch.setattr(cpu_kernel, "max_rows", lambda: 8)
-    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 5)
+    monkeypatch.setattr(cpu, "PREFILL_CHUNK", 5)
     for keep, (want, want_kv) in whole.items():
         calls.clear()
         got, got_kv = prefill(model, logits_to_keep=keep, taps=(0, 1, 2))
@@ -490,9 +492,9 @@ def test_the_stack_in_one_call_is_bitwise_the_sublayer_calls(monkeypatch, kind):
     assert all(torch.equal(a, b) for a, b in zip(one_call[0][:5], by_sublayer[0]))
     assert torch.equal(one_call[1], by_sublayer[1])  # the caches
     monkeypatch.undo()
-    stack = model.kernel_stack()
+    stack = model.native().stack
     model.keep_cpu_copies()  # new packed tensors: a new stack
-    assert model.kernel_stack() is not stack and model.kernel_stack() is not None
+    assert model.native().stack is not stack and model.native().stack is not None
 
 
 @needs_kernel

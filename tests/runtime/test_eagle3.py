@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_runtime import cpu_kernel
-from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, grouped
-from specdec_runtime.eagle3_format import is_eagle3_folder, read_speculators, save_speculators
+from specdec_runtime.cpu import PREFILL_CHUNK
+from specdec_runtime.cpu import kernel as cpu_kernel
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3_format import is_eagle3_folder, read_speculators, save_speculators
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model, grouped
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
-from specdec_runtime.model import PREFILL_CHUNK
 from specdec_runtime.sampling import Sampler
 from tests.conftest import runtime_from_hf, tiny_hf_model
 from train.eagle3 import Eagle3Training, shifted, target_states, warm_start
@@ -143,19 +144,19 @@ def test_runtime_drafter_logits_equal_the_training_modules(norm_before_residual)
 def float64_products(monkeypatch, bf16_rows: bool) -> None:
     """The drafter's torch ops with every product computed in float64 from its fp32 weights (an
     oracle), each row rounded to bf16 first where bf16_rows (as the kernel's bf16 pairs do)."""
-    import specdec_runtime.eagle3 as eagle3
-    import specdec_runtime.model as model
+    import specdec_runtime.drafters.eagle3 as eagle3
+    import specdec_runtime.layers as layers
 
     def linear(x, w, residual=None):
         rows = x.bfloat16() if bf16_rows else x
         y = rows.double() @ w.w.double() + (w.bias.double() if w.bias is not None else 0)
         return (y + (residual.double() if residual is not None else 0)).to(x.dtype)
 
-    for module in (eagle3, model):
+    for module in (eagle3, layers):
         monkeypatch.setattr(module, "linear", linear)
 
 
-@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
+@pytest.mark.skipif(cpu_kernel.library() is None, reason="the CPU kernel cannot be built here")
 @torch.no_grad()
 def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16(monkeypatch):
     """cpu_bf16 (the default on a CPU with the kernel) drafts as the same drafter whose weight
@@ -177,7 +178,7 @@ def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16(m
     with monkeypatch.context() as m:
         float64_products(m, bf16_rows=cpu_kernel.pairs())
         oracle = Eagle3Drafter(rounded, target, cpu_bf16=False)
-        oracle.kernel_w = None  # its torch ops, with the float64 products
+        oracle.kernel = None  # its torch ops, with the float64 products
         expected = drafted_logits(oracle, target, prompt)[0]
     assert len(ours) == 3
     tol = dict(rtol=1e-4, atol=1e-4) if cpu_kernel.pairs() else dict(rtol=1e-5, atol=1e-6)
@@ -187,7 +188,7 @@ def test_bf16_drafting_is_the_drafter_with_its_weight_matrices_rounded_to_bf16(m
     torch.testing.assert_close(ours[0], exact[0], rtol=0.05, atol=0.05)
 
 
-@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
+@pytest.mark.skipif(cpu_kernel.library() is None, reason="the CPU kernel cannot be built here")
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("heads, tied", [((4, 2), False), ((4, 4), True)])
@@ -205,8 +206,8 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
     prompt = torch.arange(7, 19)
     fused = Eagle3Drafter(model, target, cpu_bf16=bf16)
     ops = Eagle3Drafter(model, target, cpu_bf16=bf16)
-    ops.kernel_w = None  # the torch ops (as on a GPU, or where the kernel is off)
-    assert fused.kernel_w is not None
+    ops.kernel = None  # the torch ops (as on a GPU, or where the kernel is off)
+    assert fused.kernel is not None
     runs = [drafted_logits(d, target, prompt, gamma=4) for d in (fused, ops)]
     assert len(runs[0][0]) == 4
     for a, b in zip(runs[0][0], runs[1][0]):
@@ -222,7 +223,7 @@ def test_the_kernels_draft_step_is_the_torch_ops_to_rounding(norm_before_residua
         assert len(trees[0].tree) == budget
 
 
-@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the CPU kernel cannot be built here")
+@pytest.mark.skipif(cpu_kernel.library() is None, reason="the CPU kernel cannot be built here")
 @pytest.mark.parametrize("budget", [0, 8])
 @torch.no_grad()
 def test_a_prompt_longer_than_a_kernel_call_is_caught_up_in_chunks_as_the_torch_ops_do(budget):
@@ -238,7 +239,7 @@ def test_a_prompt_longer_than_a_kernel_call_is_caught_up_in_chunks_as_the_torch_
     for kernel in (True, False):
         d = Eagle3Drafter(model, target, tree_budget=budget, top_k=3, cpu_bf16=False)  # fp32: to rounding
         if not kernel:
-            d.kernel_w = None  # the torch ops: the whole prompt in one pass
+            d.kernel = None  # the torch ops: the whole prompt in one pass
         calls: list[int] = []
         d._run = lambda t, *a, calls=calls, run=d._run, **kw: calls.append(t.shape[0]) or run(t, *a, **kw)
         target.setup_cache(1, P + 16)
@@ -265,7 +266,7 @@ def test_draft_best_is_the_best_nodes_of_the_whole_tree(budget):
     prompt = torch.arange(7, 19)
     drafter = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
     ops = Eagle3Drafter(model, target, tree_budget=budget, top_k=3)
-    ops.kernel_w = None  # the torch ops: every candidate node passes through _best
+    ops.kernel = None  # the torch ops: every candidate node passes through _best
     nodes, real_best = [], ops._best
     ops._best = lambda *a: nodes.append(a) or real_best(*a)
     full = drafted_logits(ops, target, prompt, gamma=3)[2]
@@ -481,7 +482,7 @@ def test_lookup_first_is_lossless_and_the_drafter_catches_up_on_the_rounds_it_mi
     """LookupFirst drafts by prompt lookup where the last 2-3 tokens occurred before, by EAGLE-3
     elsewhere: greedy output equals the target's, both kinds of rounds happen, and every EAGLE-3
     draft made after rounds it missed equals a fresh drafter's given the whole sequence at once."""
-    from specdec_runtime.drafters import LookupFirst
+    from specdec_runtime.drafters.lookup import LookupFirst
 
     hf, target, model = tiny(warm=True, vocab=24, draft_vocab=20)  # a small vocabulary: its output repeats itself
     prompt = [5, 9, 11, 2, 7, 3, 9, 11, 2, 7, 5, 9, 11]
@@ -509,7 +510,7 @@ def test_lookup_first_is_lossless_and_the_drafter_catches_up_on_the_rounds_it_mi
 def test_lookups_merged_with_the_drafters_best_nodes_are_lossless(budget):
     """LookupFirst over EAGLE-3 trees and chains (merge: 2 by default): every lookup round also verifies the
     drafter's 2 best nodes in one tree with the lookup's chain; greedy output equals the target's."""
-    from specdec_runtime.drafters import LookupFirst
+    from specdec_runtime.drafters.lookup import LookupFirst
 
     hf, target, model = tiny(warm=True, vocab=24, draft_vocab=20)
     prompt = [5, 9, 11, 2, 7, 3, 9, 11, 2, 7, 5, 9, 11]
@@ -552,7 +553,7 @@ def test_device_drafts_are_the_host_drafts_round_by_round(budget, top_k, gamma):
     drafts = {}
     for on_device in (False, True):
         d = Eagle3Drafter(model, target, tree_budget=budget, top_k=top_k, on_device=on_device)
-        d.kernel_w, seen, real = None, [], d.draft  # host: the torch ops (the kernel's trees are tested apart)
+        d.kernel, seen, real = None, [], d.draft  # host: the torch ops (the kernel's trees are tested apart)
         # (read at once: a captured step's outputs live until it runs again)
         d.draft = lambda *a, seen=seen, real=real: seen.append(node_paths(x := real(*a))) or x
         out = generate(target, prompt, d, Sampler(seed=0), max_new_tokens=60, gamma=gamma, accept_rate=0.7)

@@ -13,14 +13,17 @@ import pytest
 import torch
 
 from specdec_runtime import graphs
-from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter
-from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
-from specdec_runtime.generate import generate, warm_up
-from specdec_runtime.measure import divergences, measure
-from specdec_runtime.medusa import MedusaDrafter
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
+from specdec_runtime.drafters.medusa import MedusaDrafter
+from specdec_runtime.drafters.mtp import MTPDrafter, MTPHeads
+from specdec_runtime.drafters.phrases import PhraseTable
+from specdec_runtime.drafters.protocol import Draft, Drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
+from specdec_runtime.generate import generate
+from specdec_runtime.measure import divergences, measure, warm_up
 from specdec_runtime.model import LayerSkip
-from specdec_runtime.mtp import MTPDrafter, MTPHeads
-from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 from tests.conftest import runtime_from_hf, tiny_hf_model
@@ -117,7 +120,7 @@ def test_forwards_equal_the_eager_path(kind, overrides):
     torch.testing.assert_close(b(step, 12).logits, a(step, 12).logits, atol=1e-5, rtol=1e-5)
     chain = torch.tensor([[7, 9, 11, 3]])
     torch.testing.assert_close(b(chain, 13).logits, a(chain, 13).logits, atol=1e-5, rtol=1e-5)
-    t = Tree.from_paths(PATHS).on("cpu")
+    t = Tree.from_paths(PATHS).tensors_on("cpu")
     nodes = torch.randint(0, 256, (1, len(t["depth"])))
     outs = [m(nodes, 17, tree=(t["depth"], t["ancestor"])).logits for m in (a, b)]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

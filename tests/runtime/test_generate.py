@@ -5,8 +5,10 @@ import importlib
 import pytest
 import torch
 
-from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter, NgramDrafter, merged
+from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter, merged
+from specdec_runtime.drafters.protocol import Draft, Drafter
+from specdec_runtime.drafters.spec import build_drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import cut, generate, generate_batch
 from specdec_runtime.model import LayerSkip

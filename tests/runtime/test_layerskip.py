@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from specdec_runtime.cli import main as cli_main
-from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.drafters import DraftExit, ModelDrafter
+from specdec_runtime.drafters.layerskip import SkipSet, skip_drafter
+from specdec_runtime.drafters.protocol import DraftExit
+from specdec_runtime.drafters.spec import build_drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
-from specdec_runtime.layerskip import SkipSet, skip_drafter
 from specdec_runtime.loading import load_model
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler

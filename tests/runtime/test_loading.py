@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import check_same_vocab, load_model
 from specdec_runtime.paths import resolve_model

@@ -6,10 +6,7 @@ import pytest
 import torch
 
 from specdec_runtime.cli import main
-from specdec_runtime.errors import SpecdecError
-from specdec_runtime.generate import generate
-from specdec_runtime.loading import load_model
-from specdec_runtime.medusa import (
+from specdec_runtime.drafters.medusa import (
     MedusaDrafter,
     MedusaHeads,
     load_medusa,
@@ -18,6 +15,9 @@ from specdec_runtime.medusa import (
     tree_from_spec,
     write_layout,
 )
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.generate import generate
+from specdec_runtime.loading import load_model
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
 from tests.conftest import assert_cache_is_a_fresh_prefill, runtime_from_hf, save_tiny_model, tiny_hf_model

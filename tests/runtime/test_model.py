@@ -5,10 +5,11 @@ import copy
 import pytest
 import torch
 
-from specdec_runtime import cpu_kernel
 from specdec_runtime.config import DecoderConfig
+from specdec_runtime.cpu import kernel as cpu_kernel
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Decoder, LayerSkip, rms_norm
+from specdec_runtime.layers import rms_norm
+from specdec_runtime.model import Decoder, LayerSkip
 from tests.conftest import runtime_from_hf, tiny_hf_config, tiny_hf_model
 
 ATOL = 2e-5  # fp32: logits of the tiny models are O(1..10)

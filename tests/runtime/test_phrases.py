@@ -8,9 +8,11 @@ from collections import Counter
 import pytest
 import torch
 
-from specdec_runtime.drafters import Draft, Drafter, LookupFirst, ModelDrafter
+from specdec_runtime.drafters.lookup import LookupFirst
+from specdec_runtime.drafters.phrases import PhraseTable
+from specdec_runtime.drafters.protocol import Draft, Drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.generate import generate
-from specdec_runtime.phrases import PhraseTable
 from specdec_runtime.sampling import Sampler
 from tests.conftest import BigramStub, assert_follows, bigram_table, exact_joint, tiny_decoder
 

@@ -6,12 +6,13 @@ import sys
 import pytest
 import torch
 
-from specdec_runtime.drafters import Draft, Drafter
+from specdec_runtime.cpu.host_rules import greedy_on_host
+from specdec_runtime.drafters.protocol import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
-from specdec_runtime.verify import greedy_on_host, verify_tree_greedy, verify_tree_sample, verify_tree_typical
+from specdec_runtime.verify import verify_tree_greedy, verify_tree_sample, verify_tree_typical
 from tests.conftest import (
     BigramStub,
     assert_follows,
@@ -113,17 +114,18 @@ def test_tree_greedy_verification_equals_naive_per_path_verification(seed):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_the_host_walk_is_the_device_walk(seed):
-    """verify._walk on a CPU walks the tree's lists (_walk_on_host), elsewhere its tensors
+    """verify._walk on a CPU walks the tree's lists (host_rules.walk_on_host), elsewhere its tensors
     (_walk_on_device, what a GPU runs): the same path and length for every choice of nodes, on
     trees of several shapes (ties between equally deep branches: the first in node order)."""
-    from specdec_runtime.verify import _walk_on_device, _walk_on_host
+    from specdec_runtime.cpu.host_rules import walk_on_host
+    from specdec_runtime.verify import _walk_on_device
 
     g = torch.Generator().manual_seed(seed)
     for tree in (Tree.from_paths(PATHS), Tree.chain(4), Tree.from_accuracies(torch.rand(3, 3, generator=g), 9)):
         t = tree.tensors
         for _ in range(40):
             chosen = torch.rand(len(tree) + 1, generator=g) < 0.6
-            host, device = _walk_on_host(tree, chosen), _walk_on_device(t, chosen)
+            host, device = walk_on_host(tree, chosen), _walk_on_device(t, chosen)
             assert host[0].tolist() == device[0].tolist() and int(host[1]) == int(device[1])
             assert host[0].dtype == device[0].dtype and host[1].dtype == device[1].dtype
 
@@ -161,7 +163,7 @@ def test_tree_drafts_are_lossless_greedy_and_accept_more_than_a_chain():
 def test_tree_rejection_sampling_follows_the_target_distribution(monkeypatch, temperature, top_p, host_rules):
     """Four tokens from a bigram target with a branching tree (siblings tried in turn): the joint
     distribution of the output is the target's (chi-square over all 81 sequences), whether the
-    rule walks host lists (verify.sample_on_host, a CPU's rounds) or runs on the device
+    rule walks host lists (host_rules.sample_on_host, a CPU's rounds) or runs on the device
     (verify_tree_sample, a GPU's)."""
     monkeypatch.setattr(generate_module, "HOST_RULES", host_rules)
     V = 3
@@ -259,4 +261,4 @@ def test_a_truncated_tree_is_one_object_so_its_tensors_move_once():
     assert tree.truncated(3) is tree and tree.truncated(2) is tree.truncated(2)
     assert tree.truncated(2).paths == ((0,), (1,), (0, 0), (0, 1)) and tree.truncated(1).paths == ((0,), (1,))
     meta = torch.device("meta")
-    assert tree.truncated(2).on(meta) is tree.truncated(2).on(meta)
+    assert tree.truncated(2).tensors_on(meta) is tree.truncated(2).tensors_on(meta)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from specdec_runtime.cpu.host_rules import greedy_on_host
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.sampling import Sampler, warp
 from specdec_runtime.tree import Tree
 from specdec_runtime.verify import (
-    greedy_on_host,
     verify_greedy,
     verify_sample,
     verify_tree_greedy,

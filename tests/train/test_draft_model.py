@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec_runtime.drafters import ModelDrafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
@@ -120,8 +120,8 @@ def test_validation_runs_a_bf16_target_from_its_bf16_weights_on_a_cpu():
     """runtime_decoder's default dtype: a bf16 transformers model runs on a CPU as its bf16 weights
     with fp32 activations where the kernel reads them (the fp32 model of the same weights, which
     validation ran before, to fp32 rounding, at half the bytes); an fp32 model in fp32."""
-    from specdec_runtime import cpu_kernel
     from specdec_runtime.config import DecoderConfig
+    from specdec_runtime.cpu import kernel as cpu_kernel
     from specdec_runtime.model import Decoder
 
     hf = tiny_hf_model(seed=4)

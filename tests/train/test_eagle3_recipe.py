@@ -10,13 +10,13 @@ from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
 from recipes import eagle3
-from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.drafters import LookupFirst
-from specdec_runtime.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.lookup import LookupFirst
+from specdec_runtime.drafters.phrases import PhraseTable
+from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
-from specdec_runtime.phrases import PhraseTable
 from tests.conftest import accelerate_launch, save_tiny_model, write_prompt_file
 from train import checkpoint
 

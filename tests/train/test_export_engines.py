@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec_runtime.eagle3 import Eagle3Config, Eagle3Model
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from specdec_runtime.drafters.layerskip import SkipSet
+from specdec_runtime.drafters.medusa import MedusaHeads, read_layout
 from specdec_runtime.engines import Folder, faster_decoding, hf, sglang, vllm
 from specdec_runtime.export_check import MANIFEST, check_export, target_facts
-from specdec_runtime.layerskip import SkipSet
-from specdec_runtime.medusa import MedusaHeads, read_layout
 from tests.conftest import runtime_from_hf, save_tiny_model, tiny_hf_model
 from train.export import Card, export_eagle3, export_medusa, export_mtp, export_skipset, export_standalone
 
@@ -195,7 +195,7 @@ def test_a_qwen2_eagle3_drafter_with_the_targets_biases_is_refused_by_vllm_and_s
     assert any("o_proj.bias" in p and "uninitialized" in p for p in by_sglang.problems)
     assert not check_export(e3).ok
     # specdec's runtime still reads it as it was trained: q/k/v biases, none on o_proj
-    from specdec_runtime.eagle3_format import read_speculators
+    from specdec_runtime.drafters.eagle3_format import read_speculators
 
     model, _ = read_speculators(e3)
     layer = model.layers[0].self_attn
@@ -241,8 +241,8 @@ def test_side_files_in_the_root_are_fed_to_the_model_by_vllms_weight_glob(tmp_pa
     """Older exports kept draft_vocab.safetensors and mtp_heads.safetensors beside the model: vLLM
     reads every root *.safetensors ("There is no module or parameter named 'ids'"). specdec still
     reads them there."""
+    from specdec_runtime.drafters.mtp import read_mtp_config
     from specdec_runtime.loading import load_draft_vocab
-    from specdec_runtime.mtp import read_mtp_config
 
     folders = export_all(tmp_path, "llama")
     sa, mtp = folders["standalone_vocab"], folders["mtp"]

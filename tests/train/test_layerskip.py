@@ -10,8 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from recipes import layerskip
-from specdec_runtime.drafter_spec import build_drafter
-from specdec_runtime.drafters import DraftExit, ModelDrafter
+from specdec_runtime.drafters.protocol import DraftExit
+from specdec_runtime.drafters.spec import build_drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model

@@ -9,10 +9,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from recipes import medusa
+from specdec_runtime.drafters.medusa import MedusaHeads, load_medusa, read_layout
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
-from specdec_runtime.medusa import MedusaHeads, load_medusa, read_layout
 from tests.conftest import accelerate_launch, save_tiny_model, tiny_hf_model, write_prompt_file
 from train import checkpoint
 from train.medusa import MedusaTraining

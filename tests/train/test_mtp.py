@@ -13,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from recipes import mtp as recipe
-from specdec_runtime.drafter_spec import build_drafter
+from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
@@ -271,7 +271,7 @@ def recipe_model_from_export(export: Path) -> MTPModel:
 def test_runtime_heads_equal_the_training_heads_and_sampling_is_lossless(tiny, tmp_path):
     """The runtime drafter's logits are the training heads' logits (transformers layers) at every
     position; sampled self-speculation follows the model's own distribution (chi-square)."""
-    from specdec_runtime.mtp import MTPDrafter, MTPHeads
+    from specdec_runtime.drafters.mtp import MTPDrafter, MTPHeads
     from train.mtp import heads_state_dict
     from train.validate import runtime_decoder
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec_runtime.eagle3 import Eagle3Drafter
-from specdec_runtime.eagle3_format import read_speculators
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3_format import read_speculators
 from tests.conftest import runtime_from_hf
 from tests.runtime.test_eagle3 import drafted_logits
 from tests.train.test_export_engines import card, eagle3_model, target_folder

@@ -101,8 +101,8 @@ def test_every_drafter_type_exports_a_card_and_pushes_through_the_hub_client(tmp
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec_runtime.layerskip import SkipSet
-    from specdec_runtime.medusa import MedusaHeads, read_layout
+    from specdec_runtime.drafters.layerskip import SkipSet
+    from specdec_runtime.drafters.medusa import MedusaHeads, read_layout
     from tests.conftest import save_tiny_model
     from tests.train.mtp_grad_worker import tiny_mtp
     from train.export import Card, export_medusa, export_mtp, export_skipset, export_standalone

@@ -23,20 +23,18 @@ rejection sampling lossless: each head's warped distribution is the draft's q).
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from specdec_runtime.config import DecoderConfig
-from specdec_runtime.drafters import Draft, Drafter
+from specdec_runtime.drafters.protocol import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Block, Decoder, KVCache, Linear, attention, block_state_dict, mlp, rms_norm
+from specdec_runtime.layers import Block, Linear, attention, block_state_dict, mlp, rms_norm
+from specdec_runtime.loading import LoadedModel
+from specdec_runtime.model import Decoder, KVCache
 from specdec_runtime.paths import SIDE_FOLDER
 from specdec_runtime.sampling import Sampler
-
-if TYPE_CHECKING:
-    from specdec_runtime.loading import LoadedModel
 
 MTP_CONFIG = f"{SIDE_FOLDER}/mtp_config.json"  # specdec/: no engine's weight glob reads it (paths.SIDE_FOLDER)
 MTP_WEIGHTS = f"{SIDE_FOLDER}/mtp_heads.safetensors"
@@ -83,7 +81,7 @@ class MTPHeads(nn.Module):
         for i in range(1, num_heads):
             own |= block_state_dict(cfg, sd, f"heads.{i}.", f"layers.{i - 1}.", prep)
         heads.load_state_dict(own, strict=True, assign=True)
-        if torch.device(device).type == "cpu":  # several rows per call: see model.linear
+        if torch.device(device).type == "cpu":  # several rows per call: see layers.linear
             for m in heads.modules():
                 if isinstance(m, Linear):
                     m.keep_cpu_copy()
@@ -139,7 +137,7 @@ def read_mtp_config(folder: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def load_mtp(target: "LoadedModel", folder: str | Path | None = None) -> MTPDrafter:
+def load_mtp(target: LoadedModel, folder: str | Path | None = None) -> MTPDrafter:
     """The MTP drafter of a target exported by recipes.mtp (its heads file sits in the target's folder)."""
     from safetensors.torch import load_file
 

@@ -21,16 +21,15 @@ sit beside it in specdec_drafting.json. Every rule here is an engine's (specdec_
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from specdec_runtime.config import DecoderConfig
-from specdec_runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from specdec_runtime.errors import SpecdecError
-
-if TYPE_CHECKING:
-    from specdec_runtime.loading import LoadedModel
+from specdec_runtime.loading import LoadedModel
 
 WEIGHTS = "model.safetensors"
 DRAFTING = "specdec_drafting.json"  # {"gamma", "tree_budget", "top_k"}: how specdec drafts with it by default
@@ -229,7 +228,7 @@ def read_speculators(folder: Path) -> tuple[Eagle3Model, dict[str, int]]:
 
 
 def load_eagle3(
-    folder: str | Path, target: "LoadedModel", tree_budget: int | None = None, confidence: float = 0.0
+    folder: str | Path, target: LoadedModel, tree_budget: int | None = None, confidence: float = 0.0
 ) -> Eagle3Drafter:
     """An Eagle3Drafter from an exported folder for a loaded target (tree_budget: override; 0 = chains;
     confidence: chains stop after a token drafted with a probability below it)."""

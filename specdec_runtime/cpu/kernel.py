@@ -14,19 +14,13 @@ those of a decode step. scripts/bench_cost.py measures it against torch's produc
 `csrc/layers.c` runs a whole attention or MLP sublayer of such a step in one call (norm, products,
 rope, cache write, attention, gated activation), where torch dispatches some twenty small ops whose
 overhead is a large share of a small model's decode step, and a one-sequence step's whole layer
-stack in one call (decoder_layers(), from a Stack of pointers the model builds once); it keeps the
-same row-for-row guarantee. model.Decoder hands a step's layers to it (stack_takes());
-model.attention(), self_attention() and mlp() their rows otherwise (sublayer_usable()), and an
-EAGLE-3 drafter's draft step runs in one call too (eagle3_rows()), as does its whole tree draft
-(eagle3_draft()). `csrc/argmax.c` takes greedy decoding's argmax of the logits (argmax(),
-sampling.argmax) in one pass. Every change, measured: docs/log/cpu-kernel.md.
-
-It is compiled on first use (`cc -O3 -march=native -fopenmp`, about a second) into
-$SPECDEC_CACHE/kernels and loaded with ctypes. Where it cannot be built or used (not Linux, no C
-compiler, torch not on OpenMP, or loading it would start a second OpenMP runtime) linear() keeps
-torch's products, and one line says why. SPECDEC_CPU_KERNEL=0 turns it off. SPECDEC_CPU_MARCH
-builds it for another instruction set than this CPU's (e.g. x86-64-v3: AVX2 and FMA, no AVX-512),
-to measure how a CPU without AVX-512 would run.
+stack in one call (decoder_layers(), from a LayerStack of pointers taken once); it keeps the same
+row-for-row guarantee. The core reaches these through the package's interface (cpu/__init__.py):
+a decoder's steps (DecoderKernel: decoder_layers()), layers.attention(), self_attention() and mlp()
+rows otherwise (sublayer_usable()), an EAGLE-3 drafter's draft step (eagle3_rows()) and its whole
+tree draft (eagle3_draft()). `csrc/argmax.c` takes greedy decoding's argmax of the logits (argmax(),
+sampling.argmax) in one pass. Every change, measured: docs/log/cpu-kernel.md. build.py compiles
+and loads them; the package's __init__ is what the rest of the runtime calls.
 
 A model's packed weights live side by side in one mapping on 2 MiB pages (on_huge_pages(): Linux's
 transparent huge pages, asked for with madvise), not 4 KiB ones: a decode step of the bundled target
@@ -37,119 +31,19 @@ a decode step ran 2-5% faster. SPECDEC_HUGE_PAGES=0 keeps them in torch's memory
 import contextlib
 import ctypes
 import functools
-import hashlib
 import mmap
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from specdec_runtime.paths import cache_root
+from specdec_runtime.cpu.build import library, max_rows, pairs, panel
 
-# The most rows a call takes: past them MKL's GEMM (and SDPA, which skips masked slots) win
-# (docs/log/cpu-kernel.md; scripts/bench_cost.py --rows). max_rows() is this build's. A longer
-# prompt runs in chunks of model.PREFILL_CHUNK rows, each attending only to the slots up to its own
-# last row.
-MAX_ROWS, WIDE_MAX_ROWS = 128, 512
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "skinny.c", CSRC / "layers.c", CSRC / "argmax.c")
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
-OFF = "SPECDEC_CPU_KERNEL"
-MARCH = "SPECDEC_CPU_MARCH"  # the compiler's -march (default native)
 HUGE = "SPECDEC_HUGE_PAGES"  # 0: on_huge_pages() keeps tensors where they are
 HUGE_PAGE = 2 << 20
 _enabled = True  # see disabled()
 _sublayers = True  # see products_only()
-
-
-class Unavailable(RuntimeError):
-    """Why the kernel is not used here (printed once)."""
-
-
-def _openmp_runtimes() -> set[str]:
-    """The OpenMP runtimes mapped into this process (by file)."""
-    names = ("libgomp", "libiomp", "libomp")
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if any(n in line for n in names)}
-    return {os.path.realpath(p) for p in paths if p.startswith("/")}
-
-
-def _build() -> Path:
-    """The compiled kernel, built once per source, compiler and CPU (atomically: concurrent
-    processes each compile to a temporary file and rename it into place)."""
-    if not sys.platform.startswith("linux"):
-        raise Unavailable(f"built only on Linux, not {sys.platform}")
-    if "OpenMP" not in torch.__config__.parallel_info():
-        raise Unavailable("torch does not run its threads on OpenMP")
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        raise Unavailable("no C compiler (install gcc, or set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    cpu = Path("/proc/cpuinfo").read_text().partition("flags")[2].partition("\n")[0]
-    texts = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".c", ".h")]
-    flags = (*FLAGS, f"-march={os.environ.get(MARCH) or 'native'}")
-    key = hashlib.sha256("\0".join([*texts, version, cpu, *flags]).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"skinny-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise Unavailable(f"{cc} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
-
-
-@functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled library (its functions typed), or None where it is off or cannot be used (said
-    once, on stderr)."""
-    if os.environ.get(OFF, "1") == "0":
-        return None
-    try:
-        before = _openmp_runtimes()
-        lib = ctypes.CDLL(str(_build()))
-        if _openmp_runtimes() - before:
-            raise Unavailable("it would run on a second OpenMP runtime beside torch's")
-    except (Unavailable, OSError) as e:
-        print(f"specdec: CPU kernel not used ({e}); torch's ops instead ({OFF}=0 hides this)", file=sys.stderr)
-        return None
-    P, N, F, Int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-    gather = [P, P, *[N] * 4]  # decoder_layers' tokens, embed, ep, es0, es1, es2
-    attend = [P, N, P, P, N, N, P, P, N, N]  # kv .. bound
-    head = [P, P, Int, P, Int, P, N, N, P, P]  # norm, head, head_bf16, screen, pairs, norms, V, keep, logits, best
-    signatures = {  # pointers, longs, floats, ints in layers.c / skinny.c order
-        "skinny_matmul": [P, N, N, P, Int, N, P, P, P, Int],
-        "stream_sum": [P, N, Int],
-        "argmax_rows": [P, N, N, N, P, Int],
-        "skinny_panel": [],
-        "skinny_wide": [],
-        "skinny_pairs": [],
-        "attention_block": [P, N, N, P, F, P, P, Int, P, N, N, N, P, P, N, P, P, N, P, N, P, P, N, N, P, Int],
-        "mlp_block": [P, N, N, P, F, P, Int, P, N, P, P, P, Int],
-        "decoder_layers": [P, *gather, *[N] * 4, P, Int, P, F, *[N] * 4, *attend, P, P, N, *head, Int],
-        "head_rows": [P, N, N, P, F, P, Int, N, P, Int],
-        "eagle3_rows": [P, N, P, N, N, N, N, P, N, P, P, Int, Int, F, *[N] * 7, P, P, N, P, N, P, P, N, N, P, P, Int],
-        "eagle3_draft": [P, N, P, N, N, P, *[N] * 4, P, Int, Int, F, *[N] * 6, P, P, N, P, N, P, Int, Int, Int, P, Int],
-    }
-    for name, args in signatures.items():
-        fn = getattr(lib, name)
-        restypes = {"skinny_matmul": None, "argmax_rows": None, "stream_sum": ctypes.c_float, "eagle3_draft": N}
-        fn.argtypes, fn.restype = args, restypes.get(name, Int)
-    return lib
 
 
 @contextlib.contextmanager
@@ -178,7 +72,7 @@ def products_only():
 
 def _serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernel computes products of this device and dtype here: fp32 on a CPU, on and built."""
-    return _enabled and torch.device(device).type == "cpu" and dtype == torch.float32 and kernel() is not None
+    return _enabled and torch.device(device).type == "cpu" and dtype == torch.float32 and library() is not None
 
 
 def usable(x: Tensor) -> bool:
@@ -197,13 +91,6 @@ def _takes(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
     )
 
 
-def max_rows() -> int:
-    """The most rows a step runs in the kernel: WIDE_MAX_ROWS where its fp32 passes of 7-12 rows run
-    in 512-bit registers (skinny.c, AVX-512), else MAX_ROWS."""
-    lib = kernel()
-    return WIDE_MAX_ROWS if lib is not None and lib.skinny_wide() else MAX_ROWS
-
-
 def products(device: torch.device, dtype: torch.dtype) -> str:
     """Which products a model on device/dtype runs for its decode and verify steps (benchmarks
     record it): "kernel" or "torch"."""
@@ -211,7 +98,7 @@ def products(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def packs(w: Tensor) -> bool:
-    """Whether a model keeps W [in, out] packed for the kernel (Weights.of): fp32 on a CPU, the
+    """Whether a model keeps W [in, out] packed for the kernel (Weights.from_matrix): fp32 on a CPU, the
     kernel built and not disabled(). (A model loaded inside disabled() keeps W^T for MKL instead,
     as it would without the kernel: what benchmarks compare against.)"""
     return _serves(w.device, w.dtype)
@@ -224,13 +111,6 @@ def reads_bf16_weights(device: torch.device) -> bool:
     about twice the fp32 speed on any CPU, where torch's bf16 ops ran at a quarter of the memory
     bound even on a CPU with AVX512-BF16 (scripts/bench_cost.py)."""
     return _serves(device, torch.float32)
-
-
-def panel() -> int:
-    """The columns of a panel, the unit the kernel reads a packed weight in (pack()): 32 where it is
-    built for AVX-512 (two 16-lane vectors), else 16 (16 where it is not built)."""
-    lib = kernel()
-    return 16 if lib is None else lib.skinny_panel()
 
 
 def pack(w: Tensor, bf16: bool = False, width: int | None = None, pairs: bool = False) -> Tensor:
@@ -249,12 +129,6 @@ def pack(w: Tensor, bf16: bool = False, width: int | None = None, pairs: bool = 
         return padded.view(K // 2, 2, -1, width).permute(2, 0, 3, 1).contiguous().to(torch.bfloat16)
     packed = padded.view(K, -1, width).permute(1, 0, 2).contiguous()
     return packed.to(torch.bfloat16) if bf16 else packed
-
-
-def pairs() -> bool:
-    """Whether the kernel multiplies bf16 pairs (built for a CPU with AVX512-BF16: pack(pairs=True))."""
-    lib = kernel()
-    return lib is not None and bool(lib.skinny_pairs())
 
 
 def on_huge_pages(tensors: list[Tensor]) -> list[Tensor]:
@@ -305,7 +179,7 @@ def matmul(x: Tensor, w: tuple, residual: Tensor | None = None) -> Tensor:
         residual = residual.expand(M, N).contiguous()  # a copy where it is not: kept alive through the call
     y = _out(M, N)
     res, bias = _ptr(residual), _ptr(w.bias)
-    kernel().skinny_matmul(x.data_ptr(), M, K, w.packed.data_ptr(), _bf16(w), N, bias, res, y.data_ptr(), _threads())
+    library().skinny_matmul(x.data_ptr(), M, K, w.packed.data_ptr(), _bf16(w), N, bias, res, y.data_ptr(), _threads())
     return y
 
 
@@ -314,7 +188,7 @@ def stream_sum(x: Tensor) -> float:
     threads: the read bandwidth benchmarks hold products to (scripts/bench_cost.py)."""
     if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() % 32:
         raise ValueError("stream_sum: need a contiguous float32 tensor of a multiple of 32 elements")
-    return kernel().stream_sum(x.data_ptr(), x.numel(), _threads())
+    return library().stream_sum(x.data_ptr(), x.numel(), _threads())
 
 
 def serves_argmax(x: Tensor) -> bool:
@@ -331,7 +205,7 @@ def argmax(x: Tensor) -> Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.long)
     if rows.shape[0]:
-        kernel().argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), out.data_ptr(), _threads())
+        library().argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), out.data_ptr(), _threads())
     return out.view(x.shape[:-1])
 
 
@@ -375,7 +249,7 @@ def _ran(status: int) -> None:
 
 def stack_usable(x: Tensor) -> bool:
     """Whether rows x [T, H] of one sequence can run a whole layer stack in the kernel (with packed
-    weights: model.Decoder.kernel_stack): usable(x) and sublayers on."""
+    weights: cpu.DecoderKernel): usable(x) and sublayers on."""
     return stack_takes(x.device, x.dtype, x.shape[0])
 
 
@@ -387,7 +261,7 @@ def stack_takes(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
 
 def sublayer_usable(x: Tensor, B: int, *weights: tuple) -> bool:
     """Whether a sublayer of rows x [B*T, in] runs in the kernel (layers.c): usable(x), batch 1,
-    and every weight (model.Weights) kept packed."""
+    and every weight (layers.Weights) kept packed."""
     return _sublayers and B == 1 and all(w.packed is not None for w in weights) and usable(x)
 
 
@@ -405,7 +279,7 @@ def attention(
     mask: Tensor | None,
     bound: int,
 ) -> Tensor:
-    """model.self_attention(norm(x) or x, residual, ...) for one sequence (sublayer_usable): keys and
+    """layers.self_attention(norm(x) or x, residual, ...) for one sequence (sublayer_usable): keys and
     values written into kv [1, 2Hkv, S, D] at slots [T], attention over the first `bound` slots under
     mask [group * T, bound] (its first T rows are read; None: all of them)."""
     x, residual = x.contiguous(), residual.contiguous()
@@ -416,7 +290,7 @@ def attention(
     slots, mask = _attention_args("attention", kv, cos, sin, slots, mask)
     out = _out(M, Hd)
     # fmt: off
-    _ran(kernel().attention_block(
+    _ran(library().attention_block(
         x.data_ptr(), M, K, _ptr(norm), eps, residual.data_ptr(),
         qkv.packed.data_ptr(), _bf16(qkv, o), _ptr(qkv.bias), H, Hkv, D, o.packed.data_ptr(), _ptr(o.bias), Hd,
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), kv.data_ptr(), S, slots.data_ptr(),
@@ -427,13 +301,13 @@ def attention(
 
 
 def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Tensor:
-    """model.mlp(x, ...) (sublayer_usable): x + down(silu(gate) * up) of norm(x) [T, H]."""
+    """layers.mlp(x, ...) (sublayer_usable): x + down(silu(gate) * up) of norm(x) [T, H]."""
     x = x.contiguous()
     M, Hd = x.shape
     intermediate = down.w.shape[0]
     out = _out(M, Hd)
     # fmt: off
-    _ran(kernel().mlp_block(
+    _ran(library().mlp_block(
         x.data_ptr(), M, Hd, norm.data_ptr(), eps, gate_up.packed.data_ptr(), _bf16(gate_up, down), _ptr(gate_up.bias),
         intermediate,
         down.packed.data_ptr(), _ptr(down.bias), out.data_ptr(), _threads(),
@@ -442,7 +316,7 @@ def mlp(x: Tensor, norm: Tensor, eps: float, gate_up: tuple, down: tuple) -> Ten
     return out
 
 
-class Stack(NamedTuple):
+class LayerStack(NamedTuple):
     """A decoder's layers as layers.c's decoder_layers reads them: every layer's weights' pointers,
     PER_LAYER (10) a layer, built once (stack()); `storages` keeps the memory they point at alive,
     even where a tensor's storage is later swapped (`param.data = ...`)."""
@@ -452,8 +326,8 @@ class Stack(NamedTuple):
     storages: list
 
 
-def stack(layers: list[tuple]) -> Stack | None:
-    """The Stack of layers [(attn_norm, qkv, o, mlp_norm, gate_up, down)] (model.Weights), or None
+def stack(layers: list[tuple]) -> LayerStack | None:
+    """The LayerStack of layers [(attn_norm, qkv, o, mlp_norm, gate_up, down)] (layers.Weights), or None
     where a weight is not packed."""
     weights = [w for layer in layers for w in layer if not isinstance(w, Tensor)]  # the norms aside
     if not all(w.packed is not None for w in weights):
@@ -463,7 +337,7 @@ def stack(layers: list[tuple]) -> Stack | None:
         tensors += [attn_norm, qkv.packed, qkv.bias, o.packed, o.bias, mlp_norm, gate_up.packed, gate_up.bias]
         tensors += [down.packed, down.bias]
     pointers = (ctypes.c_void_p * len(tensors))(*map(_ptr, tensors))
-    return Stack(pointers, _bf16(*weights), [t.untyped_storage() for t in tensors if t is not None])
+    return LayerStack(pointers, _bf16(*weights), [t.untyped_storage() for t in tensors if t is not None])
 
 
 @functools.lru_cache(maxsize=256)
@@ -478,7 +352,7 @@ def _layer_arrays(first: int, last: int, skip: tuple, taps: tuple) -> tuple[ctyp
 
 
 def decoder_layers(
-    s: Stack,
+    s: LayerStack,
     x: Tensor,
     first: int,
     last: int,
@@ -495,7 +369,7 @@ def decoder_layers(
     head: tuple[Tensor, tuple] | None = None,
     keep: int = 0,
     embed: Tensor | None = None,
-    screen: "Screen | None" = None,
+    screen: "HeadScreen | None" = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Layers [first, last) of a decoder (model.Decoder._forward) on rows x [T, Hd] of one sequence
     (stack_usable), in one call: (x after them, the taps' residual streams side by side [T, taps *
@@ -522,7 +396,7 @@ def decoder_layers(
     logits = None if lm_head is None else _out(keep or M, V)
     best = None if lm_head is None else torch.empty(keep or M, dtype=torch.long)
     # fmt: off
-    _ran(kernel().decoder_layers(
+    _ran(library().decoder_layers(
         x.data_ptr(), _ptr(tokens), _ptr(embed), P, es0, es1, es2, M, Hd, first, last, s.pointers, s.bf16, flags,
         eps, H, Hkv, D, intermediate, kv.data_ptr(), kv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         kv.shape[-2], slots.data_ptr(), _ptr(mask), 0 if mask is None else mask.stride(0), bound, tap_at, _ptr(out),
@@ -542,12 +416,12 @@ def head_rows(x: Tensor, norm: Tensor, eps: float, head: tuple) -> Tensor:
     x = x.contiguous()
     M, H = x.shape
     logits = _out(M, head.w.shape[1])
-    _ran(kernel().head_rows(x.data_ptr(), M, H, norm.data_ptr(), eps, head.packed.data_ptr(), _bf16(head),
+    _ran(library().head_rows(x.data_ptr(), M, H, norm.data_ptr(), eps, head.packed.data_ptr(), _bf16(head),
                             head.w.shape[1], logits.data_ptr(), _threads()))  # fmt: skip
     return logits
 
 
-class Screen(NamedTuple):
+class HeadScreen(NamedTuple):
     """An fp32 lm_head as decoder_layers reads it to find a row's argmax exactly from about half its
     bytes (layers.c: head_part; head_screen())."""
 
@@ -559,8 +433,8 @@ class Screen(NamedTuple):
         return self.packed.data_ptr(), int(self.pairs), self.norms.data_ptr()
 
 
-def head_screen(head: tuple) -> Screen:
-    """The Screen of an fp32 head (the lm_head's packed Weights): its weights rounded to bf16, in
+def head_screen(head: tuple) -> HeadScreen:
+    """The HeadScreen of an fp32 head (the lm_head's packed Weights): its weights rounded to bf16, in
     pairs where the kernel multiplies them (pairs(), an even K), and its outputs' norms."""
     w = head.w.detach()
     norms = w.double().norm(dim=0)  # [V] ||w_v||: the weights of output v are column v of W [K, V]
@@ -568,7 +442,7 @@ def head_screen(head: tuple) -> Screen:
     up = norms.float()
     up = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
     in_pairs = pairs() and w.shape[0] % 2 == 0
-    return Screen(pack(w, bf16=True, pairs=in_pairs), in_pairs, up)
+    return HeadScreen(pack(w, bf16=True, pairs=in_pairs), in_pairs, up)
 
 
 class Eagle3Weights(NamedTuple):
@@ -586,7 +460,7 @@ def eagle3_weights(fc: tuple, input_norm: Tensor, hidden_norm: Tensor, qkv: tupl
     """The Eagle3Weights of a drafter's fused layer (eagle3.FusedLayer; norms doubled), or None where
     a weight is not packed or the kernel is not built."""
     weights = (fc, qkv, o, gate_up, down, head)
-    if kernel() is None or not all(w.packed is not None for w in weights):
+    if library() is None or not all(w.packed is not None for w in weights):
         return None
     tensors = (fc.packed, input_norm, hidden_norm, qkv.packed, qkv.bias, o.packed, o.bias, post_norm,
                gate_up.packed, gate_up.bias, down.packed, down.bias, norm, head.packed)  # fmt: skip
@@ -619,7 +493,7 @@ def eagle3_rows(
     embed: the target's embedding in panels [V / P, H, P], token t at [t // P, :, t % P] (any
     strides; model.Decoder.embedding_panels); inputs: the target's taps [M, Kt] to project
     with fc (project) or the previous step's prenorm [M, H]; dims: (H, heads, kv heads, head dim,
-    intermediate); rope [S, 2, D] (model.rope_table), row m at position first + m * step; kv the
+    intermediate); rope [S, 2, D] (layers.rope_table), row m at position first + m * step; kv the
     drafter's cache [1, 2Hkv, S, D]; slots, mask, bound as attention()."""
     H, Hq, Hkv, D, intermediate = dims
     if embed.dtype != torch.float32 or inputs.dtype != torch.float32:
@@ -631,7 +505,7 @@ def eagle3_rows(
     prenorm, logits = _out(M, H), _out(max(M - head_from, 0), N)
     taps, feature = (inputs, None) if project else (None, inputs)
     # fmt: off
-    _ran(kernel().eagle3_rows(
+    _ran(library().eagle3_rows(
         tokens.data_ptr(), M, embed.data_ptr(), embed.shape[2], *embed.stride(), _ptr(taps), inputs.shape[1],
         _ptr(feature), w.pointers, w.bf16, int(norm_before_residual), eps, H, Hq, Hkv, D, intermediate, N, head_from,
         cos.data_ptr(), sin.data_ptr(), step * rope.stride(0), kv.data_ptr(), kv.shape[-2], slots.data_ptr(),
@@ -670,7 +544,7 @@ def eagle3_draft(
     tokens, taps = tokens.contiguous(), taps.contiguous()
     out = torch.empty(3 * budget, dtype=torch.long)
     # fmt: off
-    n = kernel().eagle3_draft(
+    n = library().eagle3_draft(
         tokens.data_ptr(), tokens.shape[0], taps.data_ptr(), taps.shape[1], first, embed.data_ptr(), embed.shape[2],
         *embed.stride(), w.pointers, w.bf16, int(norm_before_residual), eps, H, Hq, Hkv, D, intermediate, w.vocab,
         rope[0, 0].data_ptr(), rope[0, 1].data_ptr(), rope.stride(0), kv.data_ptr(), kv.shape[-2],

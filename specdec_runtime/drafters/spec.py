@@ -11,14 +11,16 @@ from pathlib import Path
 
 import torch
 
-from specdec_runtime.drafters import Drafter, LookupFirst, ModelDrafter, NgramDrafter
-from specdec_runtime.eagle3_format import is_eagle3_folder, load_eagle3
+from specdec_runtime.drafters.eagle3_format import is_eagle3_folder, load_eagle3
+from specdec_runtime.drafters.layerskip import SkipSet, is_skipset_file, skip_drafter
+from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
+from specdec_runtime.drafters.medusa import is_medusa_folder, load_medusa
+from specdec_runtime.drafters.mtp import load_mtp
+from specdec_runtime.drafters.phrases import PhraseTable
+from specdec_runtime.drafters.protocol import Drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.layerskip import SkipSet, is_skipset_file, skip_drafter
 from specdec_runtime.loading import LoadedModel, check_same_vocab, load_model
-from specdec_runtime.medusa import is_medusa_folder, load_medusa
-from specdec_runtime.mtp import load_mtp
-from specdec_runtime.phrases import PhraseTable
 
 LOOKUP = "+lookup"
 

@@ -26,20 +26,18 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_runtime.drafters import Draft, Drafter
+from specdec_runtime.drafters.protocol import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import Decoder, rms_norm
+from specdec_runtime.layers import rms_norm
+from specdec_runtime.loading import LoadedModel
+from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
-
-if TYPE_CHECKING:
-    from specdec_runtime.loading import LoadedModel
 
 FASTER_DECODING_PT = "medusa_lm_head.pt"
 FASTER_DECODING_WEIGHTS = "medusa_lm_head.safetensors"
@@ -299,7 +297,7 @@ def is_medusa_folder(folder: Path) -> bool:
     return "medusa_num_heads" in data or data.get("model_type") == "medusa"
 
 
-def load_medusa(folder: str | Path, target: "LoadedModel", tree: str | Path | None = None) -> MedusaDrafter:
+def load_medusa(folder: str | Path, target: LoadedModel, tree: str | Path | None = None) -> MedusaDrafter:
     """A MedusaDrafter from an exported folder (either layout) for a loaded target."""
     folder = Path(folder)
     heads, _ = read_layout(folder)

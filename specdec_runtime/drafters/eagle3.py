@@ -1,19 +1,8 @@
-"""EAGLE-3 drafters (Li et al. 2025): the module that training and the runtime share, and its drafter.
+"""EAGLE-3 drafters (Li et al. 2025): an Eagle3Model (eagle3_model.py, shared with training) drafting for a target.
 
-    config = Eagle3Config.for_target(target_config, aux_layers=(2, 15, 27), draft_vocab=ids)  # ids [N]
-    model = Eagle3Model(config)               # fc, one decoder layer, final norm, lm_head over the draft vocabulary
-    out = model.step(embeds, features, cos, sin, attend)     # (prenorm [B, T, H], logits [B, T, N])
     drafter = Eagle3Drafter(model, target)                   # chain drafts; tree_budget > 0: EAGLE-2 trees
     drafter = Eagle3Drafter(model, target, on_device=True)   # fixed shapes, captured steps (a GPU's default)
-    specdec generate --drafter runs/eagle3/export --baseline  # (export and load: specdec_runtime.eagle3_format)
-
-The drafter reads the target's residual streams after three of its layers (low, middle, high:
-`aux_layers`), concatenated [3 * H_target] and projected by fc to its width H. Its one decoder
-layer's attention reads [input_layernorm(embedding of the next token) ; hidden_norm(feature)]
-(2H wide); the feature is also the layer's residual. The result, before the final norm
-("prenorm"), is the feature of the drafter's next step, and after norm + lm_head its logits over
-the draft vocabulary: the N most frequent target tokens, draft id i being target id i + d2t[i].
-The token embedding is the target's own, frozen.
+    specdec generate --drafter runs/eagle3/export --baseline  # (export and load: eagle3_format.py)
 
 Positions: the drafter's row p reads the target's feature at position p and the token at p + 1,
 and predicts the token at p + 2, at rope position p (+ 1 per step it has drafted ahead). At run
@@ -32,207 +21,31 @@ after verification, is the only one. The nodes are the host tree's (_tree) up to
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from specdec_runtime import cpu_kernel, graphs
-from specdec_runtime.config import DecoderConfig, rope_inv_freq
-from specdec_runtime.drafters import Draft, Drafter, DraftExit
+from specdec_runtime import cpu, graphs
+from specdec_runtime.drafters.eagle3_model import Eagle3Model
+from specdec_runtime.drafters.protocol import Draft, Drafter, DraftExit
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.model import (
-    PREFILL_CHUNK,
-    Decoder,
-    Weights,
-    block_state_dict,
-    linear,
-    mlp,
-    rms_norm,
-    rope_table,
-    self_attention,
-)
+from specdec_runtime.layers import Weights, block_state_dict, linear, mlp, rms_norm, rope_table, self_attention
+from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import DeviceTree, Tree
 from specdec_runtime.verify import pick
 
-Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B, h, T, D], k, v [B, h_kv, T, D]) -> [B, h, T, D]
 MAX_DEPTH = 16  # the deepest tree the drafter builds
 CATCH_UP_ROWS = (1, 2, 4, 8, 16)  # on_device: the row counts a catch-up step is captured for (padded up)
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """Low, middle and high taps, as vLLM and SpecForge take them: the residual streams after
-    layers 2, N // 2 and N - 3 (vLLM reads them as the inputs of those layers' indices); where
-    those collide (targets of fewer than 7 layers), after layers 1, N // 2 and N - 1."""
-    taps = (2, num_layers // 2, num_layers - 3)
-    return taps if taps[0] < taps[1] < taps[2] else (1, num_layers // 2, num_layers - 1)
-
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    layer: DecoderConfig  # the drafter's decoder layer (num_layers 1; rope settings as the target's)
-    target_hidden_size: int
-    aux_layers: tuple[int, ...]
-    draft_vocab_size: int
-    norm_before_residual: bool = False  # the residual is hidden_norm(feature) instead of the feature
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.layer.vocab_size  # the target's
-
-    @classmethod
-    def for_target(cls, target: DecoderConfig, *, aux_layers: tuple[int, ...] | None, draft_vocab_size: int, **kw):
-        """A drafter as wide as the target (EAGLE-3's choice): one plain Llama layer with the target's
-        heads and rope and no biases, whatever the target's (a Qwen2 target's q/k/v biases are its
-        own): the layer is new, and the engines build a bias-free one (vLLM's and SGLang's contracts
-        in specdec_runtime.engines)."""
-        n = target.num_layers
-        aux = tuple(aux_layers) if aux_layers else default_aux_layers(n)
-        if n < 4:
-            raise SpecdecError(f"eagle3 needs a target of at least 4 layers (3 distinct taps); this one has {n}")
-        # Ascending: the target hands its residual streams over in layer order (model.Decoder's taps).
-        if len(aux) != 3 or not 1 <= aux[0] < aux[1] < aux[2] < n:
-            raise SpecdecError(
-                f"eagle3 aux layers {list(aux)}: give 3 ascending layer counts in 1..{n - 1} (the residual streams "
-                f"after that many of the target's {n} layers), e.g. {list(default_aux_layers(n))}"
-            )
-        if not 0 < draft_vocab_size <= target.vocab_size:
-            raise SpecdecError(
-                f"eagle3 draft vocabulary of {draft_vocab_size} tokens: need 1..{target.vocab_size} (the target's)"
-            )
-        layer = replace(target, num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None,
-                        model_type="llama")  # fmt: skip
-        return cls(layer, target.hidden_size, aux, draft_vocab_size, **kw)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
-
-    def forward(self, x: Tensor) -> Tensor:  # as transformers: normalize in fp32, scale in the input dtype
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-class Eagle3Layer(nn.Module):
-    """The decoder layer, with transformers' Llama weight names (q/k/v read 2H)."""
-
-    def __init__(self, cfg: DecoderConfig):
-        super().__init__()
-        H, D = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(2 * H, cfg.num_heads * D, bias=cfg.qkv_bias)
-        self.self_attn.k_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
-        self.self_attn.v_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
-        self.self_attn.o_proj = nn.Linear(cfg.num_heads * D, H, bias=cfg.o_bias)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.mlp.up_proj = nn.Linear(H, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, H, bias=cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-
-    def forward(
-        self, embeds: Tensor, feature: Tensor, cos: Tensor, sin: Tensor, attend: Attend, norm_before_residual: bool
-    ) -> Tensor:
-        """The layer's output before the model's final norm (= the next step's feature) [B, T, H]."""
-        B, T, _ = feature.shape
-        a = self.self_attn
-        h = self.hidden_norm(feature)
-        residual = h if norm_before_residual else feature
-        x = torch.cat([self.input_layernorm(embeds), h], dim=-1)  # [B, T, 2H]
-        q = a.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos, sin [B or 1, 1, T, D]
-        out = attend(q, k, v).transpose(1, 2).reshape(B, T, -1)
-        residual = residual + a.o_proj(out)
-        m = self.mlp
-        h = self.post_attention_layernorm(residual)
-        return residual + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
-
-
-class Eagle3Model(nn.Module):
-    """fc [H, 3 H_target], layers.0, norm, lm_head [N, H], d2t [N] (int64), t2d [V] (bool): the
-    speculators checkpoint's tensors, under its names."""
-
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.config = cfg
-        H, N = cfg.layer.hidden_size, cfg.draft_vocab_size
-        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, H, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(cfg.layer)])
-        self.norm = RMSNorm(H, cfg.layer.rms_norm_eps)
-        self.lm_head = nn.Linear(H, N, bias=False)
-        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)
-
-    def set_draft_vocab(self, ids: Tensor) -> None:
-        """Draft id i <-> target id ids[i] (ids sorted [N])."""
-        ids = ids.to(self.d2t.device, torch.long)
-        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    @property
-    def draft_ids(self) -> Tensor:
-        """Target id of each draft id [N]."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin [B or 1, 1, T, D] of positions [T] or [B, T] (rotate-half layout, as transformers)."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        if emb.dim() == 2:
-            emb = emb[None]
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-    def project(self, features: Tensor) -> Tensor:
-        """The target's concatenated taps [..., 3 H_target] -> the drafter's feature [..., H]."""
-        return self.fc(features)
-
-    def layer_step(self, embeds: Tensor, feature: Tensor, positions: Tensor, attend: Attend) -> Tensor:
-        """One pass of the layer over T rows: the prenorm [B, T, H] (the next step's feature).
-        embeds: the target's embeddings of the next tokens; feature: fc's output (first step) or
-        the previous step's prenorm."""
-        cos, sin = self.rope(positions, feature.dtype)
-        return self.layers[0](embeds, feature, cos, sin, attend, self.config.norm_before_residual)
-
-    def head(self, prenorm: Tensor) -> Tensor:
-        """Draft logits [..., N] over the draft vocabulary."""
-        return self.lm_head(self.norm(prenorm))
-
-    def step(self, embeds: Tensor, feature: Tensor, positions: Tensor, attend: Attend) -> tuple[Tensor, Tensor]:
-        """layer_step and head: (prenorm [B, T, H], draft logits [B, T, N])."""
-        prenorm = self.layer_step(embeds, feature, positions, attend)
-        return prenorm, self.head(prenorm)
-
-
-# ---------------------------------------------------------------- drafter
-
-
-def grouped(k: Tensor, n_heads: int) -> Tensor:
-    """Key/value heads repeated for their query groups [B, h_kv, S, D] -> [B, h, S, D]."""
-    return k.repeat_interleave(n_heads // k.shape[1], dim=1)
-
-
 class FusedLayer(NamedTuple):
-    """An Eagle3Model's tensors as the runtime Decoder keeps its own (model.block_state_dict): q/k/v
-    and gate/up fused, stored [in, out] (+ the copy a CPU's few-row products read: Weights.of), q/k
-    rows interleaved for rope on adjacent dim pairs, norm weights doubled (model.rms_norm). Drafting
+    """An Eagle3Model's tensors as the runtime Decoder keeps its own (layers.block_state_dict): q/k/v
+    and gate/up fused, stored [in, out] (+ the copy a CPU's few-row products read: Weights.from_matrix), q/k
+    rows interleaved for rope on adjacent dim pairs, norm weights doubled (layers.rms_norm). Drafting
     a token is then a dozen kernels; the training modules' weights are read once, at construction."""
 
     fc: Weights
@@ -258,7 +71,7 @@ class FusedLayer(NamedTuple):
         """The layout on `device` in `dtype` (the model itself stays where it is). cpu_bf16: where the
         CPU kernel reads them (cpu_copies, fp32 on a CPU), the weight matrices rounded to bf16 and
         packed so: half the bytes a draft step reads. Every path then uses the rounded weights.
-        Where the kernel multiplies bf16 pairs (cpu_kernel.pairs(): AVX512-BF16), it multiplies
+        Where the kernel multiplies bf16 pairs (cpu.bf16_layout: AVX512-BF16), it multiplies
         them by rows rounded to bf16 too, summing in fp32 (twice the multiply-adds a cycle, which
         bound a draft step's products on a CPU more than their bytes: docs/log/cpu-kernel.md)."""
         sd = {k: v.detach() for k, v in model.state_dict().items()}
@@ -269,12 +82,11 @@ class FusedLayer(NamedTuple):
         names = {"fc": "fc.weight", "qkv": "qkv.weight", "o": "o.weight", "gate_up": "gate_up.weight"}
         names |= {"down": "down.weight", "head": "lm_head.weight"}
         mats = {k: own[n] if n in own else prep(sd[n].t()) for k, n in names.items()}  # [in, out]
-        bf16 = cpu_bf16 and cpu_copies and all(cpu_kernel.packs(w) for w in mats.values())
-        pairs = bf16 and cpu_kernel.pairs() and all(w.shape[0] % 2 == 0 for w in mats.values())
+        bf16, pairs = cpu.bf16_layout(list(mats.values())) if cpu_bf16 and cpu_copies else (False, False)
 
         def weights(key: str, bias_name: str | None = None) -> Weights:
             w = mats[key].to(torch.bfloat16).to(dtype) if bf16 else mats[key]
-            return Weights.of(w, own.get(bias_name) if bias_name else None, cpu_copies, bf16, pairs)
+            return Weights.from_matrix(w, own.get(bias_name) if bias_name else None, cpu_copies, bf16, pairs)
 
         layer = cls(
             fc=weights("fc"),
@@ -289,7 +101,7 @@ class FusedLayer(NamedTuple):
             head=weights("head"),
         )
         packed = {k: w for k, w in layer._asdict().items() if isinstance(w, Weights) and w.packed is not None}
-        copies = cpu_kernel.on_huge_pages([w.packed for w in packed.values()])  # side by side, huge pages
+        copies = cpu.on_huge_pages([w.packed for w in packed.values()])  # side by side, huge pages
         return layer._replace(**{k: w._replace(packed=c) for (k, w), c in zip(packed.items(), copies)})
 
 
@@ -354,14 +166,16 @@ class Eagle3Drafter(Drafter):
         layer = cfg.layer  # the kernel's dims: (H, heads, kv heads, head dim, intermediate)
         self.dims = (layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.intermediate_size)
         self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
-        self.kernel_w = cpu_kernel.eagle3_weights(*self.w) if target.lm_head.cpu_copy else None  # see _run
+        eps, norm_first = layer.rms_norm_eps, cfg.norm_before_residual
+        # its steps and tree drafts in the CPU kernel, where it takes them (_run, _draft)
+        self.kernel = cpu.Eagle3Kernel.of(self.w, self.dims, eps, norm_first) if target.lm_head.cpu_copy else None
         self.on_device = target.device.type == "cuda" if on_device is None else on_device
         if self.on_device:
-            self.kernel_w = None  # the torch ops, in captured steps
+            self.kernel = None  # the torch ops, in captured steps
         self.steps: dict[tuple, graphs.CapturedStep] = {}  # on_device: by (kind, shape); they point at self.kv
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
-        self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (model.rope_table)
+        self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (layers.rope_table)
         self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device
 
     def start(self, prompt: Tensor, capacity: int) -> None:
@@ -389,7 +203,7 @@ class Eagle3Drafter(Drafter):
         w, cfg = self.w, self.model.config
         eps, group = cfg.layer.rms_norm_eps, cfg.layer.num_heads // cfg.layer.num_kv_heads
         if mask is not None and group > 1:
-            mask = mask.repeat(group, 1)  # a row per folded query head (model.self_attention)
+            mask = mask.repeat(group, 1)  # a row per folded query head (layers.self_attention)
         h = rms_norm(feature, w.hidden_norm, eps)
         x = torch.cat([rms_norm(self.target.embed_tokens(tokens[None])[0], w.input_norm, eps), h], dim=-1)
         cs = self.rope[positions]  # [T, 2, D]
@@ -416,17 +230,16 @@ class Eagle3Drafter(Drafter):
         """A draft step of rows tokens [T]: (prenorm [T, H], draft logits [T - head_from, N] of rows
         head_from..). inputs: the target's features [T, 3 H_t] (project: fc first, Eagle3Model.project)
         or the previous step's prenorm [T, H]; row t at rope position first + t * step; slots, mask
-        and bound as _rows. On a CPU with the runtime's kernel, one call (cpu_kernel.eagle3_rows,
+        and bound as _rows. On a CPU with the runtime's kernel, one call (cpu.Eagle3Kernel.rows,
         instead of ~20 torch ops around three kernel calls: docs/log/cpu-kernel.md); its norms are
-        the kernel's, so drafts agree with
-        the torch ops' to rounding (tested), and the target decides either way."""
-        cfg = self.model.config.layer
+        the kernel's, so drafts agree with the torch ops' to rounding (tested), and the target
+        decides either way."""
         inputs = inputs.to(self.w.dtype)
-        if self.kernel_w is not None and cpu_kernel.stack_usable(inputs):
-            return cpu_kernel.eagle3_rows(
-                self.kernel_w, tokens, self.target.embedding_panels(), inputs, project, self.dims, cfg.rms_norm_eps,
-                self.model.config.norm_before_residual, head_from, self.rope, first, step, self.kv, slots, mask, bound,
-            )  # fmt: skip
+        if self.kernel is not None:
+            out = self.kernel.rows(tokens, self.target.embedding_panels(), inputs, project, head_from, self.rope,
+                                   first, step, self.kv, slots, mask, bound)  # fmt: skip
+            if out is not None:
+                return out
         T = tokens.shape[0]
         positions = self.slots[first : first + T] if step else self.slots[first].expand(T)
         feature = linear(inputs, self.w.fc) if project else inputs
@@ -458,21 +271,22 @@ class Eagle3Drafter(Drafter):
         # More rows than a kernel call takes (a long prompt's, at its first draft): the leading ones in
         # chunks through the kernel, each causal over the slots before it, as the target's prefill runs
         # (a fraction of one pass of the torch ops: docs/log/cpu-kernel.md).
-        while self.kernel_w is not None and k > cpu_kernel.max_rows():
+        chunk = cpu.PREFILL_CHUNK
+        while self.kernel is not None and k > cpu.max_rows():
             first = L - 1 - k
-            pos = self.slots[first : first + PREFILL_CHUNK]
-            mask = self.slots[: first + PREFILL_CHUNK][None, :] <= pos[:, None]
-            self._run(ids[L - k : L - k + PREFILL_CHUNK], taps[:PREFILL_CHUNK], True, first, 1, pos, mask,
-                      first + PREFILL_CHUNK, head_from=PREFILL_CHUNK)  # fmt: skip
-            taps, k = taps[PREFILL_CHUNK:], k - PREFILL_CHUNK
+            pos = self.slots[first : first + chunk]
+            mask = self.slots[: first + chunk][None, :] <= pos[:, None]
+            rows = ids[L - k : L - k + chunk]
+            self._run(rows, taps[:chunk], True, first, 1, pos, mask, first + chunk, head_from=chunk)
+            taps, k = taps[chunk:], k - chunk
         # Rows L-1-k .. L-2: the accepted positions' features, with the tokens after them (causal).
-        if budget and self.kernel_w is not None and cpu_kernel.stack_usable(taps):  # the whole draft in one call
-            cfg = self.model.config
-            nodes = cpu_kernel.eagle3_draft(
-                self.kernel_w, ids[L - k : L], taps, L - 1 - k, self.draft_ids, min(gamma, MAX_DEPTH), self.top_k,
-                budget, self.target.embedding_panels(), self.dims, cfg.layer.rms_norm_eps, cfg.norm_before_residual,
-                self.rope, self.kv,
-            )  # fmt: skip
+        nodes = None
+        if budget and self.kernel is not None:  # the whole draft in one call, where the kernel takes it
+            levels, embed = min(gamma, MAX_DEPTH), self.target.embedding_panels()
+            nodes = self.kernel.draft(
+                ids[L - k : L], taps, L - 1 - k, self.draft_ids, levels, self.top_k, budget, embed, self.rope, self.kv
+            )
+        if nodes is not None:
             paths: list[tuple[int, ...]] = []
             for parent, rank, _ in nodes:
                 paths.append((paths[parent] if parent >= 0 else ()) + (rank,))
@@ -512,7 +326,7 @@ class Eagle3Drafter(Drafter):
         top_k of them (by path log-probability) are expanded next; the `budget` best nodes of all
         (tree_budget, or fewer for draft_best) are drafted. One host sync per level (the chosen
         nodes' structure). On a CPU with the runtime's kernel the whole draft is one call instead
-        (_draft: cpu_kernel.eagle3_draft, the same nodes)."""
+        (_draft: cpu.Eagle3Kernel.draft, the same nodes)."""
         K, dev, levels = self.top_k, prenorm.device, min(gamma, MAX_DEPTH)
         logp = logits.float().log_softmax(-1)
         top = logp.topk(K)

@@ -17,14 +17,13 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from specdec_runtime.drafters import DraftExit, ModelDrafter
+from specdec_runtime.drafters.protocol import DraftExit
+from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
+from specdec_runtime.loading import LoadedModel
 from specdec_runtime.model import LayerSkip
-
-if TYPE_CHECKING:
-    from specdec_runtime.loading import LoadedModel
 
 FORMAT = "specdec-layerskip"
 
@@ -94,7 +93,7 @@ def is_skipset_file(path: str | Path) -> bool:
     return str(path).endswith(".json")
 
 
-def check_fits_target(skipset: SkipSet, target: "LoadedModel", where: str = "skip set") -> None:
+def check_fits_target(skipset: SkipSet, target: LoadedModel, where: str = "skip set") -> None:
     """Refuse a skip set found for a differently shaped target (a name mismatch alone is allowed:
     the same model may be loaded by alias, path or Hub id)."""
     cfg = target.config
@@ -106,7 +105,7 @@ def check_fits_target(skipset: SkipSet, target: "LoadedModel", where: str = "ski
         )
 
 
-def skip_drafter(target: "LoadedModel", skipset: SkipSet, *, confidence: float = 0.0, name: str = "") -> ModelDrafter:
+def skip_drafter(target: LoadedModel, skipset: SkipSet, *, confidence: float = 0.0, name: str = "") -> ModelDrafter:
     """The self-speculative drafter of a skip set (confidence > 0: a fixed exit threshold instead
     of the set's adaptive one)."""
     check_fits_target(skipset, target)

@@ -1,0 +1,286 @@
+"""A decoder layer's weights and the functions a forward runs on them (model.Decoder's layer loop,
+the EAGLE-3 layer, MTP heads): plain functions of tensors, so that one compiled version serves
+every layer (model.Decoder.compile).
+
+    h = attention(h, B, *block.attn_weights, cos, sin, kv, slots, mask, bound, block.eps)
+    h = mlp(h, *block.mlp_weights, block.eps)
+    y = linear(x, Weights.of(w, cpu_copy=True))   # x @ W, in the CPU kernel where it takes x
+
+Batch-1 decoding on a CPU is bound by weight reads plus per-op dispatch, so the layout is chosen
+for few, large ops: q/k/v and gate/up fused, weights stored [in, out] so the residual add folds
+into addmm(x, h, W), RoPE on adjacent dim pairs (q/k head dims interleaved at load time, which
+leaves q.k unchanged), RMSNorm as one fused kernel, one K/V write per layer, GQA by folding query
+groups into the sequence axis instead of repeating keys, no nn.Module calls in the layer loop.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec_runtime import cpu
+from specdec_runtime.config import DecoderConfig, rope_inv_freq
+
+
+def rms_norm(x: Tensor, weight2: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [..., H] with its weight stored twice, weight2 = [w, w] [2H].
+
+    In fp32 it runs as one fused kernel: LayerNorm of [x, -x] has mean 0 and variance mean(x^2),
+    so it equals RMSNorm (F.rms_norm is six kernels on CPU; at batch 1 each costs more than the
+    math). Half precision follows transformers: normalize in fp32, cast back, then scale.
+    """
+    H = x.shape[-1]
+    if x.dtype == torch.float32:
+        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * H,), weight2, None, eps)[..., :H]
+    return weight2[:H] * F.rms_norm(x.float(), (H,), eps=eps).to(x.dtype)
+
+
+def interleave_rope_dims(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """Reorder a q/k projection's output rows [n_heads * D, ...] from rotate-half pairs (i, i + D/2)
+    to adjacent pairs (2i, 2i + 1). q.k is unchanged."""
+    order = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
+    return w.view(n_heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate the adjacent dim pairs of x [B, T, heads, D] in place: (a, b) -> (a c - b s, b c + a s).
+    cos [T, 1, D] holds c twice per pair, sin [T, 1, D] holds (-s, s) per pair (see rope_table)."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (b, a) per pair, a copy
+    x.mul_(cos).add_(swapped.mul_(sin))  # both products rounded to x's dtype, as transformers does
+
+
+def rope_table(cfg: DecoderConfig, size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """[S, 2, D]: per position, cos repeated per dim pair and (-sin, sin) per pair, in the model's
+    dtype (rounded from fp32 as transformers does)."""
+    pos = torch.arange(size, device=device, dtype=torch.float32)
+    freqs = pos[:, None] * rope_inv_freq(cfg).to(device)[None, :]  # [S, D/2]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.stack([cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], dim=1)
+
+
+class Weights(NamedTuple):
+    """A Linear's tensors (Linear.params). On a CPU the model also keeps one copy of W for products of
+    a few rows: packed for the runtime's CPU kernel where it is built for W's dtype (fp32), else
+    W^T for MKL (see linear())."""
+
+    w: Tensor  # [in, out]
+    t: Tensor | None = None  # W^T [out, in]
+    bias: Tensor | None = None
+    packed: Tensor | None = None  # W in the CPU kernel's layout (cpu.pack)
+
+    @classmethod
+    def of(
+        cls, w: Tensor, bias: Tensor | None = None, cpu_copy: bool = False, bf16: bool = False, pairs: bool = False
+    ) -> "Weights":
+        """W (+ bias), with its CPU copy when cpu_copy; bf16: the kernel's copy rounded to bf16 (half
+        the bytes a product reads; a drafter's weights, see cpu.pack); pairs: in bf16 pairs,
+        multiplied by rows rounded to bf16 too (a drafter's, where cpu.bf16_layout allows)."""
+        if not cpu_copy:
+            return cls(w, None, bias)
+        packed = cpu.pack(w, bf16, pairs)
+        if packed is not None:
+            return cls(w, None, bias, packed)
+        return cls(w, w.detach().t().contiguous(), bias)
+
+
+def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
+    """x [M, in] @ W (+ bias) (+ residual), one kernel where it can be. Where the model keeps a CPU
+    copy: up to cpu.max_rows() fp32 rows without autograd go to the runtime's CPU kernel
+    (w.packed), which streams the weight once over all threads (MKL's 1-row product runs on one
+    core); where the kernel is not built, several rows go to MKL's W^T @ x^T (w.t; its x @ W
+    re-reads W for every few rows: verifying 5 tokens cost 2.5 decode steps instead of 1.3-1.6;
+    scripts/bench_cost.py). Otherwise one row reads W [in, out] (the GEMV streams it once), with
+    the residual add folded into addmm."""
+    weight, weight_t, bias, packed = w
+    if packed is not None and (y := cpu.matmul(x, w, residual)) is not None:
+        return y
+    if weight_t is not None and x.shape[0] > 1:
+        if x.stride(-1) != 1:  # MKL's fast kernel wants x^T as a transposed view of row-major x
+            x = x.contiguous()
+        y = (weight_t @ x.t()).t()
+        if residual is None and bias is None:
+            return y.contiguous()  # row-major out, for the next product (and elementwise ops)
+        if residual is not None:
+            y = y + residual
+    elif residual is not None:
+        y = torch.addmm(residual, x, weight)  # the residual add folded into the matmul
+    elif bias is not None:
+        return torch.addmm(bias, x, weight)
+    else:
+        return x @ weight
+    return y if bias is None else y + bias
+
+
+def attention(
+    x: Tensor,
+    B: int,
+    norm: Tensor,
+    qkv: Weights,
+    o: Weights,
+    cos: Tensor,
+    sin: Tensor,
+    kv: Tensor,
+    slots: Tensor,
+    mask: Tensor | None,
+    bound: int,
+    eps: float,
+) -> Tensor:
+    """x + attention(norm(x)) for x [B*T, H]. Writes this layer's K/V into kv [B, 2Hkv, S, D] at
+    slots [T], then attends over kv's first `bound` slots under mask [group * T, bound] (None:
+    every slot). A function of tensors, so that one compiled version serves every layer. A few
+    fp32 rows on a CPU run in the CPU kernel (cpu.attention, norm included)."""
+    if (y := cpu.attention(x, B, norm, eps, x, qkv, o, cos, sin, kv, slots, mask, bound)) is not None:
+        return y
+    return self_attention(rms_norm(x, norm, eps), x, B, qkv, o, cos, sin, kv, slots, mask, bound)
+
+
+def self_attention(
+    h: Tensor,
+    residual: Tensor,
+    B: int,
+    qkv: Weights,
+    o: Weights,
+    cos: Tensor,
+    sin: Tensor,
+    kv: Tensor,
+    slots: Tensor,
+    mask: Tensor | None,
+    bound: int,
+) -> Tensor:
+    """residual + o(attention) of the normalized input h [B*T, in] (see attention(); an EAGLE-3
+    layer's h is two normalized inputs side by side)."""
+    if (y := cpu.attention(h, B, None, 0.0, residual, qkv, o, cos, sin, kv, slots, mask, bound)) is not None:
+        return y
+    q = queries(h, B, qkv, cos, sin, kv, slots)
+    return projected(attend(q, kv, mask, bound), residual, B, o)
+
+
+def queries(h: Tensor, B: int, qkv: Weights, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor) -> Tensor:
+    """Attention's first part: q/k/v of h [B*T, in] with rope, this layer's keys and values written
+    into kv at slots [T]: the queries [B, Hkv, group * T, D] (GQA without repeating keys: each kv
+    head's query group folded into the sequence axis)."""
+    D = cos.shape[-1]
+    Hkv = kv.shape[1] // 2
+    H = qkv[0].shape[1] // D - 2 * Hkv
+    T = h.shape[0] // B
+    qkv_out = linear(h, qkv).view(B, T, H + 2 * Hkv, D)
+    apply_rope_(qkv_out[:, :, : H + Hkv], cos, sin)  # q and k heads at once
+    kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
+    return qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
+
+
+def attend(q: Tensor, kv: Tensor, mask: Tensor | None, bound: int) -> Tensor:
+    """The queries over kv's first `bound` slots under mask [group * T, bound] (None: all of them)."""
+    k, v = kv[:, :, :bound].split(kv.shape[1] // 2, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def projected(out: Tensor, residual: Tensor, B: int, o: Weights) -> Tensor:
+    """residual + o(out) for attend()'s [B, Hkv, group*T, D] -> [B*T, H*D] (CUDA's kernels may hand
+    it back in another memory layout, the memory-efficient one's [B, group*T, Hkv, D]: reshape
+    copies only then)."""
+    T = residual.shape[0] // B
+    H, D = o[0].shape[0] // out.shape[-1], out.shape[-1]
+    out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+    return linear(out, o, residual=residual)
+
+
+def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, bound, eps) -> Tensor:
+    """attention() on the fast path: its compiled halves (first: norm and queries(); last:
+    projected()) around the SDPA over the step's span, which runs as it is inside the captured step,
+    so that one compiled version serves every span (Decoder.forward)."""
+    q = first(x, B, norm, qkv, cos, sin, kv, slots, eps)
+    return last(attend(q, kv, mask, bound), x, B, o)
+
+
+def normed_queries(x, B, norm, qkv, cos, sin, kv, slots, eps) -> Tensor:
+    return queries(rms_norm(x, norm, eps), B, qkv, cos, sin, kv, slots)
+
+
+def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) -> Tensor:
+    """x + down(silu(gate(norm(x))) * up(norm(x))) for x [B*T, H] (a few fp32 rows of one sequence on
+    a CPU: in the CPU kernel, cpu.mlp)."""
+    if (y := cpu.mlp(x, norm, eps, gate_up, down)) is not None:
+        return y
+    h = rms_norm(x, norm, eps)
+    gate, up = linear(h, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate).mul_(up), down, residual=x)
+
+
+class Linear(nn.Module):
+    """Holds a weight stored [in, out] (+ bias), and on request the copy a CPU's products of a few
+    rows read (Weights.of, linear()); the decoder calls linear() on them directly."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+        self.register_buffer("weight_t", None, persistent=False)
+        self.register_buffer("weight_packed", None, persistent=False)
+
+    @property
+    def params(self) -> Weights:
+        return Weights(self.weight, self.weight_t, self.bias, self.weight_packed)
+
+    def keep_cpu_copy(self, bf16: bool = False) -> None:
+        """bf16: the kernel's copy in bf16 (the weight's values must be bf16's: Decoder.bf16_weights)."""
+        _, self.weight_t, _, self.weight_packed = Weights.of(self.weight, cpu_copy=True, bf16=bf16)
+
+    @property
+    def cpu_copy(self) -> bool:
+        """Whether keep_cpu_copy() ran."""
+        return self.weight_t is not None or self.weight_packed is not None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x.reshape(-1, x.shape[-1]), self.params).view(*x.shape[:-1], -1)
+
+
+class Block(nn.Module):
+    """One pre-norm layer's weights: x + attn(norm(x)), then x + mlp(norm(x)) (the functions above)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
+        self.qkv = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.qkv_bias)
+        self.o = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
+        self.mlp_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    @property
+    def attn_weights(self) -> tuple[Tensor, Weights, Weights]:
+        return self.attn_norm, self.qkv.params, self.o.params
+
+    @property
+    def mlp_weights(self) -> tuple[Tensor, Weights, Weights]:
+        return self.mlp_norm, self.gate_up.params, self.down.params
+
+
+def block_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], src: str, dst: str, prep) -> dict[str, Tensor]:
+    """One transformers decoder layer's weights (keys under `src`) as a Block's (keys under `dst`):
+    q/k/v and gate/up fused, [in, out], q/k rows interleaved for rope, norms doubled; prep(w)
+    places a tensor on the right device and dtype."""
+    a, m, o = src + "self_attn.", src + "mlp.", dst
+    twice = lambda w: prep(torch.cat([w, w]))  # noqa: E731  (norm weights, see rms_norm)
+    q = interleave_rope_dims(sd[a + "q_proj.weight"], cfg.num_heads, cfg.head_dim)
+    k = interleave_rope_dims(sd[a + "k_proj.weight"], cfg.num_kv_heads, cfg.head_dim)
+    own = {
+        o + "attn_norm": twice(sd[src + "input_layernorm.weight"]),
+        o + "mlp_norm": twice(sd[src + "post_attention_layernorm.weight"]),
+        o + "qkv.weight": prep(torch.cat([q, k, sd[a + "v_proj.weight"]]).t()),
+        o + "o.weight": prep(sd[a + "o_proj.weight"].t()),
+        o + "gate_up.weight": prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t()),
+        o + "down.weight": prep(sd[m + "down_proj.weight"].t()),
+    }
+    if cfg.qkv_bias:
+        qb = interleave_rope_dims(sd[a + "q_proj.bias"], cfg.num_heads, cfg.head_dim)
+        kb = interleave_rope_dims(sd[a + "k_proj.bias"], cfg.num_kv_heads, cfg.head_dim)
+        own[o + "qkv.bias"] = prep(torch.cat([qb, kb, sd[a + "v_proj.bias"]]))
+    if cfg.o_bias:
+        own[o + "o.bias"] = prep(sd[a + "o_proj.bias"])
+    if cfg.mlp_bias:
+        own[o + "gate_up.bias"] = prep(torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]]))
+        own[o + "down.bias"] = prep(sd[m + "down_proj.bias"])
+    return own
