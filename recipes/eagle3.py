@@ -211,6 +211,7 @@ def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config
         folder,
         states=target_states(config.aux_layers),
         pad_id=run.pad_id,
+        token_bytes=(len(config.aux_layers) + 1) * target.config.hidden_size * target.dtype.itemsize,  # taps + final
         batch_size=cfg.trainer.micro_batch,
         rank=accelerator.process_index,
         world=accelerator.num_processes,

@@ -242,6 +242,7 @@ def hidden_states(cfg: DictConfig, run: Run, target: Any, examples: list[Example
         folder,
         states=final_hidden,
         pad_id=run.pad_id,
+        token_bytes=target.config.hidden_size * target.dtype.itemsize,
         batch_size=cfg.trainer.micro_batch,
         rank=accelerator.process_index,
         world=accelerator.num_processes,

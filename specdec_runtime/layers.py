@@ -4,7 +4,7 @@ every layer (model.Decoder.compile).
 
     h = attention(h, B, *block.attn_weights, cos, sin, kv, slots, mask, bound, block.eps)
     h = mlp(h, *block.mlp_weights, block.eps)
-    y = linear(x, Weights.of(w, cpu_copy=True))   # x @ W, in the CPU kernel where it takes x
+    y = linear(x, Weights.from_matrix(w, cpu_copy=True))   # x @ W, in the CPU kernel where it takes x
 
 Batch-1 decoding on a CPU is bound by weight reads plus per-op dispatch, so the layout is chosen
 for few, large ops: q/k/v and gate/up fused, weights stored [in, out] so the residual add folds
@@ -70,7 +70,7 @@ class Weights(NamedTuple):
     packed: Tensor | None = None  # W in the CPU kernel's layout (cpu.pack)
 
     @classmethod
-    def of(
+    def from_matrix(
         cls, w: Tensor, bias: Tensor | None = None, cpu_copy: bool = False, bf16: bool = False, pairs: bool = False
     ) -> "Weights":
         """W (+ bias), with its CPU copy when cpu_copy; bf16: the kernel's copy rounded to bf16 (half
@@ -225,7 +225,7 @@ class Linear(nn.Module):
 
     def keep_cpu_copy(self, bf16: bool = False) -> None:
         """bf16: the kernel's copy in bf16 (the weight's values must be bf16's: Decoder.bf16_weights)."""
-        _, self.weight_t, _, self.weight_packed = Weights.of(self.weight, cpu_copy=True, bf16=bf16)
+        _, self.weight_t, _, self.weight_packed = Weights.from_matrix(self.weight, cpu_copy=True, bf16=bf16)
 
     @property
     def cpu_copy(self) -> bool:

@@ -10,7 +10,7 @@ steps that return None where the backend does not take them, so the core runs to
     y = cpu.matmul(x, weights, residual)          # a step's product, or None: torch's instead
     native = cpu.DecoderKernel(layers, norm, lm_head)  # a decoder's layer stack in one call (model.Decoder.native)
     if native.takes(rows): h, hidden, logits, greedy = native.run(...)
-    drafter_kernel = cpu.Eagle3Kernel.of(fused_layer, ...)  # an EAGLE-3 drafter's steps and tree draft
+    drafter_kernel = cpu.Eagle3Kernel.from_layer(fused_layer, ...)  # an EAGLE-3 drafter's steps and tree draft
 
 Where the kernel cannot be built or is turned off (SPECDEC_CPU_KERNEL=0; build.py says why), every
 step returns None and nothing is packed: the core runs as on any other device. A CPU's rounds are
@@ -149,7 +149,7 @@ class Eagle3Kernel:
         self.weights, self.dims, self.eps, self.norm_before_residual = weights, dims, eps, norm_before_residual
 
     @classmethod
-    def of(cls, layer: tuple, dims: tuple, eps: float, norm_before_residual: bool) -> "Eagle3Kernel | None":
+    def from_layer(cls, layer: tuple, dims: tuple, eps: float, norm_before_residual: bool) -> "Eagle3Kernel | None":
         """None where a weight is not packed or the kernel is not built. dims: (H, heads, kv heads,
         head dim, intermediate)."""
         weights = kernel.eagle3_weights(*layer)

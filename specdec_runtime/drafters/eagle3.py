@@ -65,7 +65,7 @@ class FusedLayer(NamedTuple):
 
     @classmethod
     @torch.no_grad()
-    def of(
+    def from_model(
         cls, model: "Eagle3Model", device: torch.device, dtype: torch.dtype, cpu_copies: bool, cpu_bf16: bool = False
     ) -> "FusedLayer":
         """The layout on `device` in `dtype` (the model itself stays where it is). cpu_bf16: where the
@@ -112,7 +112,7 @@ class Eagle3Drafter(Drafter):
     tree_budget > 0: an EAGLE-2 dynamic tree of that many nodes, at most gamma deep, expanding
     the top_k most likely nodes of each level (by the product of draft probabilities on the path).
     cpu_bf16 (default): for an fp32 target on a CPU with the runtime's kernel, the drafter's weight
-    matrices are rounded to bf16 (FusedLayer.of), as serving engines run drafters: a draft step
+    matrices are rounded to bf16 (FusedLayer.from_model), as serving engines run drafters: a draft step
     reads half the bytes. Only drafts can change; the target, and so the output, is untouched.
     False: the trained fp32 weights exactly.
 
@@ -165,10 +165,11 @@ class Eagle3Drafter(Drafter):
         self.shapes: dict[tuple, tuple[Tree, list[int]]] = {}  # _draft_of's trees by the chosen paths
         layer = cfg.layer  # the kernel's dims: (H, heads, kv heads, head dim, intermediate)
         self.dims = (layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.intermediate_size)
-        self.w = FusedLayer.of(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
+        self.w = FusedLayer.from_model(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
         eps, norm_first = layer.rms_norm_eps, cfg.norm_before_residual
-        # its steps and tree drafts in the CPU kernel, where it takes them (_run, _draft)
-        self.kernel = cpu.Eagle3Kernel.of(self.w, self.dims, eps, norm_first) if target.lm_head.cpu_copy else None
+        self.kernel = None  # its steps and tree drafts in the CPU kernel, where it takes them (_run, _draft)
+        if target.lm_head.cpu_copy:
+            self.kernel = cpu.Eagle3Kernel.from_layer(self.w, self.dims, eps, norm_first)
         self.on_device = target.device.type == "cuda" if on_device is None else on_device
         if self.on_device:
             self.kernel = None  # the torch ops, in captured steps
