@@ -8,9 +8,14 @@ state ([T, 4H] a token, as EAGLE-3 stores them), train.hidden_cache.cache_states
 folder, then the process's peak resident memory (ru_maxrss) less its memory before the store ran.
 "streamed" writes shards of --shard-mb; "one shard" holds a rank's whole share until the end (the
 store's behaviour before it streamed). The ratio 4N / N says whether memory grows with the data.
+The children run with MALLOC_MMAP_THRESHOLD_=131072, so that glibc returns a freed batch's memory
+at once and the peak is what the store holds (its default threshold grows after large frees and
+keeps some of them in the heap: the streamed peak then drifts by tens of MiB from run to run);
+--default-malloc leaves glibc's default.
 """
 
 import argparse
+import os
 import resource
 import subprocess
 import sys
@@ -53,6 +58,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="the target's hidden size H")
     parser.add_argument("--shard-mb", type=int, default=64, help="the streamed store's shard size")
     parser.add_argument("--folder", default=None, help="where the temporary stores go (default: the system's)")
+    parser.add_argument("--default-malloc", action="store_true", help="glibc's default mmap threshold in the children")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -67,7 +73,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", "--n", str(n), "--tokens", str(args.tokens),
                    "--hidden", str(args.hidden), "--shard-bytes", str(shard_bytes)]  # fmt: skip
             cmd += ["--folder", args.folder] if args.folder else []
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            env = os.environ | ({} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": "131072"})
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
             peaks.append(float(out.strip().splitlines()[-1]))
             ratio = f"{peaks[1] / peaks[0]:.2f}" if len(peaks) == 2 else ""
             print(f"{label:<12} {n:>8} {n * per_example / 2**30:>10.2f} {peaks[-1]:>9.0f}   {ratio}", flush=True)
