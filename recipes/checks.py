@@ -21,7 +21,7 @@ from train.tracking import KINDS as TRACKING_KINDS
 
 def check_trainer(cfg: DictConfig) -> list[str]:
     """Problems with the keys every training recipe has (trainer, tracking, validate, device)."""
-    problems = check_tracking(cfg)
+    problems = check_run_settings(cfg)
     if cfg.trainer.mixed_precision not in ("auto", "fast", *MIXED_PRECISION):
         problems.append(f"trainer.mixed_precision='{cfg.trainer.mixed_precision}': use auto, fast, no, bf16 or fp16")
     for key in ("max_steps", "micro_batch", "grad_accum", "max_seq_len", "log_every", "checkpoint_every"):
@@ -58,10 +58,15 @@ def check_optim(optim: DictConfig) -> list[str]:
     return problems
 
 
-def check_tracking(cfg: DictConfig) -> list[str]:
+def check_run_settings(cfg: DictConfig) -> list[str]:
+    """Every recipe's own settings: tracking, and how long a rank waits for the others."""
+    problems = []
     if cfg.tracking.kind not in TRACKING_KINDS:
-        return [f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb"]
-    return []
+        problems.append(f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb")
+    timeout = cfg.collective_timeout_minutes
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        problems.append(f"collective_timeout_minutes={timeout}: a positive number of minutes")
+    return problems
 
 
 ENGINES = ("auto", "runtime", "transformers")  # responses.engine (response_engine)

@@ -134,6 +134,7 @@ def start(cfg: DictConfig) -> Run:
         log_with="wandb" if cfg.tracking.kind == "wandb" else None,
         project_dir=str(out),
         cpu=True if cfg.get("device") == "cpu" else None,
+        collective_timeout_minutes=cfg.collective_timeout_minutes,
     )
     outcome: list[Any] = [None]  # rank 0 locks, compares and asks the Hub; every process learns the outcome
     if accelerator.is_main_process:

@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -39,8 +40,13 @@ def make_accelerator(
     micro_batch: int = 1,
     max_grad_norm: float | None = None,
     cpu: bool | None = None,
+    collective_timeout_minutes: float | None = None,
 ) -> Any:
     """An Accelerator for one run; the scheduler is stepped by hand, once per optimizer step.
+
+    collective_timeout_minutes: how long a rank waits at a collective for the others (torch's
+    default is 10 minutes under NCCL: a rank regenerating responses or computing states longer
+    than its peers would end the job); None: torch's.
 
     cpu=None: CPU when there is no GPU. Then torchrun-style launches (WORLD_SIZE > 1, e.g.
     conf/accelerate/multi_cpu.yaml) form a gloo process group instead of silently running alone,
@@ -54,14 +60,17 @@ def make_accelerator(
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file "saved ..." lines
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"trainer.mixed_precision='{mixed_precision}': use no, bf16 or fp16")
-    handlers = []
+    process_group: dict[str, Any] = {}
+    if collective_timeout_minutes is not None:
+        process_group["timeout"] = timedelta(minutes=collective_timeout_minutes)
     if cpu is None:
         cpu = not torch.cuda.is_available()
     if cpu and launcher() == "deepspeed":
         # accelerate's cpu=True would silently turn a DeepSpeed launch into plain DDP: run
         # DeepSpeed on its CPU accelerator over gloo instead.
         cpu = False
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        process_group["backend"] = "gloo"
+    handlers = [InitProcessGroupKwargs(**process_group)] if process_group else []
     if launcher() == "deepspeed":
         # accelerate launch exports the config file's values, which the Accelerator prefers to its
         # arguments: the recipe's trainer settings win instead.

@@ -121,6 +121,7 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
         ("responses.self_prompts=-1", "responses.self_prompts=-1 must be a count"),
         ("responses.self_prompts=4 responses.source=dataset", "use responses.source=target, or self_prompts=0"),
         ("responses.engine=vllm", "responses.engine='vllm': use one of auto, runtime, transformers"),
+        ("collective_timeout_minutes=0", "collective_timeout_minutes=0: a positive number of minutes"),
     ],
 )
 def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, override, message):
@@ -153,14 +154,16 @@ def one_process_run(tiny, tmp_path_factory):
 def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_process_run, tmp_path):
     """accelerate launch with 2 CPU processes (gloo; DDP, or DeepSpeed on its CPU accelerator) and the
     same global batch: same losses, same exported weights (gathered from the shards under ZeRO-3),
-    one run folder written by rank 0."""
+    one run folder written by rank 0, validation on (rank 0 alone, the other waiting) to the export."""
     from safetensors.torch import load_file
 
     two = tmp_path / "two"
-    short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.enabled=false")
+    # validated on rank 0 while the other waits, as users run it
+    short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.num_prompts=2", "validate.max_new_tokens=8")
     proc = accelerate_launch(launcher, ["-m", "recipes.distill", *overrides(tiny, two, *short)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes, global batch 8" in proc.stdout
+    assert json.loads((two / "metrics.json").read_text())["validation"]["tau"] >= 1.0
     assert losses(two) == pytest.approx(losses(one_process_run), rel=1e-5, abs=1e-6)
     w1, w2 = (load_file(d / "export/model.safetensors") for d in (one_process_run, two))
     assert set(w1) == set(w2)

@@ -116,7 +116,8 @@ def test_the_store_refuses_before_computing_when_the_disk_lacks_room(tmp_path, m
     examples = make_examples(10, seed=3)
     need = disk_needed(examples, 4 * H * 2)
     assert need == sum(len(e.ids) for e in examples) * 4 * H * 2
-    with pytest.raises(RuntimeError, match=r"needs [0-9.]+ MB more in .*, which has [0-9.]+ MB free.*cache_hidden=false"):
+    refusal = r"needs [0-9.]+ MB more in .*, which has [0-9.]+ MB free.*cache_hidden=false"
+    with pytest.raises(RuntimeError, match=refusal):
         check_disk(tmp_path, need, free=need)  # no headroom
     check_disk(tmp_path, need, free=2 * need)
 

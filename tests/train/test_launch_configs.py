@@ -55,14 +55,17 @@ def test_config_files_load_and_ask_for_what_their_name_says(name):
 WHERE_AM_I = """
 import os, sys, torch
 from train.launch import gathered_state_dict, make_accelerator, unwrap
-acc = make_accelerator(mixed_precision="no", grad_accum=1, seed=0, log_with=None, project_dir=sys.argv[1])
+acc = make_accelerator(mixed_precision="no", grad_accum=1, seed=0, log_with=None, project_dir=sys.argv[1],
+                       collective_timeout_minutes=77)
+group = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
 model = torch.nn.Linear(2, 2)
 wrapped = acc.prepare(model)
 sd = gathered_state_dict(acc, wrapped)
 line = (f"rank {acc.process_index} of {acc.num_processes} on {acc.device.type} cuda visible "
         f"{torch.cuda.is_available()} CUDA_VISIBLE_DEVICES {os.environ.get('CUDA_VISIBLE_DEVICES')}, "
         f"DDP {type(wrapped).__name__ == 'DistributedDataParallel'} unwrapped {unwrap(acc, wrapped) is model} "
-        f"state dict {sorted(sd) if sd else sd} deepspeed imported {'deepspeed' in sys.modules}")
+        f"state dict {sorted(sd) if sd else sd} deepspeed imported {'deepspeed' in sys.modules} "
+        f"timeout {group.options._timeout}")
 sys.stdout.write(line + "\\n")  # one write: the two processes share the pipe
 """
 
@@ -72,7 +75,8 @@ def test_multi_cpu_runs_two_cpu_processes_even_where_cuda_is_visible(tmp_path):
     file hides the GPUs from its processes, so both ranks run on the CPU in one gloo group. Its DDP
     model unwraps to the model, and its state dict reaches rank 0 with the model's names, without
     importing DeepSpeed (accelerate's unwrap_model imports it wherever it is installed: ~0.8 s, and
-    on a CPU a warning that no GPU was detected)."""
+    on a CPU a warning that no GPU was detected). The process group waits collective_timeout_minutes
+    at a collective (here 77), not torch's default."""
     from tests.conftest import accelerate_launch
 
     script = tmp_path / "where.py"
@@ -82,7 +86,8 @@ def test_multi_cpu_runs_two_cpu_processes_even_where_cuda_is_visible(tmp_path):
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
     where = "on cpu cuda visible False CUDA_VISIBLE_DEVICES -1,-1, DDP True unwrapped True"
     sds = ["['bias', 'weight']", "None"]
-    assert lines == [f"rank {r} of 2 {where} state dict {sds[r]} deepspeed imported False" for r in (0, 1)], proc.stdout
+    want = [f"rank {r} of 2 {where} state dict {sds[r]} deepspeed imported False timeout 1:17:00" for r in (0, 1)]
+    assert lines == want, proc.stdout
 
 
 def test_one_process_unwraps_to_the_model_itself(tmp_path):

@@ -245,12 +245,14 @@ def one_process_run(tiny, tmp_path_factory):
 )
 def test_two_processes_match_one_on_the_same_global_batch(launcher, tiny, one_process_run, tmp_path):
     """accelerate launch with 2 CPU processes (gloo; DDP over the heads, or DeepSpeed ZeRO-2 on its CPU
-    accelerator): same losses, same heads."""
+    accelerator): same losses, same heads, validation on (rank 0 alone) to the export."""
     one, two = one_process_run, tmp_path / "two"
-    short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.enabled=false")
+    # validated on rank 0 while the other waits, as users run it
+    short = ("trainer.micro_batch=2", "trainer.max_steps=4", "validate.num_prompts=2", "validate.max_new_tokens=8")
     proc = accelerate_launch(launcher, ["-m", "recipes.medusa", *overrides(tiny, two, *short)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes, global batch 8" in proc.stdout
+    assert json.loads((two / "metrics.json").read_text())["validation"]["tau"] >= 1.0
     assert logged(two) == pytest.approx(logged(one), rel=1e-5, abs=1e-6)
     h1, h2 = (read_layout(d / "export")[0].state_dict() for d in (one, two))
     for k in h1:

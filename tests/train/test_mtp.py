@@ -391,15 +391,20 @@ def test_heads_on_a_pretrained_model_leave_it_unchanged(tiny, tmp_path):
 
 def test_two_processes_match_one_and_deepspeed_is_refused_at_start_up(tiny, tmp_path):
     """accelerate launch with 2 gloo processes on the same global batch: same losses (all heads), same
-    exported weights, one run folder. Under DeepSpeed the recipe stops before any work, saying why."""
+    exported weights, one run folder, validation on (rank 0 alone) to the export.
+    Under DeepSpeed the recipe stops before any work, saying why."""
     from safetensors.torch import load_file
 
     short = ("trainer.max_steps=4", "validate.enabled=false")
     one, two = tmp_path / "one", tmp_path / "two"
     recipe.run(config(tiny, one, *short))
-    proc = accelerate_launch("multi_cpu", ["-m", "recipes.mtp", *overrides(tiny, two, *short, "trainer.micro_batch=2")])
+    # validated on rank 0 while the other waits, as users run it
+    validated = ("trainer.micro_batch=2", "validate.enabled=true", "validate.num_prompts=2")
+    validated += ("validate.max_new_tokens=8",)
+    proc = accelerate_launch("multi_cpu", ["-m", "recipes.mtp", *overrides(tiny, two, *short, *validated)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes, global batch 8" in proc.stdout
+    assert json.loads((two / "metrics.json").read_text())["validation"]["tau"] >= 1.0
     for key in ("train/loss", "train/loss_0", "train/loss_2"):
         assert logged(two, key) == pytest.approx(logged(one, key), rel=1e-5, abs=1e-6)
     w1, w2 = (load_file(d / "export/model.safetensors") for d in (one, two))
