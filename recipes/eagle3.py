@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from recipes.checks import check_conversations, refuse, run_or_exit
 from recipes.data import Conversations, conversations, target_responses, training_examples
+from recipes.plan import eagle3_plan
 from recipes.run import (
     Run,
     finish,
@@ -45,7 +46,7 @@ from specdec_runtime.drafters.lookup import LookupFirst
 from specdec_runtime.drafters.phrases import PhraseTable
 from specdec_runtime.drafters.spec import LOOKUP
 from specdec_runtime.loading import load_hf_config
-from specdec_runtime.paths import cache_root, resolve_model
+from specdec_runtime.paths import cache_root, config_folder
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids, responses_of, with_responses
@@ -83,7 +84,7 @@ def check_config(cfg: DictConfig) -> Eagle3Config:
     ):
         problems.append("validate: need gamma >= 1, tree_budget >= 0, top_k >= 1 and estimate_prompts >= 0")
     refuse(problems)
-    target = DecoderConfig.from_hf(load_hf_config(resolve_model(cfg.model.name)))
+    target = DecoderConfig.from_hf(load_hf_config(config_folder(cfg.model.name)))
     aux = tuple(eagle3.aux_layers) if eagle3.aux_layers is not None else None
     return Eagle3Config.for_target(target, aux_layers=aux, draft_vocab_size=eagle3.draft_vocab_size)
 
@@ -91,6 +92,10 @@ def check_config(cfg: DictConfig) -> Eagle3Config:
 def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     config = check_config(cfg)
+    if cfg.dry_run:  # the plan from config.json alone: nothing loads, nothing is written
+        plan = eagle3_plan(cfg, load_hf_config(config_folder(cfg.model.name)))
+        print(f"dry run: recipes.eagle3 on {cfg.model.name}, per GPU\n{plan.render()}")
+        return {"plan": plan}
     run = start(cfg)
     data = conversations(cfg, run)
     accelerator, trainer, eagle3 = run.accelerator, cfg.trainer, cfg.eagle3

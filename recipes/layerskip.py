@@ -31,7 +31,7 @@ from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters.layerskip import SkipSet, skip_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.loading import LoadedModel, load_hf_config, load_model
-from specdec_runtime.paths import resolve_model
+from specdec_runtime.paths import config_folder
 from train.data import prompts_of
 from train.export import Card, export_skipset
 from train.layerskip import (
@@ -169,7 +169,7 @@ def write_trials(path: Path, studies: dict[str, Any]) -> None:
 def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     refuse(check_config(cfg))
-    dcfg = DecoderConfig.from_hf(load_hf_config(resolve_model(cfg.model.name)))  # clear errors, no weights
+    dcfg = DecoderConfig.from_hf(load_hf_config(config_folder(cfg.model.name)))  # clear errors, no weights
     space = search_space(cfg, dcfg.num_layers)
     refuse(space.problems())
     run = start(cfg)

@@ -96,13 +96,22 @@ def resolve_model(name: str) -> Path:
     return download(name)
 
 
-def download(repo_id: str) -> Path:
-    """Fetch a Hub model's config, tokenizer and safetensors weights (cached by huggingface_hub)."""
+def config_folder(name: str) -> Path:
+    """A folder holding `name`'s config.json: for a Hub id, that file alone is fetched (no weights),
+    which is what config checks and dry runs read before anything loads; else resolve_model(name)."""
+    if name in BUNDLED or Path(name).expanduser().exists() or not is_hub_id(name):
+        return resolve_model(name)
+    return download(name, ["config.json"])
+
+
+def download(repo_id: str, patterns: list[str] = WEIGHT_PATTERNS) -> Path:
+    """Fetch a Hub model's config, tokenizer and safetensors weights (cached by huggingface_hub);
+    patterns: only the files they match."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=WEIGHT_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except GatedRepoError as e:
         raise SpecdecError(f"'{repo_id}' is gated on the Hub: accept its license and set HF_TOKEN") from e
     except RepositoryNotFoundError as e:

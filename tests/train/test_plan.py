@@ -1,0 +1,95 @@
+"""dry_run=true (recipes/plan.py): the activations it counts are the bytes autograd saves for the
+training-time test's backward; the drafter's parameters are the model's; the 8B preset's plan is
+made from config.json alone and fits 80 GB; a setting that does not fit is named."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from recipes import eagle3 as recipe
+from recipes.plan import eagle3_drafter_params, ttt_activation_bytes
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from tests.conftest import tiny_hf_model
+from train.eagle3 import Eagle3Training
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+LLAMA_3_1_8B = dict(  # meta-llama/Llama-3.1-8B-Instruct's config.json, the fields a plan reads
+    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
+    rope_theta=500000.0, rms_norm_eps=1e-5,
+)  # fmt: skip
+
+
+def saved_by_autograd(hf, B: int, T: int, steps: int, N: int, half: bool) -> tuple[int, int]:
+    """(bytes the TTT forward saves for backward, the parameters it trains), on a CPU: each saved
+    tensor's storage counted once, the drafter's own weights left out."""
+    cfg = Eagle3Config.for_target(DecoderConfig.from_hf(hf.config), aux_layers=(1, 2, 3), draft_vocab_size=N)
+    model = Eagle3Model(cfg)
+    model.set_draft_vocab(torch.arange(N))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    embed = hf.get_input_embeddings().weight.detach()
+    training = Eagle3Training(model, embed, embed[:N].clone(), steps=steps, decay=0.8)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, N, (B, T), generator=g)
+    taps, final = torch.randn(B, T, 3 * hf.config.hidden_size), torch.randn(B, T, hf.config.hidden_size)
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+            training(ids, torch.ones_like(ids), torch.ones(B, T - 1, dtype=torch.bool), taps, final)
+    return sum(saved.values()), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize(
+    "B, T, steps, N",
+    [(2, 48, 3, 200), (1, 128, 5, 200), (1, 384, 3, 200), (2, 64, 3, 2000)],
+    ids=["rows", "steps", "attention", "logits"],
+)
+def test_the_activations_counted_are_what_autograd_saves(B, T, steps, N, half):
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    hf = tiny_hf_model("llama", 0, num_hidden_layers=4, vocab_size=max(256, N), **shape)
+    saved, params = saved_by_autograd(hf, B, T, steps, N, half)
+    counted = ttt_activation_bytes(hf.config, B, T, steps, N, half)
+    counted.pop("target_logp")  # held through the forward, not saved for the backward
+    assert sum(counted.values()) == pytest.approx(saved, rel=0.1)
+    assert eagle3_drafter_params(hf.config, N) == params
+
+
+def plan(tmp_path: Path, *overrides: str):
+    """recipes.eagle3's dry run on a folder holding Llama-3.1-8B's config.json and nothing else."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "llama-3.1-8b"
+    LlamaConfig(**LLAMA_3_1_8B).save_pretrained(folder)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        preset = ["experiment=eagle3_llama3_8b", f"model.name={folder}", "dry_run=true", "plan.gpu_memory_gib=80"]
+        cfg = compose("eagle3", overrides=[*preset, f"output_dir={tmp_path / 'run'}", *overrides])
+    return recipe.run(cfg)["plan"]
+
+
+def test_the_llama3_8b_preset_is_planned_from_config_json_alone_and_fits(tmp_path, capsys):
+    result = plan(tmp_path)
+    assert not (tmp_path / "run").exists()  # nothing written, no weights read (there are none)
+    memory = {what: b / 2**30 for what, b, _ in result.memory}
+    assert memory["target (frozen, whole)"] == pytest.approx(8.03e9 * 2 / 2**30, rel=0.01)  # 8.03 B in bf16
+    assert 40 < result.peak_gib < 70 and result.fits and result.steps == 15000
+    out = capsys.readouterr().out
+    assert "dry run: recipes.eagle3" in out and "peak per GPU" in out and "fits" in out
+
+
+def test_a_plan_that_does_not_fit_names_the_setting_to_change(tmp_path):
+    result = plan(tmp_path, "trainer.micro_batch=8", "trainer.max_seq_len=4096")
+    assert not result.fits
+    assert result.advice == [
+        "lower trainer.max_seq_len or trainer.micro_batch (raise trainer.grad_accum to keep the batch)"
+    ]
