@@ -82,6 +82,12 @@ def check_conversations(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
     for key in ("max_new_tokens", "batch_size", "samples_per_prompt"):
         if cfg.responses[key] < 1:
             problems.append(f"responses.{key}={cfg.responses[key]} must be >= 1")
+    if cfg.responses.source != "dataset" and cfg.responses.max_new_tokens >= cfg.trainer.max_seq_len:
+        problems.append(
+            f"responses.max_new_tokens={cfg.responses.max_new_tokens} leaves no room for a prompt in "
+            f"trainer.max_seq_len={cfg.trainer.max_seq_len}: raise max_seq_len (dry_run=true plans its memory) "
+            "or lower max_new_tokens"
+        )
     own = cfg.responses.get("self_prompts", 0)
     if not isinstance(own, int) or own < 0:
         problems.append(f"responses.self_prompts={own} must be a count >= 0")

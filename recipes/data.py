@@ -160,8 +160,14 @@ def training_examples(
         return [e for e in examples if e.n_targets], prompts
     own = [p for p in self_prompts(cfg, run, target) if len(p) < max_len - 8]  # one response each
     if cfg.responses.source == "target":
-        examples = with_responses(prompts, target_responses(cfg, run, target, prompts), max_len)
+        cut: list[int] = []
+        examples = with_responses(prompts, target_responses(cfg, run, target, prompts), max_len, cut)
         if own:  # their own cache: the data's responses are kept when only self_prompts changes
-            examples += with_responses(own, target_responses(cfg, run, target, own), max_len)
+            examples += with_responses(own, target_responses(cfg, run, target, own), max_len, cut)
+        if cut:
+            run.print_once(
+                f"{len(cut)} of {len(examples)} responses did not fit trainer.max_seq_len={max_len} with their prompt "
+                f"and were cut (by up to {max(cut)} tokens): raise trainer.max_seq_len to keep them whole"
+            )
         return examples, prompts + own
     return [], prompts + own

@@ -344,11 +344,17 @@ def round_robin_by_category(convs: list[Conversation], n: int) -> list[Conversat
     return picked
 
 
-def with_responses(prompts: list[list[int]], responses: list[list[int]], max_len: int) -> list[Example]:
-    """Examples prompt + response with loss on the response tokens (empty responses dropped)."""
+def with_responses(
+    prompts: list[list[int]], responses: list[list[int]], max_len: int, cut: list[int] | None = None
+) -> list[Example]:
+    """Examples prompt + response with loss on the response tokens (empty responses dropped), at
+    most max_len tokens; cut: gets the tokens cut from each response that did not fit (the caller
+    says so)."""
     out = []
     for p, r in zip(prompts, responses):
         if r:
+            if cut is not None and len(p) + len(r) > max_len:
+                cut.append(len(p) + len(r) - max_len)
             ex = Example((p + r)[:max_len], ([False] * len(p) + [True] * len(r))[:max_len])
             if ex.n_targets:
                 out.append(ex)

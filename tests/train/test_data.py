@@ -274,3 +274,15 @@ def test_the_chat_presets_read_their_column_from_the_data_and_detect_the_builtin
     data = conversations(cfg, run)
     assert [c.id for c in data.train] == ["a", "b"] and len(data.val) == 8 and all(data.val_prompts)
     assert len(said) == 1 and "left out 4 of 6 records" in said[0]
+
+
+def test_responses_that_do_not_fit_are_cut_and_counted():
+    """with_responses keeps prompt + response within max_len; what it cuts is counted for the caller
+    to say (recipes/data.training_examples prints it), never silent."""
+    from train.data import with_responses
+
+    cut: list[int] = []
+    examples = with_responses([[1, 2, 3], [4]], [[5, 6, 7, 8, 9], [10, 11]], 6, cut)
+    assert [e.ids for e in examples] == [[1, 2, 3, 5, 6, 7], [4, 10, 11]]
+    assert [e.loss_mask for e in examples] == [[False] * 3 + [True] * 3, [False, True, True]]
+    assert cut == [2]  # the first response lost its last 2 tokens

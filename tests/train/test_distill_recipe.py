@@ -122,6 +122,7 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
         ("responses.self_prompts=4 responses.source=dataset", "use responses.source=target, or self_prompts=0"),
         ("responses.engine=vllm", "responses.engine='vllm': use one of auto, runtime, transformers"),
         ("collective_timeout_minutes=0", "collective_timeout_minutes=0: a positive number of minutes"),
+        ("responses.max_new_tokens=64 trainer.max_seq_len=64", "leaves no room for a prompt in trainer.max_seq_len=64"),
     ],
 )
 def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, override, message):
