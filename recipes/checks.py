@@ -2,7 +2,7 @@
 run_or_exit turns what a run refuses later into the same kind of message and an exit code."""
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,14 @@ def check_conversations(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
             f"trainer.max_seq_len={cfg.trainer.max_seq_len}: raise max_seq_len (dry_run=true plans its memory) "
             "or lower max_new_tokens"
         )
+    data = cfg.data
+    if not 0 <= data.get("max_unusable", 0) <= 1:
+        problems.append(f"data.max_unusable={data.max_unusable}: a share of the records, in [0, 1]")
+    for i, m in enumerate(data.get("mix") or []):
+        if not isinstance(m, Mapping) or not m.get("train") or not float(m.get("weight", 1.0)) > 0:
+            problems.append(f"data.mix[{i}]={m}: give {{train: SOURCE, weight: > 0}} (split and column optional)")
+        elif set(m) - {"train", "split", "column", "weight"}:
+            problems.append(f"data.mix[{i}] has unknown keys {sorted(set(m) - {'train', 'split', 'column', 'weight'})}")
     own = cfg.responses.get("self_prompts", 0)
     if not isinstance(own, int) or own < 0:
         problems.append(f"responses.self_prompts={own} must be a count >= 0")

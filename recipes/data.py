@@ -17,6 +17,7 @@ from train.data import (
     Example,
     encode_conversation,
     load_conversations,
+    mixed,
     pre_query_ids,
     prompt_ids,
     round_robin_by_category,
@@ -52,12 +53,28 @@ def val_source(data: DictConfig) -> dict[str, Any]:
     }
 
 
+def training_sources(data: DictConfig) -> list[tuple[str, dict[str, Any], float]]:
+    """(source, its split and column, weight) of the training data: data.mix's entries (each with
+    its own split, default train, and column, default detected), else data.train alone."""
+    if not data.get("mix"):
+        return [(data.train, {"split": data.split, "column": data.column}, 1.0)]
+    return [(m.train, {"split": m.get("split") or "train", "column": m.get("column")}, float(m.get("weight", 1.0)))
+            for m in data.mix]  # fmt: skip
+
+
 def conversations(cfg: DictConfig, run: Run) -> Conversations:
-    """data.train and data.val: records a dataset holds that cannot be trained on (empty or one-sided
-    conversations) are left out and said; data.val is read with val_source()."""
-    train = load_conversations(cfg.data.train, split=cfg.data.split, column=cfg.data.column, skipped=run.print_once)
-    train = round_robin_by_category(train, cfg.data.max_samples or 0)
-    all_val = load_conversations(cfg.data.val, **val_source(cfg.data), skipped=run.print_once)
+    """data.train (or data.mix) and data.val: records a dataset holds that cannot be trained on
+    (empty or one-sided conversations) are left out and said, up to data.max_unusable of a source;
+    data.val is read with val_source()."""
+    data = cfg.data
+    limit = dict(skipped=run.print_once, max_left_out=data.get("max_unusable", 1.0))
+    sources = [(name, load_conversations(name, **how, **limit), w) for name, how, w in training_sources(data)]
+    if len(sources) == 1:
+        train = round_robin_by_category(sources[0][1], data.max_samples or 0)
+    else:
+        train, said = mixed(sources, data.max_samples or 0)
+        run.print_once(said)
+    all_val = load_conversations(data.val, **val_source(data), **limit)
     val = round_robin_by_category(list(all_val), cfg.validate.num_prompts)
     chosen = {id(c) for c in val}
     rest = [c for c in all_val if id(c) not in chosen]

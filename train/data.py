@@ -155,11 +155,13 @@ def load_conversations(
     column: str | None = None,
     max_samples: int | None = None,
     skipped: Callable[[str], None] | None = None,
+    max_left_out: float = 1.0,
 ) -> list[Conversation]:
     """Conversations from builtin:NAME, a local jsonl/json/parquet file, or hub:ID[@SUBSET] (HF datasets).
     A malformed or unusable record (unusable()) is an error naming it, or with `skipped`, is left out
-    and the records left out are said once through it (how many, and the first one's reason);
-    none usable is an error either way."""
+    and the records left out are said once through it (how many, and the first one's reason); more
+    than max_left_out of the records left out (a wrong column, a broken dump), or none usable, is an
+    error."""
     records = _records(source, split)
     if max_samples:
         records = records[:max_samples]
@@ -182,9 +184,30 @@ def load_conversations(
     if not convs:
         first = f" (the first: {left_out[0]})" if left_out else ""
         raise SpecdecError(f"{source} has no usable records{first}")
+    if left_out and len(left_out) > max_left_out * len(records):
+        raise SpecdecError(
+            f"{source}: {len(left_out)} of {len(records)} records cannot be used, more than the {max_left_out:.0%} "
+            f"data.max_unusable allows (the first: {left_out[0]}): check data.column and data.split, or raise "
+            "data.max_unusable"
+        )
     if left_out and skipped is not None:
         skipped(f"{source}: left out {len(left_out)} of {len(records)} records (the first: {left_out[0]})")
     return convs
+
+
+def mixed(sources: list[tuple[str, list[Conversation], float]], n: int) -> tuple[list[Conversation], str]:
+    """Conversations from several sources [(name, conversations, weight)] in the proportions of their
+    weights: n in all (0: as many as keep the proportions without repeating any), each source's
+    taken round-robin over its categories; and a line saying what came from where."""
+    total = sum(w for _, _, w in sources)
+    shares = [(name, convs, w / total) for name, convs, w in sources]
+    n = n or min(int(len(convs) / share) for _, convs, share in shares)
+    picked, said = [], []
+    for name, convs, share in shares:
+        take = min(len(convs), round(n * share))
+        picked += round_robin_by_category(convs, take)
+        said.append(f"{take:,} of {len(convs):,} from {name} ({share:.0%})")
+    return picked, "data.mix: " + ", ".join(said)
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:

@@ -267,8 +267,16 @@ def test_the_chat_presets_read_their_column_from_the_data_and_detect_the_builtin
     (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
-        cfg = compose("eagle3", overrides=[f"data={preset}", f"data.train={tmp_path / 'd.jsonl'}", "data.max_samples=0",
-                                           "validate.num_prompts=8"])  # fmt: skip
+        cfg = compose(
+            "eagle3",
+            overrides=[
+                f"data={preset}",
+                f"data.train={tmp_path / 'd.jsonl'}",
+                "data.max_samples=0",
+                "validate.num_prompts=8",
+                "data.max_unusable=0.75",
+            ],
+        )  # fmt: skip (4 of 6 bad)
     said = []
     run = SimpleNamespace(tokenizer=smol_tokenizer, print_once=said.append)
     data = conversations(cfg, run)
@@ -286,3 +294,51 @@ def test_responses_that_do_not_fit_are_cut_and_counted():
     assert [e.ids for e in examples] == [[1, 2, 3, 5, 6, 7], [4, 10, 11]]
     assert [e.loss_mask for e in examples] == [[False] * 3 + [True] * 3, [False, True, True]]
     assert cut == [2]  # the first response lost its last 2 tokens
+
+
+def test_more_unusable_records_than_data_max_unusable_stop_the_run(tmp_path):
+    """A source whose records are mostly unusable (a wrong column, a broken dump) is an error naming
+    the share and the setting, not a run on what is left."""
+    path = sharegpt_file(tmp_path / "dump.jsonl")  # 4 of its 6 records are unusable
+    with pytest.raises(SpecdecError, match=r"4 of 6 records cannot be used, more than the 50% data.max_unusable"):
+        load_conversations(str(path), column="conversations", skipped=print, max_left_out=0.5)
+    assert len(load_conversations(str(path), column="conversations", skipped=print, max_left_out=0.75)) == 2
+
+
+def chats(path: Path, n: int, form: str) -> str:
+    """n usable conversations in ShareGPT's or UltraChat's form, ids form-0, form-1, ..."""
+    rows = []
+    for i in range(n):
+        q, a = f"Question {i} of {form}?", f"Answer {i}."
+        if form == "sharegpt":
+            rows.append(
+                {"id": f"{form}-{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+            )
+        else:
+            rows.append(
+                {"id": f"{form}-{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("max_samples, want", [(4, (3, 1)), (0, (6, 2))])
+def test_data_mix_reads_each_source_with_its_own_column_in_the_weights_proportions(
+    tmp_path, smol_tokenizer, max_samples, want
+):
+    """data.mix: a ShareGPT file (column conversations) and an UltraChat file (column messages),
+    weights 3 : 1; max_samples in those proportions, or (0) as many as keep them without repeats."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.data import conversations
+
+    share, ultra = chats(tmp_path / "s.jsonl", 6, "sharegpt"), chats(tmp_path / "u.jsonl", 4, "ultrachat")
+    mix = f"[{{train: '{share}', column: conversations, weight: 3}}, {{train: '{ultra}', column: messages, weight: 1}}]"
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose("eagle3", overrides=[f"data.mix={mix}", f"data.max_samples={max_samples}"])
+    said = []
+    data = conversations(cfg, SimpleNamespace(tokenizer=smol_tokenizer, print_once=said.append))
+    forms = [c.id.split("-")[0] for c in data.train]
+    assert (forms.count("sharegpt"), forms.count("ultrachat")) == want
+    assert said == [f"data.mix: {want[0]} of 6 from {share} (75%), {want[1]} of 4 from {ultra} (25%)"]

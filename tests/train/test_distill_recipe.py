@@ -123,6 +123,8 @@ def test_resume_continues_with_the_same_losses(tiny, tmp_path, monkeypatch):
         ("responses.engine=vllm", "responses.engine='vllm': use one of auto, runtime, transformers"),
         ("collective_timeout_minutes=0", "collective_timeout_minutes=0: a positive number of minutes"),
         ("responses.max_new_tokens=64 trainer.max_seq_len=64", "leaves no room for a prompt in trainer.max_seq_len=64"),
+        ("data.mix=[{weight:1}]", r"data.mix\[0\]=.*give \{train: SOURCE, weight: > 0\}"),
+        ("data.max_unusable=2", r"data.max_unusable=2: a share of the records, in \[0, 1\]"),
     ],
 )
 def test_bad_config_values_fail_early_with_a_clear_message(tiny, tmp_path, override, message):
