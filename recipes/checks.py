@@ -72,6 +72,20 @@ def check_run_settings(cfg: DictConfig) -> list[str]:
 ENGINES = ("auto", "runtime", "transformers")  # responses.engine (response_engine)
 
 
+def check_data(cfg: DictConfig) -> list[str]:
+    """Problems with data.max_unusable and data.mix."""
+    problems, data = [], cfg.data
+    if not 0 <= data.get("max_unusable", 0) <= 1:
+        problems.append(f"data.max_unusable={data.max_unusable}: a share of the records, in [0, 1]")
+    keys = {"train", "split", "column", "weight"}
+    for i, m in enumerate(data.get("mix") or []):
+        if not isinstance(m, Mapping) or not m.get("train") or not float(m.get("weight", 1.0)) > 0:
+            problems.append(f"data.mix[{i}]={m}: give {{train: SOURCE, weight: > 0}} (split and column optional)")
+        elif set(m) - keys:
+            problems.append(f"data.mix[{i}] has unknown keys {sorted(set(m) - keys)}")
+    return problems
+
+
 def check_conversations(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
     """Problems with the keys of the recipes that train on conversations (+ check_trainer's)."""
     problems = check_trainer(cfg)
@@ -88,14 +102,7 @@ def check_conversations(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
             f"trainer.max_seq_len={cfg.trainer.max_seq_len}: raise max_seq_len (dry_run=true plans its memory) "
             "or lower max_new_tokens"
         )
-    data = cfg.data
-    if not 0 <= data.get("max_unusable", 0) <= 1:
-        problems.append(f"data.max_unusable={data.max_unusable}: a share of the records, in [0, 1]")
-    for i, m in enumerate(data.get("mix") or []):
-        if not isinstance(m, Mapping) or not m.get("train") or not float(m.get("weight", 1.0)) > 0:
-            problems.append(f"data.mix[{i}]={m}: give {{train: SOURCE, weight: > 0}} (split and column optional)")
-        elif set(m) - {"train", "split", "column", "weight"}:
-            problems.append(f"data.mix[{i}] has unknown keys {sorted(set(m) - {'train', 'split', 'column', 'weight'})}")
+    problems += check_data(cfg)
     own = cfg.responses.get("self_prompts", 0)
     if not isinstance(own, int) or own < 0:
         problems.append(f"responses.self_prompts={own} must be a count >= 0")

@@ -1,6 +1,7 @@
 """A recipe's data: the conversations it trains and validates on, the target's own responses to them
 (generated in the run, resumable), and the training examples they become."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,18 +63,25 @@ def training_sources(data: DictConfig) -> list[tuple[str, dict[str, Any], float]
             for m in data.mix]  # fmt: skip
 
 
+def training_conversations(data: DictConfig, say: Callable[[str], Any]) -> list[Conversation]:
+    """data.train, or data.mix's sources in their weights' proportions, up to data.max_samples;
+    unusable records left out and said (up to data.max_unusable of a source)."""
+    limit = dict(skipped=say, max_left_out=data.get("max_unusable", 1.0))
+    sources = [(name, load_conversations(name, **how, **limit), w) for name, how, w in training_sources(data)]
+    if len(sources) == 1:
+        return round_robin_by_category(sources[0][1], data.max_samples or 0)
+    train, said = mixed(sources, data.max_samples or 0)
+    say(said)
+    return train
+
+
 def conversations(cfg: DictConfig, run: Run) -> Conversations:
     """data.train (or data.mix) and data.val: records a dataset holds that cannot be trained on
     (empty or one-sided conversations) are left out and said, up to data.max_unusable of a source;
     data.val is read with val_source()."""
     data = cfg.data
+    train = training_conversations(data, run.print_once)
     limit = dict(skipped=run.print_once, max_left_out=data.get("max_unusable", 1.0))
-    sources = [(name, load_conversations(name, **how, **limit), w) for name, how, w in training_sources(data)]
-    if len(sources) == 1:
-        train = round_robin_by_category(sources[0][1], data.max_samples or 0)
-    else:
-        train, said = mixed(sources, data.max_samples or 0)
-        run.print_once(said)
     all_val = load_conversations(data.val, **val_source(data), **limit)
     val = round_robin_by_category(list(all_val), cfg.validate.num_prompts)
     chosen = {id(c) for c in val}

@@ -120,9 +120,15 @@ def _records(source: str, split: str) -> list[tuple[str, dict[str, Any]]]:
     if source.startswith("hub:"):
         return [(f"{source[4:]} record {i}", r) for i, r in enumerate(load_hub_dataset(source, split))]
     path = Path(source).expanduser()
+    if path.is_dir():  # a folder of JSON-lines files: recipes.regenerate's output
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise SpecdecError(f"data folder '{source}' holds no .jsonl files (recipes.regenerate writes them)")
+        return [record for f in files for record in read_jsonl(f)]
     if not path.is_file():
         raise SpecdecError(
-            f"data file '{source}' does not exist (use a .jsonl/.json/.parquet file, builtin:NAME or hub:ID)"
+            f"data file '{source}' does not exist (use a .jsonl/.json/.parquet file, a folder of .jsonl files, "
+            "builtin:NAME or hub:ID)"
         )
     if path.suffix == ".jsonl":  # read directly: quicker and quieter than datasets for small files
         return read_jsonl(path)

@@ -51,7 +51,7 @@ def _read_parts(cache_dir: Path) -> dict[int, list[int]]:
     return done
 
 
-def _batch_generator(
+def batch_generator(
     model: Any,
     *,
     pad_id: int,
@@ -122,7 +122,7 @@ def generate_responses(
     todo = [i for i in range(len(prompts)) if i % world == rank and i not in done]
     todo.sort(key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
     torch.manual_seed(seed + rank)  # transformers' sampling; the runtime's draws from its sampler
-    generate = _batch_generator(
+    generate = batch_generator(
         model, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, seed=seed + rank,
     )  # fmt: skip

@@ -43,7 +43,7 @@ def test_sampled_transformers_responses_draw_from_the_whole_vocabulary():
     outside = 1 - float(probs[sorted(top50)].sum())  # 0.32 for this model (top_k=50 draws 0 there)
     n = 600
     torch.manual_seed(0)
-    generate = R._batch_generator(model, pad_id=0, stop_ids=frozenset({2}), max_new_tokens=1, temperature=1.0,
+    generate = R.batch_generator(model, pad_id=0, stop_ids=frozenset({2}), max_new_tokens=1, temperature=1.0,
                                   top_p=1.0, seed=0)  # fmt: skip
     share = sum(r[0] not in top50 for r in generate([prompt] * n)) / n
     assert abs(share - outside) < 5 * (outside * (1 - outside) / n) ** 0.5
