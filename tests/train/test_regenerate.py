@@ -16,6 +16,7 @@ from recipes import regenerate as recipe
 from specdec_runtime.errors import SpecdecError
 from train.data import Conversation, load_conversations
 from train.regenerate import InProcess, Server, regenerate, regenerate_chunk
+from train.validate import runtime_decoder
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -135,7 +136,8 @@ def chat_server(bundled_hf):
 
 def test_the_server_engine_regenerates_what_the_target_writes_in_process(chat_server, bundled_hf, tmp_path):
     """recipes.regenerate with engine.kind=server against the loopback server (each request refused
-    once, then answered): its conversations are the in-process engine's, turn for turn."""
+    once, then answered): its conversations are the in-process engine's, turn for turn, whether
+    transformers' generate or the runtime's batched decoding writes them (batches of 2: padded)."""
     rows = [
         {"id": "a", "messages": [user("Name a red fruit."), assistant("An apple."), user("And a yellow one?")]},
         {"id": "b", "conversations": [{"from": "human", "value": "Two plus two?"}, {"from": "gpt", "value": "4"}]},
@@ -148,11 +150,12 @@ def test_the_server_engine_regenerates_what_the_target_writes_in_process(chat_se
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         recipe.run(compose("regenerate", overrides=overrides))
     served = {c.id: c.messages for c in load_conversations(str(out))}
-    tokenizer = ChatServer.tokenizer
-    here = InProcess(bundled_hf, tokenizer, pad_id=tokenizer.eos_token_id, stop_ids=frozenset({tokenizer.eos_token_id}),
-                     max_new_tokens=12, batch_size=1)  # fmt: skip
-    convs = load_conversations(str(data))
-    assert served == {r["id"]: r["messages"] for r in regenerate_chunk(convs, here)}
+    tokenizer, convs = ChatServer.tokenizer, load_conversations(str(data))
+    stop = dict(pad_id=tokenizer.eos_token_id, stop_ids=frozenset({tokenizer.eos_token_id}))
+    runtime = runtime_decoder(bundled_hf, None, torch.device("cpu"), fast_path=False)
+    for model in (bundled_hf, runtime):  # engine.backend: transformers' generate, the runtime's batches
+        here = InProcess(model, tokenizer, max_new_tokens=12, batch_size=2, **stop)
+        assert served == {r["id"]: r["messages"] for r in regenerate_chunk(convs, here)}
     assert len(served["a"]) == 4 and served["a"][1]["content"] != "An apple."
     assert all(m["content"] for c in served.values() for m in c if m["role"] == "assistant")  # the model wrote them
     settings = json.loads((out / "regenerate.json").read_text())
