@@ -157,6 +157,9 @@ def warm_then_rerun(target, hf, drafters, capacity: int):
     return warm, graphs.compile_counts(), (address, target.cache.kv.data_ptr())
 
 
+# ~40 s on a 2-core CPU, which kept the default run past 10 minutes: -m slow here; on a GPU,
+# test_cuda_nothing_compiles_or_records_again_and_one_sync_per_round checks most of the same drafters
+@pytest.mark.slow
 def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     """Across rounds, drafts of every length, prompts of different lengths, greedy and sampled, and
     repeated generate calls: no new compiled graph, no new captured step, the same KV cache."""
