@@ -4,7 +4,8 @@
     cfg = DecoderConfig.from_hf(AutoConfig.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct"))
 
 Supported families: Llama 2/3 (incl. llama3 and linear rope scaling), Mistral (incl. its sliding
-window), Qwen2/Qwen2.5 (qkv bias), SmolLM2 (a Llama). Anything else is refused with a message
+window), Qwen2/Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm, head_dim apart from the width),
+SmolLM2 (a Llama). Anything else is refused with a message
 that names what is supported.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from specdec_runtime.errors import SpecdecError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -39,6 +40,7 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"
+    qk_norm: bool = False  # RMSNorm over each query and key head before rope (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -54,7 +56,7 @@ class DecoderConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise SpecdecError(
                 f"model_type '{model_type}' is not supported by specdec_runtime; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2)"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2)"
             )
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
@@ -92,6 +94,7 @@ class DecoderConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             sliding_window=sliding,
             model_type=model_type,
+            qk_norm=model_type == "qwen3",
         )
 
 

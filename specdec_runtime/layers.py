@@ -68,6 +68,9 @@ class Weights(NamedTuple):
     t: Tensor | None = None  # W^T [out, in]
     bias: Tensor | None = None
     packed: Tensor | None = None  # W in the CPU kernel's layout (cpu.pack)
+    # A q/k/v projection's per-head RMSNorm weights [2, 2D] (queries', keys', each doubled as
+    # rms_norm takes them), applied after it and before rope (Qwen3); None elsewhere
+    norms: Tensor | None = None
 
     @classmethod
     def from_matrix(
@@ -92,7 +95,7 @@ def linear(x: Tensor, w: Weights, residual: Tensor | None = None) -> Tensor:
     re-reads W for every few rows: verifying 5 tokens cost 2.5 decode steps instead of 1.3-1.6;
     scripts/bench_cost.py). Otherwise one row reads W [in, out] (the GEMV streams it once), with
     the residual add folded into addmm."""
-    weight, weight_t, bias, packed = w
+    weight, weight_t, bias, packed, _ = w
     if packed is not None and (y := cpu.matmul(x, w, residual)) is not None:
         return y
     if weight_t is not None and x.shape[0] > 1:
@@ -132,7 +135,7 @@ def attention(
     fp32 rows on a CPU run in the CPU kernel (cpu.attention, norm included)."""
     if (y := cpu.attention(x, B, norm, eps, x, qkv, o, cos, sin, kv, slots, mask, bound)) is not None:
         return y
-    return self_attention(rms_norm(x, norm, eps), x, B, qkv, o, cos, sin, kv, slots, mask, bound)
+    return self_attention(rms_norm(x, norm, eps), x, B, qkv, o, cos, sin, kv, slots, mask, bound, eps)
 
 
 def self_attention(
@@ -147,24 +150,31 @@ def self_attention(
     slots: Tensor,
     mask: Tensor | None,
     bound: int,
+    eps: float = 1e-6,
 ) -> Tensor:
     """residual + o(attention) of the normalized input h [B*T, in] (see attention(); an EAGLE-3
-    layer's h is two normalized inputs side by side)."""
+    layer's h is two normalized inputs side by side). eps: the q/k norms' (qkv.norms)."""
     if (y := cpu.attention(h, B, None, 0.0, residual, qkv, o, cos, sin, kv, slots, mask, bound)) is not None:
         return y
-    q = queries(h, B, qkv, cos, sin, kv, slots)
+    q = queries(h, B, qkv, cos, sin, kv, slots, eps)
     return projected(attend(q, kv, mask, bound), residual, B, o)
 
 
-def queries(h: Tensor, B: int, qkv: Weights, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor) -> Tensor:
-    """Attention's first part: q/k/v of h [B*T, in] with rope, this layer's keys and values written
-    into kv at slots [T]: the queries [B, Hkv, group * T, D] (GQA without repeating keys: each kv
-    head's query group folded into the sequence axis)."""
+def queries(
+    h: Tensor, B: int, qkv: Weights, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor, eps: float = 1e-6
+) -> Tensor:
+    """Attention's first part: q/k/v of h [B*T, in] (each q and k head RMS-normalized where qkv has
+    norms, with eps) with rope, this layer's keys and values written into kv at slots [T]: the
+    queries [B, Hkv, group * T, D] (GQA without repeating keys: each kv head's query group folded
+    into the sequence axis)."""
     D = cos.shape[-1]
     Hkv = kv.shape[1] // 2
     H = qkv[0].shape[1] // D - 2 * Hkv
     T = h.shape[0] // B
     qkv_out = linear(h, qkv).view(B, T, H + 2 * Hkv, D)
+    if qkv.norms is not None:  # Qwen3: per head, before rope
+        qkv_out[:, :, :H] = rms_norm(qkv_out[:, :, :H], qkv.norms[0], eps)
+        qkv_out[:, :, H : H + Hkv] = rms_norm(qkv_out[:, :, H : H + Hkv], qkv.norms[1], eps)
     apply_rope_(qkv_out[:, :, : H + Hkv], cos, sin)  # q and k heads at once
     kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
     return qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
@@ -195,7 +205,7 @@ def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, 
 
 
 def normed_queries(x, B, norm, qkv, cos, sin, kv, slots, eps) -> Tensor:
-    return queries(rms_norm(x, norm, eps), B, qkv, cos, sin, kv, slots)
+    return queries(rms_norm(x, norm, eps), B, qkv, cos, sin, kv, slots, eps)
 
 
 def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) -> Tensor:
@@ -225,7 +235,7 @@ class Linear(nn.Module):
 
     def keep_cpu_copy(self, bf16: bool = False) -> None:
         """bf16: the kernel's copy in bf16 (the weight's values must be bf16's: Decoder.bf16_weights)."""
-        _, self.weight_t, _, self.weight_packed = Weights.from_matrix(self.weight, cpu_copy=True, bf16=bf16)
+        _, self.weight_t, _, self.weight_packed, _ = Weights.from_matrix(self.weight, cpu_copy=True, bf16=bf16)
 
     @property
     def cpu_copy(self) -> bool:
@@ -248,10 +258,12 @@ class Block(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        # Qwen3: each query and key head RMS-normalized before rope ([q, k] weights, each doubled)
+        self.qk_norm = nn.Parameter(torch.ones(2, 2 * cfg.head_dim)) if cfg.qk_norm else None
 
     @property
     def attn_weights(self) -> tuple[Tensor, Weights, Weights]:
-        return self.attn_norm, self.qkv.params, self.o.params
+        return self.attn_norm, self.qkv.params._replace(norms=self.qk_norm), self.o.params
 
     @property
     def mlp_weights(self) -> tuple[Tensor, Weights, Weights]:
@@ -274,6 +286,9 @@ def block_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], src: str, dst: s
         o + "gate_up.weight": prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t()),
         o + "down.weight": prep(sd[m + "down_proj.weight"].t()),
     }
+    if cfg.qk_norm:  # [D] each, in the heads' interleaved order (the norm's mean is the same in any order)
+        qn, kn = (interleave_rope_dims(sd[a + n], 1, cfg.head_dim) for n in ("q_norm.weight", "k_norm.weight"))
+        own[o + "qk_norm"] = prep(torch.stack([torch.cat([qn, qn]), torch.cat([kn, kn])]))
     if cfg.qkv_bias:
         qb = interleave_rope_dims(sd[a + "q_proj.bias"], cfg.num_heads, cfg.head_dim)
         kb = interleave_rope_dims(sd[a + "k_proj.bias"], cfg.num_kv_heads, cfg.head_dim)

@@ -47,9 +47,9 @@ TINY = dict(
 
 def tiny_hf_config(kind: str = "llama", **overrides):
     """A 2-layer, hidden-64 transformers config of the given family."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[kind]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[kind]
     return cls(**{**TINY, **overrides})
 
 

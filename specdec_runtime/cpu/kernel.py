@@ -261,8 +261,8 @@ def stack_takes(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
 
 def sublayer_usable(x: Tensor, B: int, *weights: tuple) -> bool:
     """Whether a sublayer of rows x [B*T, in] runs in the kernel (layers.c): usable(x), batch 1,
-    and every weight (layers.Weights) kept packed."""
-    return _sublayers and B == 1 and all(w.packed is not None for w in weights) and usable(x)
+    and every weight (layers.Weights) kept packed, without q/k norms (layers.c has none)."""
+    return _sublayers and B == 1 and all(w.packed is not None and w.norms is None for w in weights) and usable(x)
 
 
 def attention(
@@ -330,8 +330,8 @@ def stack(layers: list[tuple]) -> LayerStack | None:
     """The LayerStack of layers [(attn_norm, qkv, o, mlp_norm, gate_up, down)] (layers.Weights), or None
     where a weight is not packed."""
     weights = [w for layer in layers for w in layer if not isinstance(w, Tensor)]  # the norms aside
-    if not all(w.packed is not None for w in weights):
-        return None
+    if not all(w.packed is not None and getattr(w, "norms", None) is None for w in weights):
+        return None  # (q/k norms: layers.c has none; torch's ops run such layers)
     tensors = []
     for attn_norm, qkv, o, mlp_norm, gate_up, down in layers:
         tensors += [attn_norm, qkv.packed, qkv.bias, o.packed, o.bias, mlp_norm, gate_up.packed, gate_up.bias]

@@ -70,7 +70,7 @@ class Eagle3Config:
                 f"eagle3 draft vocabulary of {draft_vocab_size} tokens: need 1..{target.vocab_size} (the target's)"
             )
         layer = replace(target, num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None,
-                        model_type="llama")  # fmt: skip
+                        model_type="llama", qk_norm=False)  # fmt: skip
         return cls(layer, target.hidden_size, aux, draft_vocab_size, **kw)
 
 

@@ -329,11 +329,11 @@ def test_a_chain_with_a_draft_exit_stops_right_after_its_first_unsure_token():
 
 
 @pytest.mark.parametrize("budget", [0, 6, 16])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_greedy_speculative_output_equals_the_targets(budget, kind):
     hf, target, model = tiny()
-    if kind == "qwen2":  # a target with qkv biases: a drafter layer with them too
-        hf = tiny_hf_model("qwen2", 0, num_hidden_layers=4)
+    if kind != "llama":  # a target with qkv biases (qwen2) or q/k norms (qwen3): a plain drafter layer
+        hf = tiny_hf_model(kind, 0, num_hidden_layers=4)
         target = runtime_from_hf(hf)
         cfg = Eagle3Config.for_target(target.config, aux_layers=AUX, draft_vocab_size=200)
         model = Eagle3Model(cfg).eval()

@@ -35,6 +35,7 @@ FAMILIES = {
     "llama-mha": ("llama", {"num_key_value_heads": 4}),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"head_dim": 32}),  # q/k norms; head_dim 32 where hidden / heads is 16
     "mistral-window": ("mistral", {"sliding_window": 8}),
 }
 
@@ -55,6 +56,21 @@ def test_prefill_logits_match_transformers(family):
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_output_equals_transformers_greedy(family):
+    """generate() on the runtime's decoder writes what transformers' greedy generate writes."""
+    from specdec_runtime.generate import generate
+
+    kind, over = FAMILIES[family]
+    hf = tiny_hf_model(kind, seed=4, **over)
+    hf.generation_config.eos_token_id = None  # neither side stops early
+    prompt = [5, 9, 11, 2, 7, 3]
+    ours = generate(runtime_from_hf(hf), prompt, max_new_tokens=32).tokens
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert ours == theirs[0, len(prompt) :].tolist()
+
+
 def test_attention_output_in_another_memory_layout(monkeypatch):
     """CUDA's memory-efficient attention returns [B, heads, T, D] laid out as [B, T, heads, D]
     (seen on an H100 in fp32: a view of it failed). The same values in that layout give the same
@@ -73,7 +89,7 @@ def test_attention_output_in_another_memory_layout(monkeypatch):
     torch.testing.assert_close(model(ids, 0).logits, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "llama3-rope"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral-window", "llama3-rope"])
 def test_incremental_decoding_matches_full_forward(family):
     """Prefill part of a sequence, then feed the rest in chunks of 1-3 tokens: same logits."""
     kind, over = FAMILIES[family]
@@ -209,7 +225,7 @@ def test_unsupported_config_is_refused_clearly(kind, over, message):
 def test_unsupported_model_type_names_the_supported_ones():
     from transformers import GPT2Config
 
-    with pytest.raises(SpecdecError, match="model_type 'gpt2' is not supported.*llama, mistral, qwen2"):
+    with pytest.raises(SpecdecError, match="model_type 'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
         DecoderConfig.from_hf(GPT2Config())
 
 

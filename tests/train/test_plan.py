@@ -65,23 +65,34 @@ def test_the_activations_counted_are_what_autograd_saves(B, T, steps, N, half):
     assert eagle3_drafter_params(hf.config, N) == params
 
 
-def plan(tmp_path: Path, *overrides: str):
-    """recipes.eagle3's dry run on a folder holding Llama-3.1-8B's config.json and nothing else."""
-    from transformers import LlamaConfig
+QWEN3_8B = dict(  # Qwen/Qwen3-8B's config.json, the fields a plan reads
+    hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+    rope_theta=1000000.0, rms_norm_eps=1e-6,
+)  # fmt: skip
 
-    folder = tmp_path / "llama-3.1-8b"
-    LlamaConfig(**LLAMA_3_1_8B).save_pretrained(folder)
+
+def plan(tmp_path: Path, *overrides: str, preset: str = "eagle3_llama3_8b"):
+    """recipes.eagle3's dry run on a folder holding the preset's target's config.json and nothing else."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    folder = tmp_path / preset
+    if preset == "eagle3_qwen3_8b":
+        Qwen3Config(**QWEN3_8B).save_pretrained(folder)
+    else:
+        LlamaConfig(**LLAMA_3_1_8B).save_pretrained(folder)
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        preset = ["experiment=eagle3_llama3_8b", f"model.name={folder}", "dry_run=true", "plan.gpu_memory_gib=80"]
+        preset = [f"experiment={preset}", f"model.name={folder}", "dry_run=true", "plan.gpu_memory_gib=80"]
         cfg = compose("eagle3", overrides=[*preset, f"output_dir={tmp_path / 'run'}", *overrides])
     return recipe.run(cfg)["plan"]
 
 
-def test_the_llama3_8b_preset_is_planned_from_config_json_alone_and_fits(tmp_path, capsys):
-    result = plan(tmp_path)
+@pytest.mark.parametrize("preset, billions", [("eagle3_llama3_8b", 8.03), ("eagle3_qwen3_8b", 8.19)])
+def test_the_8b_presets_are_planned_from_config_json_alone_and_fit(tmp_path, capsys, preset, billions):
+    result = plan(tmp_path, preset=preset)
     assert not (tmp_path / "run").exists()  # nothing written, no weights read (there are none)
     memory = {what: b / 2**30 for what, b, _ in result.memory}
-    assert memory["target (frozen, whole)"] == pytest.approx(8.03e9 * 2 / 2**30, rel=0.01)  # 8.03 B in bf16
+    assert memory["target (frozen, whole)"] == pytest.approx(billions * 1e9 * 2 / 2**30, rel=0.01)  # in bf16
     assert 40 < result.peak_gib < 70 and result.fits and result.steps == 15000
     out = capsys.readouterr().out
     assert "dry run: recipes.eagle3" in out and "peak per GPU" in out and "fits" in out
