@@ -52,7 +52,7 @@ from train.loop import (
     make_optimizer,
     restore_hyperparameters,
 )
-from train.run_folder import RunLock, config_changes, describe_changes, truncate_log, write_config
+from train.run_folder import RunLock, config_changes, describe_changes, flatten, truncate_log, write_config
 from train.tracking import Tracker
 
 
@@ -186,7 +186,10 @@ def resumed_changes(cfg: DictConfig, out: Path) -> dict[str, tuple]:
     before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
     now = OmegaConf.to_container(cfg, resolve=True)
     changes = config_changes(before, now, allowed=("output_dir",))  # a moved folder is the same run
-    refused = config_changes(before, now, allowed=RESUMABLE)
+    # Settings the run's specdec did not have yet (a newer version's keys) cannot differ from what
+    # it trained under: said, not refused.
+    had = flatten(before)
+    refused = {k: v for k, v in config_changes(before, now, allowed=RESUMABLE).items() if k in had}
     if refused and not trainer.allow_changes:
         raise SpecdecError(
             f"{out} holds a run with other settings ({describe_changes(refused)}). To resume it, run with its "

@@ -95,6 +95,21 @@ def test_resuming_with_other_settings_is_refused_or_recorded(tiny, straight, tmp
     assert lr9 == [pytest.approx(scheduler.get_last_lr()[0], rel=1e-12)]
 
 
+def test_a_run_from_before_a_setting_existed_resumes(tiny, straight, tmp_path, capfd):  # noqa: F811
+    """A run folder written by a specdec without some of today's settings (its config.yaml lacks
+    them) resumes: the new keys are said, not refused; a setting it had that differs still is."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    saved = OmegaConf.load(out / "config.yaml")
+    del saved["collective_timeout_minutes"], saved.data["mix"]  # as written before those existed
+    OmegaConf.save(saved, out / "config.yaml")
+    distill.run(config(tiny, out, *QUIET, "trainer.max_steps=8"))
+    err = capfd.readouterr().err
+    assert "collective_timeout_minutes: None -> 120" in err and "data.mix: None -> []" in err
+    with pytest.raises(SpecdecError, match=r"optim.lr: 0.01 -> 0.05"):
+        distill.run(config(tiny, out, *QUIET, "trainer.max_steps=9", "optim.lr=0.05"))
+
+
 def test_a_failed_rerun_leaves_a_finished_run_as_it_was(tiny, straight, tmp_path, monkeypatch):  # noqa: F811
     out = tmp_path / "run"
     shutil.copytree(straight, out)
