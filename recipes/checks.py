@@ -63,10 +63,15 @@ def check_run_settings(cfg: DictConfig) -> list[str]:
     problems = []
     if cfg.tracking.kind not in TRACKING_KINDS:
         problems.append(f"tracking.kind='{cfg.tracking.kind}': use tracking=none or tracking=wandb")
+    return problems + check_collective_timeout(cfg)
+
+
+def check_collective_timeout(cfg: DictConfig) -> list[str]:
+    """collective_timeout_minutes: how long a rank waits for the others, a positive number."""
     timeout = cfg.collective_timeout_minutes
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        problems.append(f"collective_timeout_minutes={timeout}: a positive number of minutes")
-    return problems
+        return [f"collective_timeout_minutes={timeout}: a positive number of minutes"]
+    return []
 
 
 ENGINES = ("auto", "runtime", "transformers")  # responses.engine (response_engine)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.utils import gather_object
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
@@ -156,13 +157,18 @@ def self_prompts(cfg: DictConfig, run: Run, target: Any) -> list[list[int]]:
 
 
 def response_engine(cfg: DictConfig, run: Run) -> str:
-    """What generates the target's responses: responses.engine, where auto is the runtime's batched
-    decoding on a CPU (the same tokens, faster than transformers' generate: docs/log/drafters.md)
-    and transformers' generate on GPUs (the runtime's batches run eagerly there; not measured)."""
-    engine = cfg.responses.get("engine", "auto")
-    if engine == "auto":
-        return "runtime" if run.device.type == "cpu" else "transformers"
-    return engine
+    """What generates the target's responses: responses.engine (local_engine)."""
+    return local_engine(cfg.responses.get("engine", "auto"), run.device)
+
+
+def local_engine(setting: str, device: torch.device) -> str:
+    """What generates in this job (responses.engine, recipes.regenerate's engine.backend): auto is the
+    runtime's batched decoding on a CPU (the same tokens, faster than transformers' generate:
+    docs/results.md) and transformers' generate on GPUs (the runtime's batches run eagerly there;
+    not measured)."""
+    if setting == "auto":
+        return "runtime" if device.type == "cpu" else "transformers"
+    return setting
 
 
 def training_examples(

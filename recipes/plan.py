@@ -68,12 +68,16 @@ def dtype_bytes(name: str) -> int:
     return 4 if name in ("float32", "fp32") else 2
 
 
+def attention_shape(hf: Any) -> tuple[int, int, int, int]:
+    """(hidden size, query heads, key/value heads, head dim) of a transformers config."""
+    H, heads = hf.hidden_size, hf.num_attention_heads
+    return H, heads, getattr(hf, "num_key_value_heads", None) or heads, getattr(hf, "head_dim", None) or H // heads
+
+
 def decoder_params(hf: Any) -> int:
     """Parameters of a Llama-family decoder from its transformers config."""
-    H, L, V = hf.hidden_size, hf.num_hidden_layers, hf.vocab_size
-    heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    D = getattr(hf, "head_dim", None) or H // heads
+    H, heads, kv, D = attention_shape(hf)
+    L, V = hf.num_hidden_layers, hf.vocab_size
     layer = H * (heads + 2 * kv) * D + heads * D * H + 3 * H * hf.intermediate_size + 2 * H
     return V * H * (1 if getattr(hf, "tie_word_embeddings", False) else 2) + L * layer + H
 
@@ -81,9 +85,7 @@ def decoder_params(hf: Any) -> int:
 def eagle3_drafter_params(hf: Any, draft_vocab: int) -> int:
     """The EAGLE-3 drafter's trained parameters: fc (3H -> H), one layer reading 2H, the final
     norm, the lm_head over the draft vocabulary (the embedding is the target's, frozen)."""
-    H, heads = hf.hidden_size, hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    D = getattr(hf, "head_dim", None) or H // heads
+    H, heads, kv, D = attention_shape(hf)
     layer = 2 * H * (heads + 2 * kv) * D + heads * D * H + 3 * H * hf.intermediate_size + 3 * H
     return 3 * H * H + layer + H + H * draft_vocab
 
@@ -92,8 +94,8 @@ def ttt_activation_bytes(hf: Any, B: int, T: int, steps: int, draft_vocab: int, 
     """Bytes the training-time test keeps for its backward (train/eagle3.Eagle3Training.forward),
     every position counted as a response token in the draft vocabulary (the most there can be).
     half: under bf16 autocast (products in bf16, softmax and log-probabilities in fp32)."""
-    H, heads, I = hf.hidden_size, hf.num_attention_heads, hf.intermediate_size  # noqa: E741
-    D = getattr(hf, "head_dim", None) or H // heads
+    H, heads, _, D = attention_shape(hf)
+    I = hf.intermediate_size  # noqa: E741
     p = 2 if half else 4  # a product's output
     attention = 0.0
     rows = 0.0
@@ -120,9 +122,8 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     half = trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
     budget, source = gpu_budget(cfg)
     plan = Plan(budget_gib=budget, budget_from=source, steps=int(trainer.max_steps))
-    target = decoder_params(hf) * t_bytes
-    how = f"{decoder_params(hf) / 1e9:.2f} B parameters x {t_bytes} B"
-    plan.memory.append(("target (frozen, whole)", target, how))
+    params = decoder_params(hf)
+    plan.memory.append(("target (frozen, whole)", params * t_bytes, f"{params / 1e9:.2f} B parameters x {t_bytes} B"))
     P = eagle3_drafter_params(hf, N)
     how = f"{P / 1e6:.0f} M parameters x 16 B (fp32 master, grad, 2 moments)"
     plan.memory.append(("drafter + grads + AdamW", 16 * P, how))

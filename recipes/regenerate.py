@@ -14,8 +14,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.checks import check_data, refuse, run_or_exit
-from recipes.data import training_conversations
+from recipes.checks import ENGINES, check_collective_timeout, check_data, refuse, run_or_exit
+from recipes.data import local_engine, training_conversations
 from recipes.run import load_tokenizer
 from specdec_runtime.hardware import resolve_dtype
 from specdec_runtime.loading import load_hf_model
@@ -24,7 +24,6 @@ from train.regenerate import InProcess, Server, regenerate
 from train.validate import runtime_decoder
 
 KINDS = ("in_process", "server")
-BACKENDS = ("auto", "runtime", "transformers")  # engine.backend: what generates in the job
 SETTINGS = "regenerate.json"  # what made the folder: target, engine, generation settings, counts
 
 
@@ -45,13 +44,11 @@ def check_config(cfg: DictConfig) -> None:
         problems.append(f"engine.retries={engine.retries} must be >= 0 and engine.timeout_s={engine.timeout_s} > 0")
     if generation.temperature < 0 or not 0 < generation.top_p <= 1:
         problems.append("generation: need temperature >= 0 and 0 < top_p <= 1")
-    if engine.backend not in BACKENDS:
-        problems.append(f"engine.backend='{engine.backend}': use one of {', '.join(BACKENDS)}")
+    if engine.backend not in ENGINES:
+        problems.append(f"engine.backend='{engine.backend}': use one of {', '.join(ENGINES)}")
     if generation.thinking not in (None, True, False):
         problems.append(f"generation.thinking={generation.thinking}: true, false or null (the template's default)")
-    if not cfg.collective_timeout_minutes > 0:
-        problems.append(f"collective_timeout_minutes={cfg.collective_timeout_minutes}: a positive number of minutes")
-    refuse(problems)
+    refuse(problems + check_collective_timeout(cfg))
 
 
 def make_engine(cfg: DictConfig, device: Any) -> InProcess | Server:
@@ -63,8 +60,7 @@ def make_engine(cfg: DictConfig, device: Any) -> InProcess | Server:
                       retries=engine.retries, timeout_s=engine.timeout_s, **sampling)  # fmt: skip
     _, tokenizer, pad_id, _, stop_ids = load_tokenizer(cfg.model.name)
     model = load_hf_model(cfg.model.name, dtype=resolve_dtype(cfg.model.dtype, device)).to(device).eval()
-    backend = engine.backend if engine.backend != "auto" else "runtime" if device.type == "cpu" else "transformers"
-    if backend == "runtime":  # the same tokens as transformers' generate (greedy), faster on a CPU: docs/results.md
+    if local_engine(engine.backend, device) == "runtime":
         model = runtime_decoder(model, None, device, fast_path=False)
     return InProcess(model, tokenizer, pad_id=pad_id, stop_ids=stop_ids, seed=cfg.seed,
                      batch_size=engine.batch_size, **sampling)  # fmt: skip

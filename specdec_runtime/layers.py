@@ -263,7 +263,8 @@ class Block(nn.Module):
 
     @property
     def attn_weights(self) -> tuple[Tensor, Weights, Weights]:
-        return self.attn_norm, self.qkv.params._replace(norms=self.qk_norm), self.o.params
+        qkv = self.qkv.params if self.qk_norm is None else self.qkv.params._replace(norms=self.qk_norm)
+        return self.attn_norm, qkv, self.o.params
 
     @property
     def mlp_weights(self) -> tuple[Tensor, Weights, Weights]:

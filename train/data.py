@@ -216,11 +216,13 @@ def mixed(sources: list[tuple[str, list[Conversation], float]], n: int) -> tuple
     return picked, "data.mix: " + ", ".join(said)
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool, **template: Any) -> str:
+    """The messages as the model reads them: its chat template (template: the template's own
+    arguments, e.g. enable_thinking), or for plain LMs the turns joined by blank lines."""
     if not getattr(tokenizer, "chat_template", None):  # plain LMs: turns joined by blank lines
         text = "\n\n".join(m["content"] for m in messages)
         return text + ("\n\n" if generation_prompt and messages else "")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **template)
 
 
 def prompt_ids(tokenizer: Any, conv: Conversation) -> list[int]:

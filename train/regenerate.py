@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from specdec_runtime.errors import SpecdecError
-from train.data import Conversation
+from train.data import Conversation, render
 from train.responses import batch_generator
 
 Messages = list[dict[str, str]]
@@ -51,11 +51,10 @@ class InProcess:
                                          temperature=temperature, top_p=top_p, seed=seed)  # fmt: skip
 
     def replies(self, conversations: Sequence[Messages]) -> list[str]:
-        prompts = [
-            self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **self.template)
+        ids = [
+            self.tokenizer.encode(render(self.tokenizer, m, True, **self.template), add_special_tokens=False)
             for m in conversations
         ]
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch
         out: list[str] = [""] * len(ids)
         for b in range(0, len(order), self.batch_size):
