@@ -222,6 +222,7 @@ def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config
         world=accelerator.num_processes,
         barrier=accelerator.wait_for_everyone,
         progress=lambda n: tqdm(total=n, desc="target states", unit="example", disable=not run.main),
+        say=run.print_once,
     )
 
 

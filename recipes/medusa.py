@@ -248,6 +248,7 @@ def hidden_states(cfg: DictConfig, run: Run, target: Any, examples: list[Example
         world=accelerator.num_processes,
         barrier=accelerator.wait_for_everyone,
         progress=lambda n: tqdm(total=n, desc="hidden states", unit="example", disable=not run.main),
+        say=run.print_once,
     )
 
 

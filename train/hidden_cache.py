@@ -77,8 +77,9 @@ def disk_needed(examples: list[Example], token_bytes: int) -> int:
     return sum(len(e.ids) for e in examples) * token_bytes
 
 
-def check_disk(folder: Path, need: int, free: int | None = None) -> None:
-    """Refuse, before any state is computed, where the folder's filesystem lacks `need` bytes."""
+def check_disk(folder: Path, need: int, free: int | None = None) -> int:
+    """Refuse, before any state is computed, where the folder's filesystem lacks `need` bytes;
+    returns the free bytes it checked against."""
     free = shutil.disk_usage(folder).free if free is None else free
     if need * HEADROOM > free:
         raise RuntimeError(
@@ -87,6 +88,7 @@ def check_disk(folder: Path, need: int, free: int | None = None) -> None:
             "the states as training runs (eagle3.cache_hidden=false / medusa.cache_hidden=false; no disk, the "
             "target runs every epoch)"
         )
+    return free
 
 
 def _size(n: float) -> str:
@@ -108,14 +110,20 @@ def cache_states(
     barrier: Callable[[], Any] = lambda: None,
     progress: Any = None,
     shard_bytes: int = SHARD_BYTES,
+    say: Callable[[str], Any] = lambda line: None,
 ) -> list[Example]:
     """The examples with meta[name] = Stored for every state `states` computes (see the module
-    docstring). token_bytes: the bytes of one token's states, for the disk check."""
+    docstring). token_bytes: the bytes of one token's states, for the disk check, whose figures
+    `say` gets before anything is computed."""
     folder.mkdir(parents=True, exist_ok=True)
     done = stored_states(folder)
     barrier()  # every process has read the same shards before any writes one: the same check everywhere
     missing = [e for i, e in enumerate(examples) if i not in done]
-    check_disk(folder, disk_needed(missing, token_bytes))
+    need = disk_needed(missing, token_bytes)
+    free = check_disk(folder, need)
+    if missing:
+        say(f"hidden-state store {folder}: {len(missing):,} of {len(examples):,} examples to compute, "
+            f"{_size(need)} on disk ({_size(free)} free)")  # fmt: skip
     mine = sorted((i for i in range(rank, len(examples), world) if i not in done), key=lambda i: len(examples[i].ids))
     if mine:  # by length: less padding
         _compute(target, examples, mine, folder, states, pad_id, batch_size, rank, progress, shard_bytes)

@@ -66,8 +66,11 @@ def test_states_are_written_in_shards_as_they_are_computed(tmp_path):
     examples = make_examples(30)
     target = Target()
     shard_bytes = 4 * 40 * 4 * H * 2  # about one batch of the longest examples
-    stored = run(target, examples, tmp_path, shard_bytes=shard_bytes)
+    said = []
+    stored = run(target, examples, tmp_path, shard_bytes=shard_bytes, say=said.append)
     assert_states_are_the_targets(stored)
+    need = sum(len(e.ids) for e in examples) * 4 * H * 2 / 1e6  # said before computing: what it will write
+    assert len(said) == 1 and f"30 of 30 examples to compute, {need:.1f} MB on disk" in said[0]
     shards = sorted(tmp_path.glob("*.safetensors"))
     assert len(shards) >= 3 and not list(tmp_path.glob("*.tmp"))
     # a shard is flushed once it holds shard_bytes: at most one batch (4 examples of < 40 tokens) more
