@@ -73,14 +73,17 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", help="the target's: float32 | bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (there every step is one captured CUDA graph)")
     args = p.parse_args()
     drafting = [(s, parse_drafting(s)) for s in args.drafting.split(",")]
     torch.set_num_threads(args.threads)
 
-    target = load_model(args.target, device="cpu", dtype=args.dtype)
+    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    if target.model.device.type == "cuda":
+        target.model.compile()  # as `specdec bench` runs it there: the drafter's steps are captured too
     model, _ = read_speculators(args.export)
     phrases = Path(args.export) / PhraseTable.FILE
-    table = PhraseTable.load(phrases) if phrases.is_file() else None
+    table = PhraseTable.load(phrases, target.model.device) if phrases.is_file() else None
     settings = [Setting("autoregressive", None, 1)]
     for spec, (budget, top_k, depth, conf) in drafting:
         drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth, confidence=conf)
@@ -109,7 +112,8 @@ def main() -> None:
 
     total = {name: GenerationStats.total(runs) for name, runs in stats.items()}
     ar = total["autoregressive"].tokens_per_s
-    print(f"\n{len(ids)} validation prompts, {args.max_new_tokens} new tokens, greedy, {args.threads} threads, "
+    where = f"{args.threads} threads" if args.device == "cpu" else str(target.model.device)
+    print(f"\n{len(ids)} validation prompts, {args.max_new_tokens} new tokens, greedy, {where}, "
           f"target weights {target.model.weight_dtype}; drafter {args.export}\n")  # fmt: skip
     print("| drafting | tau | tok/s | speedup | draft ms / forward | verify forward ms |")
     print("|---|---:|---:|---:|---:|---:|")
