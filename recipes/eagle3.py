@@ -51,7 +51,7 @@ from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
 from train.data import Example, collate, prompt_ids, responses_of, with_responses
 from train.draft_model import draft_vocab
-from train.eagle3 import Eagle3Training, accuracies, replay_chain, target_states, tau_estimate, warm_start
+from train.eagle3 import Eagle3Training, accuracies, pack, replay_chain, target_states, tau_estimate, warm_start
 from train.export import Card, export_eagle3
 from train.hidden_cache import cache_key, cache_states, padded
 from train.launch import check_launch, unwrap
@@ -70,6 +70,11 @@ def check_config(cfg: DictConfig) -> Eagle3Config:
         problems.append(f"eagle3.ttt_steps={eagle3.ttt_steps} must be a positive integer")
     if not 0 < eagle3.step_decay <= 1:
         problems.append(f"eagle3.step_decay={eagle3.step_decay} must be in (0, 1]")
+    if eagle3.pack_tokens and eagle3.pack_tokens < cfg.trainer.max_seq_len:
+        problems.append(
+            f"eagle3.pack_tokens={eagle3.pack_tokens} is below trainer.max_seq_len={cfg.trainer.max_seq_len}: "
+            "a row must hold the longest sequence (0 turns packing off)"
+        )
     if eagle3.init not in INITS:
         problems.append(f"eagle3.init='{eagle3.init}': use target (warm start from the target) or random")
     if not eagle3.train_lm_head and eagle3.init != "target":
@@ -111,18 +116,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     head_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(run.device)]
     embed = target.get_input_embeddings().weight.detach()
     training = Eagle3Training(
-        model, embed, head_rows, steps=eagle3.ttt_steps, decay=eagle3.step_decay, ranks=cfg.validate.top_k
+        model,
+        embed,
+        head_rows,
+        steps=eagle3.ttt_steps,
+        decay=eagle3.step_decay,
+        ranks=cfg.validate.top_k,
+        checkpoint_steps=eagle3.checkpoint_steps,
     )
     horizon = make_horizon(cfg, run)  # trainer.max_steps, or what fits max_minutes / train_until
     optimizer, scheduler = make_optimizer_from(cfg, [p for p in model.parameters() if p.requires_grad], horizon)
     wrapped, optimizer, scheduler = accelerator.prepare(training, optimizer, scheduler)
-    loss = TTTLoss(wrapped, run, target, config, eagle3.prompt_loss)
+    loss = TTTLoss(wrapped, run, target, config, eagle3.prompt_loss, eagle3.pack_tokens)
     tracker = make_tracker(cfg, run, "eagle3")
     resumed = resume(cfg, run, optimizer, scheduler, horizon)  # + config.yaml: what runs from here on
     # Rank 0 validates alone: the held-out estimate runs the unwrapped module, as a DDP module's
     # forward is a collective the waiting ranks never join (the run hung there).
     plain = unwrap(accelerator, wrapped)
-    held_out_loss = TTTLoss(plain, run, target, config, eagle3.prompt_loss)
+    held_out_loss = TTTLoss(plain, run, target, config, eagle3.prompt_loss)  # unpacked: its hits are replayed by row
     validation = Validation(cfg, run, data, target, plain, held_out, held_out_loss, tracker, phrases)
 
     # ---------------------------------------------------------------- loop
@@ -229,11 +240,22 @@ def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config
 class TTTLoss:
     """The loop's loss_fn: the training-time test on a micro-batch, on cached target states when
     there are, else on states computed now by the frozen target. prompt_loss: the prompts'
-    positions carry loss as well (the target's distributions there are data too)."""
+    positions carry loss as well (the target's distributions there are data too). pack_tokens > 0:
+    the micro-batch's sequences packed into rows of at most that many tokens after the target's
+    states are computed (each sequence's own), with document masks (train.eagle3.pack)."""
 
-    def __init__(self, wrapped: Any, run: Run, target: Any, config: Eagle3Config, prompt_loss: bool = False):
+    def __init__(
+        self,
+        wrapped: Any,
+        run: Run,
+        target: Any,
+        config: Eagle3Config,
+        prompt_loss: bool = False,
+        pack_tokens: int = 0,
+    ):
         self.wrapped, self.run, self.target, self.prompt_loss = wrapped, run, target, prompt_loss
         self.states = target_states(config.aux_layers)
+        self.pack_tokens = pack_tokens
 
     def __call__(self, mb: list[Example], responses_only: bool = False) -> tuple:
         device = self.run.device
@@ -246,8 +268,16 @@ class TTTLoss:
                 s = self.states(self.target, ids, attn)
             taps, final = s["taps"], s["final"]
         mask = batch["target_mask"] if responses_only or not self.prompt_loss else attn[:, 1:].bool()
+        if self.pack_tokens:
+            packed = pack(attn.sum(1).tolist(), self.pack_tokens, ids, mask, taps, final)
+            ids, mask, taps, final, documents = (
+                packed[k] for k in ("input_ids", "target_mask", "taps", "final", "documents")
+            )
+            attn = documents >= 0
+        else:
+            documents = None
         with self.run.accelerator.autocast():
-            return self.wrapped(ids, attn, mask, taps, final)
+            return self.wrapped(ids, attn, mask, taps, final, documents)
 
 
 def estimate_examples(cfg: DictConfig, run: Run, data: Conversations, target: Any) -> list[Example]:

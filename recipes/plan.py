@@ -13,6 +13,7 @@ to the bytes autograd saves on a small configuration). Disk: the hidden-state st
 max_seq_len tokens an example.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,28 +91,56 @@ def eagle3_drafter_params(hf: Any, draft_vocab: int) -> int:
     return 3 * H * H + layer + H + H * draft_vocab
 
 
-def ttt_activation_bytes(hf: Any, B: int, T: int, steps: int, draft_vocab: int, half: bool) -> dict[str, float]:
+def ttt_activation_bytes(
+    hf: Any,
+    B: int,
+    T: int,
+    steps: int,
+    draft_vocab: int,
+    half: bool,
+    pack_tokens: int = 0,
+    checkpoint_steps: bool = False,
+) -> dict[str, float]:
     """Bytes the training-time test keeps for its backward (train/eagle3.Eagle3Training.forward),
     every position counted as a response token in the draft vocabulary (the most there can be).
-    half: under bf16 autocast (products in bf16, softmax and log-probabilities in fp32)."""
-    H, heads, _, D = attention_shape(hf)
+    half: under bf16 autocast (products in bf16, norms and log-probabilities in fp32); pack_tokens:
+    the B x T tokens packed into rows of that many (one attention mask a row, at most twice as many
+    rows as full ones: first-fit leaves every row but one over half full); checkpoint_steps: each
+    step's layer keeps only its inputs and keys and is recomputed, one at a time, in the backward."""
+    H, heads, kv, D = attention_shape(hf)
     I = hf.intermediate_size  # noqa: E741
     p = 2 if half else 4  # a product's output
-    attention = 0.0
-    rows = 0.0
-    for k in range(steps):
-        keys = T + k  # step k's row sees T causal keys and one more per earlier step
-        attention += B * heads * T * keys * (4 + (2 if half else 0))  # the softmax's fp32 output (+ its bf16 cast)
-        # per row, fp32: the norms' inputs and outputs (the embedding's, the feature's, after
-        # attention, the final one); in the products' dtype: the 2H input, q, keys and values
-        # repeated to every head, the attention's output, the MLP's input, gate, up, their
-        # activation and product, the head's input
-        rows += B * T * (4 * 7 * H + p * (4 * H + 4 * heads * D + 4 * I))
-        rows += B * T * p * 2 * heads * D * k  # the earlier steps' own key and value, repeated to every head
-    logits = steps * B * T * draft_vocab * (2 * 4)  # the drafter's log-probabilities, exp(the target's)
-    fc = B * T * 3 * H * p  # the taps fc reads
+    rows = B * T
+    if pack_tokens:
+        mask = min(B, 2 * math.ceil(rows / pack_tokens)) * pack_tokens * steps * pack_tokens * p
+    else:
+        mask = T * steps * T * p  # the additive mask, made once, shared by the batch
+    # inside a step's layer: q, the keys and values of steps 0..k repeated to every head, a
+    # log-sum-exp per head; the MLP's gate, up, activation and product, the norms' inputs and
+    # outputs, the residual sums and the attention's output
+    attention = [rows * heads * (D * p * (1 + 2 * (k + 1)) + 4) for k in range(steps)]
+    if half:
+        layer = rows * (7 * I * 2 + 2 * H * 4 + 5 * H * 2 + heads * D * 2)
+        head = rows * (H * 4 + 2 * H * 2)  # the head's input, normalized, at the rows with a loss
+    else:
+        layer = rows * (5 * I * 4 + 6 * H * 4 + heads * D * 4)
+        head = rows * 3 * H * 4
+    if checkpoint_steps:  # the inputs (embeddings, feature) and the keys and values each step keeps
+        kept_attention, kept_layers = 0, steps * rows * (2 * H * p + 2 * kv * D * p)
+        recomputed = max(a + layer for a in attention)
+    else:
+        kept_attention, kept_layers, recomputed = sum(attention), steps * layer, 0
+    # autocast's bf16 copies of the products' weights, once (a checkpointed layer's are made again)
+    cast = 3 * H * H + H * draft_vocab if checkpoint_steps else eagle3_drafter_params(hf, draft_vocab)
+    weights = 2 * cast if half else 0
     # (the target's log-probabilities [B*T, N] are held through the forward, not saved for the backward)
-    return {"attention": attention, "rows": rows + fc, "logits": logits, "target_logp": B * T * draft_vocab * 4.0}
+    return {
+        "attention": mask + kept_attention,
+        "rows": kept_layers + steps * head + rows * 3 * H * p + weights,  # + the taps fc reads
+        "recomputed": recomputed,  # one step's layer at a time, in the backward
+        "logits": steps * rows * draft_vocab * (2 * 4),  # the drafter's log-probabilities, exp(the target's)
+        "target_logp": rows * draft_vocab * 4.0,
+    }
 
 
 def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
@@ -127,11 +156,16 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     P = eagle3_drafter_params(hf, N)
     how = f"{P / 1e6:.0f} M parameters x 16 B (fp32 master, grad, 2 moments)"
     plan.memory.append(("drafter + grads + AdamW", 16 * P, how))
-    act = ttt_activation_bytes(hf, B, T, steps, N, half)
+    pack, ckpt = eagle3.pack_tokens, eagle3.checkpoint_steps
+    act = ttt_activation_bytes(hf, B, T, steps, N, half, pack_tokens=pack, checkpoint_steps=ckpt)
     how = f"micro_batch {B} x max_seq_len {T}, {steps} unrolled steps"
-    plan.memory.append(("activations: attention", act["attention"], how + " (grows with max_seq_len^2)"))
+    rows = f"rows of {pack} tokens, a mask each" if pack else "one mask (max_seq_len^2 x steps)"
+    plan.memory.append(("activations: attention", act["attention"], f"{how}; {rows}"))
     plan.memory.append(("activations: logits", act["logits"] + act["target_logp"], f"draft vocabulary {N}"))
-    plan.memory.append(("activations: layer rows", act["rows"], "norms, projections, MLP"))
+    kept = "each step's inputs and keys (eagle3.checkpoint_steps)" if ckpt else "norms, projections, MLP"
+    plan.memory.append(("activations: layer rows", act["rows"], kept))
+    if ckpt:
+        plan.memory.append(("a step recomputed", act["recomputed"], "in the backward, one step's layer at a time"))
     states = (hf.num_hidden_layers + 1) * B * T * hf.hidden_size * t_bytes
     where = "once per example into the store" if eagle3.cache_hidden else "every step"
     how = f"every layer's output at once (output_hidden_states), {where}"
@@ -144,7 +178,8 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
         keep = "(raise trainer.grad_accum to keep the batch)"
         advice = {
             "target (frozen, whole)": "the target does not fit one GPU: a larger GPU, or model.dtype=bfloat16",
-            "activations: attention": f"lower trainer.max_seq_len or trainer.micro_batch {keep}",
+            "activations: attention": f"lower trainer.max_seq_len, eagle3.pack_tokens or trainer.micro_batch {keep}",
+            "activations: layer rows": "eagle3.checkpoint_steps=true, or lower trainer.micro_batch " + keep,
             "activations: logits": f"lower trainer.micro_batch {keep} or eagle3.draft_vocab_size",
         }
         plan.advice.append(advice.get(largest, f"lower trainer.micro_batch {keep}"))

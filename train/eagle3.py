@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from specdec_runtime.drafters.eagle3_model import Eagle3Model, grouped
 
@@ -48,28 +49,89 @@ def shifted(x: Tensor, k: int, fill: float | int = 0) -> Tensor:
 
 
 class TTTAttention:
-    """Attention of the training-time test: step 0 is causal over step 0's rows; step k's row p
-    also sees its own earlier steps' keys at p (one extra key per step)."""
+    """Attention of the training-time test: step 0 is causal over step 0's rows (within its
+    document where sequences are packed); step k's row p also sees its own earlier steps' keys at p
+    (one extra key per step).
 
-    def __init__(self, length: int, device: torch.device):
+    One scaled_dot_product_attention a step over the keys of steps 0..k side by side
+    [B, h, (k+1)T, D], under an additive mask [B or 1, 1, T, steps T] made once in the queries'
+    dtype (its first T columns causal, each later block the diagonal) and sliced per step, so the
+    backward keeps the mask once, the keys, the output and a log-sum-exp a row: no [T, T] matrix
+    per head (the naive attention kept B x h x T x (T + k) fp32 a step: 45 GB at 2k tokens,
+    micro-batch 8, issue 60). A checkpointed step recomputes its own keys in the backward
+    (`step` names the step the next call belongs to; later steps' keys are not read again)."""
+
+    def __init__(self, length: int, device: torch.device, steps: int, documents: Tensor | None = None):
+        self.length, self.steps, self.step = length, steps, 0
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
-        self.causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]  # [1, T, T]
+        if documents is not None:  # packed rows: no attention across documents
+            causal = causal & (documents[:, :, None] == documents[:, None, :])  # [B, T, T]
+        self.allowed = causal
+        self.masks: dict[torch.dtype, Tensor] = {}
+
+    def mask(self, dtype: torch.dtype) -> Tensor:
+        """The additive mask [B or 1, 1, T, steps T] in the queries' dtype, made on first use."""
+        if dtype not in self.masks:
+            first, T = self.allowed, self.length
+            diagonal = torch.eye(T, dtype=torch.bool, device=first.device).expand_as(first)
+            allowed = torch.cat([first, *[diagonal] * (self.steps - 1)], dim=-1)[:, None]
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=first.device)
+            self.masks[dtype] = mask.masked_fill_(~allowed, float("-inf"))
+        return self.masks[dtype]
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.keys.append(k)
-        self.values.append(v)
-        h, scale = q.shape[1], q.shape[-1] ** -0.5
-        k0, v0 = grouped(self.keys[0], h), grouped(self.values[0], h)
-        first = (q @ k0.transpose(-1, -2)).float() * scale  # [B, h, T, T]
-        first = first.masked_fill(~self.causal, float("-inf"))
-        later = [(q * grouped(kj, h)).sum(-1, keepdim=True).float() * scale for kj in self.keys[1:]]  # [B, h, T, 1]
-        w = torch.cat([first, *later], dim=-1).softmax(-1).to(q.dtype)
-        T = first.shape[-1]
-        out = w[..., :T] @ v0
-        for j, vj in enumerate(self.values[1:]):
-            out = out + w[..., T + j : T + j + 1] * grouped(vj, h)
-        return out
+        self.keys[self.step :] = [k]  # a recomputed (checkpointed) step replaces its own keys
+        self.values[self.step :] = [v]
+        h, n = q.shape[1], self.step + 1
+        keys, values = (grouped(torch.cat(x[:n], dim=2), h) for x in (self.keys, self.values))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(q.dtype)[..., : n * self.length])
+
+
+def positions_in_documents(documents: Tensor) -> Tensor:
+    """[B, T] each position's offset from the start of its document (documents [B, T]: contiguous ids)."""
+    T = documents.shape[1]
+    index = torch.arange(T, device=documents.device).expand_as(documents)
+    starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def pack(
+    lengths: Sequence[int], budget: int, input_ids: Tensor, target_mask: Tensor, taps: Tensor, final: Tensor
+) -> dict[str, Tensor]:
+    """Right-padded rows (their `lengths`) packed first-fit into rows of at most `budget` tokens:
+    input_ids, target_mask (False at each document's last token: its next token is another's),
+    taps, final, and documents [R, L] (an id per packed row segment, -1 after the last)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        r = next((r for r in range(len(rows)) if room[r] >= lengths[b]), None)
+        if r is None:
+            rows.append([])
+            room.append(budget)
+            r = len(rows) - 1
+        rows[r].append(b)
+        room[r] -= lengths[b]
+    L = max(budget - r for r in room)
+    target_mask = F.pad(target_mask, (0, input_ids.shape[1] - target_mask.shape[1]))  # [B, T]
+    out = {
+        "input_ids": input_ids.new_zeros(len(rows), L),
+        "target_mask": target_mask.new_zeros(len(rows), L),
+        "taps": taps.new_zeros(len(rows), L, taps.shape[-1]),
+        "final": final.new_zeros(len(rows), L, final.shape[-1]),
+        "documents": input_ids.new_full((len(rows), L), -1),
+    }
+    for r, members in enumerate(rows):
+        at = 0
+        for b in members:
+            n = lengths[b]
+            for key, x in (("input_ids", input_ids), ("taps", taps), ("final", final)):
+                out[key][r, at : at + n] = x[b, :n]
+            out["target_mask"][r, at : at + n - 1] = target_mask[b, : n - 1]
+            out["documents"][r, at : at + n] = b
+            at += n
+    return out
 
 
 class Eagle3Training(nn.Module):
@@ -77,27 +139,53 @@ class Eagle3Training(nn.Module):
     checkpoints and DDP carry the drafter only); forward returns the TTT loss."""
 
     def __init__(
-        self, drafter: Eagle3Model, embed: Tensor, head_rows: Tensor, *, steps: int, decay: float, ranks: int = 1
+        self,
+        drafter: Eagle3Model,
+        embed: Tensor,
+        head_rows: Tensor,
+        *,
+        steps: int,
+        decay: float,
+        ranks: int = 1,
+        checkpoint_steps: bool = False,
     ):
         super().__init__()
         self.drafter, self.steps, self.decay, self.ranks = drafter, steps, decay, ranks
+        self.checkpoint_steps = checkpoint_steps  # recompute each unrolled step's layer in the backward
         self.hits: list[Tensor] | None = None  # set to [] to record each step's top-1 hits [B, T] (replay_chain)
         self._frozen = [
             embed,
             head_rows,
         ]  # the target's embeddings [V, H_t] and lm_head rows of the draft vocab [N, H_t]
 
+    def _layer_step(self, embeds: Tensor, feature: Tensor, positions: Tensor, k: int, attend: TTTAttention) -> Tensor:
+        attend.step = k  # (again when a checkpointed step is recomputed in the backward)
+        return self.drafter.layer_step(embeds, feature, positions + k, attend)
+
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, target_mask: Tensor, taps: Tensor, final: Tensor
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        target_mask: Tensor,
+        taps: Tensor,
+        final: Tensor,
+        documents: Tensor | None = None,
     ) -> tuple[Tensor, int, dict[str, Tensor]]:
         """(loss summed over tokens and steps, response tokens, {step{k}/...: sums}); target_mask[b, t]
-        says input_ids[b, t + 1] is a response token. taps, final: the target's states [B, T, *]."""
+        says input_ids[b, t + 1] is a response token. taps, final: the target's states [B, T, *].
+        documents [B, T]: packed rows (`pack`): each position's document; rope positions restart
+        at each, and nothing attends or predicts across them."""
         d = self.drafter
         embed, head_rows = self._frozen
         T, dev = input_ids.shape[1], input_ids.device
         target_mask = F.pad(target_mask, (0, T - target_mask.shape[1]))  # [B, T]
         in_vocab = d.t2d[input_ids]  # [B, T]: the (target-chosen) token is in the draft vocabulary
-        attend = TTTAttention(T, dev)
+        if documents is None:
+            positions = torch.arange(T, device=dev)
+        else:
+            positions = positions_in_documents(documents)
+            in_vocab = in_vocab & (documents >= 0)
+        attend = TTTAttention(T, dev, self.steps, documents)
         feature = d.project(taps.to(d.fc.weight.dtype))  # [B, T, H]
         loss = feature.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
@@ -105,6 +193,8 @@ class Eagle3Training(nn.Module):
         # p + k + 1: logits only where that token is a response token in the draft vocabulary. The
         # target's log-probabilities there are computed once, at every position any step needs.
         valid = [shifted(target_mask, k + 1, False) & shifted(in_vocab, k + 2, False) for k in range(self.steps)]
+        if documents is not None:  # the predicted token in the row's own document
+            valid = [v & (shifted(documents, k + 2, -1) == documents) for k, v in enumerate(valid)]
         with torch.no_grad():
             needed = torch.zeros_like(target_mask)  # [B, T] target positions some step reads
             for k, v in enumerate(valid):
@@ -115,7 +205,10 @@ class Eagle3Training(nn.Module):
         for k in range(self.steps):
             tokens = shifted(input_ids, 1 + k)  # row p: the token at p + 1 + k
             embeds = F.embedding(tokens, embed).to(feature.dtype)
-            feature = d.layer_step(embeds, feature, torch.arange(T, device=dev) + k, attend)
+            if self.checkpoint_steps and torch.is_grad_enabled():
+                feature = checkpoint(self._layer_step, embeds, feature, positions, k, attend, use_reentrant=False)
+            else:
+                feature = self._layer_step(embeds, feature, positions, k, attend)
             logp = d.head(feature[valid[k]]).float().log_softmax(-1)  # [n, N]
             t_logp = target_logp[shifted(at, k + 1, -1)[valid[k]]]  # [n, N]
             kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # [n]

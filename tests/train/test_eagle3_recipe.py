@@ -206,6 +206,20 @@ def test_live_target_states_give_the_cached_runs_losses(tiny, tmp_path):
     assert logged(live) == pytest.approx(logged(cached), rel=1e-5, abs=1e-6)
 
 
+def test_packed_and_checkpointed_training_gives_the_plain_runs_losses(tiny, tmp_path, monkeypatch):
+    """eagle3.pack_tokens (a micro-batch's 4 sequences in one row, document masks) and
+    eagle3.checkpoint_steps (each step's layer recomputed in the backward) change memory, not
+    the losses."""
+    plain, lean = tmp_path / "plain", tmp_path / "lean"
+    short = ("validate.enabled=false", "trainer.max_steps=3", "trainer.max_seq_len=128")
+    eagle3.run(config(tiny, plain, *short))
+    rows, pack = [], eagle3.pack
+    monkeypatch.setattr(eagle3, "pack", lambda *a: rows.append(pack(*a)["input_ids"].shape[0]) or pack(*a))
+    eagle3.run(config(tiny, lean, *short, "eagle3.pack_tokens=256", "eagle3.checkpoint_steps=true"))
+    assert rows == [1] * 6  # 3 steps x 2 micro-batches, each one row
+    assert logged(lean) == pytest.approx(logged(plain), rel=1e-5, abs=1e-6)
+
+
 # ~40 s on a 2-core CPU, which kept the default run past 10 minutes: -m slow. By default the recipe
 # runs under 2 processes in test_two_processes_validate_and_export_as_a_user_runs_them, and DDP's
 # loss equality is checked there for distill, Medusa and MTP.
@@ -245,6 +259,7 @@ def test_two_processes_validate_and_export_as_a_user_runs_them(tiny, tmp_path):
         ("eagle3.aux_layers=[1,2,4]", r"aux layers \[1, 2, 4\]: give 3 ascending layer counts in 1..3"),
         ("eagle3.draft_vocab_size=100000", "draft vocabulary of 100000 tokens: need 1..35"),
         ("eagle3.ttt_steps=0", "eagle3.ttt_steps=0 must be a positive integer"),
+        ("eagle3.pack_tokens=100", "eagle3.pack_tokens=100 is below trainer.max_seq_len=768"),
         ("eagle3.init=zeros", "eagle3.init='zeros'"),
         ("validate.top_k=0", "validate: need gamma >= 1"),
         ("trainer.max_minutes=0", "trainer.max_minutes=0: give a positive number of minutes"),

@@ -23,15 +23,18 @@ LLAMA_3_1_8B = dict(  # meta-llama/Llama-3.1-8B-Instruct's config.json, the fiel
 )  # fmt: skip
 
 
-def saved_by_autograd(hf, B: int, T: int, steps: int, N: int, half: bool) -> tuple[int, int]:
-    """(bytes the TTT forward saves for backward, the parameters it trains), on a CPU: each saved
-    tensor's storage counted once, the drafter's own weights left out."""
+def saved_by_autograd(hf, B: int, T: int, steps: int, N: int, half: bool, checkpoint_steps: bool = False):
+    """(bytes the TTT forward keeps for its backward, the parameters it trains), on a CPU: each saved
+    tensor's storage counted once, the drafter's own weights left out. With checkpoint_steps, what
+    each recomputed step keeps instead of saved tensors (its inputs, its keys and values) is added."""
     cfg = Eagle3Config.for_target(DecoderConfig.from_hf(hf.config), aux_layers=(1, 2, 3), draft_vocab_size=N)
     model = Eagle3Model(cfg)
     model.set_draft_vocab(torch.arange(N))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     embed = hf.get_input_embeddings().weight.detach()
-    training = Eagle3Training(model, embed, embed[:N].clone(), steps=steps, decay=0.8)
+    training = Eagle3Training(
+        model, embed, embed[:N].clone(), steps=steps, decay=0.8, checkpoint_steps=checkpoint_steps
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, N, (B, T), generator=g)
     taps, final = torch.randn(B, T, 3 * hf.config.hidden_size), torch.randn(B, T, hf.config.hidden_size)
@@ -43,6 +46,16 @@ def saved_by_autograd(hf, B: int, T: int, steps: int, N: int, half: bool) -> tup
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
+    step = training._layer_step
+
+    def recorded(embeds, feature, positions, k, attend):
+        out = step(embeds, feature, positions, k, attend)
+        for t in (embeds, feature, attend.keys[k], attend.values[k], *attend.masks.values()):
+            keep(t)
+        return out
+
+    if checkpoint_steps:
+        training._layer_step = recorded
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
             training(ids, torch.ones_like(ids), torch.ones(B, T - 1, dtype=torch.bool), taps, final)
@@ -61,8 +74,21 @@ def test_the_activations_counted_are_what_autograd_saves(B, T, steps, N, half):
     saved, params = saved_by_autograd(hf, B, T, steps, N, half)
     counted = ttt_activation_bytes(hf.config, B, T, steps, N, half)
     counted.pop("target_logp")  # held through the forward, not saved for the backward
+    assert counted.pop("recomputed") == 0
     assert sum(counted.values()) == pytest.approx(saved, rel=0.1)
     assert eagle3_drafter_params(hf.config, N) == params
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16-autocast"])
+def test_checkpointed_steps_keep_what_is_counted(half):
+    B, T, steps, N = 2, 96, 4, 200
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    hf = tiny_hf_model("llama", 0, num_hidden_layers=4, vocab_size=256, **shape)
+    saved, _ = saved_by_autograd(hf, B, T, steps, N, half, checkpoint_steps=True)
+    counted = ttt_activation_bytes(hf.config, B, T, steps, N, half, checkpoint_steps=True)
+    plain = ttt_activation_bytes(hf.config, B, T, steps, N, half)
+    assert counted["attention"] + counted["rows"] + counted["logits"] == pytest.approx(saved, rel=0.1)
+    assert counted["recomputed"] < (plain["attention"] + plain["rows"]) / steps  # one step's, not all
 
 
 QWEN3_8B = dict(  # Qwen/Qwen3-8B's config.json, the fields a plan reads
@@ -102,5 +128,9 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change(tmp_path):
     result = plan(tmp_path, "trainer.micro_batch=8", "trainer.max_seq_len=4096")
     assert not result.fits
     assert result.advice == [
-        "lower trainer.max_seq_len or trainer.micro_batch (raise trainer.grad_accum to keep the batch)"
+        "eagle3.checkpoint_steps=true, or lower trainer.micro_batch (raise trainer.grad_accum to keep the batch)"
     ]
+    assert (
+        plan(tmp_path, "trainer.micro_batch=8", "trainer.max_seq_len=4096", "eagle3.checkpoint_steps=true").peak_gib
+        < result.peak_gib
+    )

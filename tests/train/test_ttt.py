@@ -1,0 +1,136 @@
+"""The training-time test's memory-lean paths against the plain computation: the attention over
+all steps' keys in one SDPA call against the materialized [T, T + k] matrices it replaced (losses
+and gradients), per-step activation checkpointing against none, and packed rows with document
+masks against the same sequences unpacked (tokens, losses, metrics and gradients)."""
+
+import pytest
+import torch
+
+from specdec_runtime.config import DecoderConfig
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model, grouped
+from tests.conftest import tiny_hf_model
+from train import eagle3 as ttt
+from train.eagle3 import Eagle3Training, pack, positions_in_documents
+
+AUX, N = (1, 2, 3), 200
+
+
+class MaterializedAttention:
+    """The attention the training-time test used before: [B, h, T, T] scores in fp32 for step
+    0's keys plus one column per earlier step, softmax, then the values (the oracle)."""
+
+    def __init__(self, length: int, device: torch.device, steps: int, documents=None):
+        assert documents is None
+        self.keys, self.values, self.step = [], [], 0
+        self.causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+    def __call__(self, q, k, v):
+        self.keys.append(k)
+        self.values.append(v)
+        h, scale = q.shape[1], q.shape[-1] ** -0.5
+        k0, v0 = grouped(self.keys[0], h), grouped(self.values[0], h)
+        first = ((q @ k0.transpose(-1, -2)).float() * scale).masked_fill(~self.causal, float("-inf"))
+        later = [(q * grouped(kj, h)).sum(-1, keepdim=True).float() * scale for kj in self.keys[1:]]
+        w = torch.cat([first, *later], dim=-1).softmax(-1).to(q.dtype)
+        T = first.shape[-1]
+        out = w[..., :T] @ v0
+        for j, vj in enumerate(self.values[1:]):
+            out = out + w[..., T + j : T + j + 1] * grouped(vj, h)
+        return out
+
+
+def setup(seed: int = 0, **training):
+    hf = tiny_hf_model("llama", seed, num_hidden_layers=4, vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    cfg = Eagle3Config.for_target(DecoderConfig.from_hf(hf.config), aux_layers=AUX, draft_vocab_size=N)
+    torch.manual_seed(seed + 1)
+    model = Eagle3Model(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model.set_draft_vocab(torch.arange(N))
+    embed = hf.get_input_embeddings().weight.detach()
+    return model, Eagle3Training(model, embed, hf.get_output_embeddings().weight.detach()[:N], steps=4, decay=0.8,
+                                 **training)  # fmt: skip
+
+
+def batch(lengths, seed: int = 0):
+    """A right-padded batch: ids, attention mask, target mask (the second half of each sequence is
+    its response), taps and final states (random; zero on the padding)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    ids = torch.randint(0, N, (B, T), generator=g)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        attn[b, :n] = 1
+        mask[b, n // 2 : n] = True
+    taps, final = torch.randn(B, T, 3 * 64, generator=g), torch.randn(B, T, 64, generator=g)
+    taps, final = taps * attn[..., None], final * attn[..., None]
+    return ids * attn, attn, mask[:, 1:], taps, final
+
+
+def loss_and_grads(training, *args, **kwargs):
+    model = training.drafter
+    model.zero_grad()
+    loss, n, metrics = training(*args, **kwargs)
+    loss.backward()
+    return loss.detach(), n, metrics, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-6):
+    (la, na, ma, ga), (lb, nb, mb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=rtol, atol=atol)
+    assert na == nb and ma.keys() == mb.keys()
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=rtol, atol=atol)
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=rtol, atol=atol, msg=k)
+
+
+def test_one_sdpa_call_a_step_equals_the_materialized_attention(monkeypatch):
+    _, training = setup()
+    args = batch([40, 33, 21])
+    lean = loss_and_grads(training, *args)
+    monkeypatch.setattr(ttt, "TTTAttention", MaterializedAttention)
+    assert_same(lean, loss_and_grads(training, *args))
+    assert lean[2]["step3/count"] > 0
+
+
+def test_checkpointed_steps_give_the_same_loss_and_gradients_and_keep_less():
+    _, plain = setup()
+    _, checkpointed = setup(checkpoint_steps=True)
+    args = batch([64, 50])
+    assert_same(loss_and_grads(plain, *args), loss_and_grads(checkpointed, *args))
+
+    def saved(training) -> int:
+        sizes = {}
+
+        def keep(t):
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            training(*args)
+        return sum(sizes.values())
+
+    assert saved(checkpointed) < 0.6 * saved(plain)  # the layer's rows are recomputed, not kept
+
+
+def test_positions_restart_at_each_document():
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1]])
+    assert positions_in_documents(docs).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("budget", [64, 100], ids=["a-row-each-or-two", "all-in-two-rows"])
+def test_packed_rows_train_exactly_as_the_sequences_unpacked(budget):
+    _, training = setup()
+    lengths = [40, 33, 21, 9]
+    ids, attn, mask, taps, final = batch(lengths, seed=1)
+    packed = pack(lengths, budget, ids, mask, taps, final)
+    assert packed["input_ids"].shape[0] < len(lengths) and packed["input_ids"].shape[1] <= budget
+    assert (packed["documents"] >= 0).sum() == sum(lengths)
+    unpacked = loss_and_grads(training, ids, attn, mask, taps, final)
+    p = packed
+    rows = loss_and_grads(training, p["input_ids"], p["documents"] >= 0, p["target_mask"], p["taps"],
+                          p["final"], documents=p["documents"])  # fmt: skip
+    assert_same(unpacked, rows, rtol=1e-4, atol=1e-5)
