@@ -134,3 +134,28 @@ def test_packed_rows_train_exactly_as_the_sequences_unpacked(budget):
     rows = loss_and_grads(training, p["input_ids"], p["documents"] >= 0, p["target_mask"], p["taps"],
                           p["final"], documents=p["documents"])  # fmt: skip
     assert_same(unpacked, rows, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_lean_attention_follows_the_materialized_one_in_less_memory(monkeypatch):
+    """On a GPU (SDPA's fused kernels, a mask row stride that is no multiple of 16): the same loss
+    and gradients as the materialized attention in fp32, and a lower peak under bf16 autocast."""
+    _, training = setup()
+    training = training.cuda()
+    training._frozen = [t.cuda() for t in training._frozen]
+    args = [t.cuda() for t in batch([1000, 777])]
+
+    def run(half: bool):
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
+            result = loss_and_grads(training, *args)
+        return result, torch.cuda.max_memory_allocated() - start
+
+    lean, _ = run(False)
+    _, lean_half = run(True)
+    monkeypatch.setattr(ttt, "TTTAttention", MaterializedAttention)
+    naive, _ = run(False)
+    _, naive_half = run(True)
+    assert_same(lean, naive, rtol=1e-4, atol=1e-5)
+    assert lean_half < 0.5 * naive_half, (lean_half, naive_half)
