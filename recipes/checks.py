@@ -124,6 +124,23 @@ def check_conversations(cfg: DictConfig, sources: tuple[str, ...]) -> list[str]:
     return problems
 
 
+def check_shard(cfg: DictConfig, recipe: str) -> list[str]:
+    """model.shard=true (the frozen target's decoder layers split across the processes): what the
+    recipe must do without a whole target on any process."""
+    if not cfg.model.get("shard"):
+        return []
+    if recipe != "eagle3":
+        return [f"model.shard=true: recipes.{recipe} keeps a whole target on every process; recipes.eagle3 shards it"]
+    if cfg.responses.source != "dataset":
+        return [
+            "model.shard=true: a target split across processes cannot write the responses inside the job (every "
+            "process would wait for the others at each layer of each token): regenerate them first with "
+            "`python -m recipes.regenerate model.name=... engine.kind=server engine.url=...` (vLLM, SGLang) and "
+            "train on that folder: data=files data.train=OUTPUT_DIR responses.source=dataset"
+        ]
+    return []
+
+
 def refuse(problems: list[str]) -> None:
     if problems:
         raise SpecdecError("invalid config:\n  " + "\n  ".join(problems))

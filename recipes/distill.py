@@ -15,7 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from recipes.checks import check_conversations, refuse, run_or_exit
+from recipes.checks import check_conversations, check_shard, refuse, run_or_exit
 from recipes.data import Conversations, conversations, generation_kwargs, training_examples
 from recipes.run import (
     Run,
@@ -62,6 +62,7 @@ def check_config(cfg: DictConfig) -> None:
     except ValueError as e:
         raise SpecdecError(f"loss: {e}") from e
     problems = check_conversations(cfg, SOURCES)
+    problems += check_shard(cfg, "distill")
     if cfg.drafter.source not in DRAFTERS:
         problems.append(f"drafter.source='{cfg.drafter.source}': use drafter=target_layers|small_llama|pretrained")
     if cfg.responses.refresh_every < 1:

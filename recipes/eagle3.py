@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from recipes.checks import check_conversations, refuse, run_or_exit
+from recipes.checks import check_conversations, check_shard, refuse, run_or_exit
 from recipes.data import Conversations, conversations, target_responses, training_examples
 from recipes.plan import eagle3_plan
 from recipes.run import (
@@ -49,12 +49,12 @@ from specdec_runtime.loading import load_hf_config
 from specdec_runtime.paths import cache_root, config_folder
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
-from train.data import Example, collate, prompt_ids, responses_of, with_responses
+from train.data import Example, collate, encode_conversation, prompt_ids, responses_of, with_responses
 from train.draft_model import draft_vocab
 from train.eagle3 import Eagle3Training, accuracies, pack, replay_chain, target_states, tau_estimate, warm_start
 from train.export import Card, export_eagle3
 from train.hidden_cache import cache_key, cache_states, padded
-from train.launch import check_launch, unwrap
+from train.launch import check_launch, most, unwrap
 from train.loop import every, optimizer_step, per_group_rates
 from train.validate import runtime_decoder, validate
 
@@ -66,6 +66,7 @@ def check_config(cfg: DictConfig) -> Eagle3Config:
     checked against the target's config.json); returns the drafter's config."""
     eagle3 = cfg.eagle3
     problems = check_conversations(cfg, ("target", "dataset"))
+    problems += check_shard(cfg, "eagle3")
     if not isinstance(eagle3.ttt_steps, int) or eagle3.ttt_steps < 1:
         problems.append(f"eagle3.ttt_steps={eagle3.ttt_steps} must be a positive integer")
     if not 0 < eagle3.step_decay <= 1:
@@ -112,7 +113,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     phrases = phrase_table(run, examples) if eagle3.phrase_table else None
     model = build_model(cfg, run, config, target, draft_ids)
     if eagle3.cache_hidden:  # the frozen target runs once per example, not once per epoch
-        examples, held_out = (target_features(cfg, run, target, config, x) for x in (examples, held_out))
+        examples = target_features(cfg, run, target, config, examples)
+    if eagle3.cache_hidden or cfg.model.get("shard"):  # a split target cannot run on rank 0 alone in validation
+        held_out = target_features(cfg, run, target, config, held_out)
     head_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(run.device)]
     embed = target.get_input_embeddings().weight.detach()
     training = Eagle3Training(
@@ -234,6 +237,7 @@ def target_features(cfg: DictConfig, run: Run, target: Any, config: Eagle3Config
         barrier=accelerator.wait_for_everyone,
         progress=lambda n: tqdm(total=n, desc="target states", unit="example", disable=not run.main),
         say=run.print_once,
+        together=most if cfg.model.get("shard") else None,
     )
 
 
@@ -286,6 +290,9 @@ def estimate_examples(cfg: DictConfig, run: Run, data: Conversations, target: An
     convs = data.rest_val[: cfg.validate.estimate_prompts]
     if not convs:
         return []
+    if cfg.model.get("shard"):  # a split target writes nothing in the job: the data's own (regenerated) responses
+        examples = [encode_conversation(run.tokenizer, c, cfg.trainer.max_seq_len) for c in convs]
+        return [e for e in examples if e.n_targets]
     prompts = [prompt_ids(run.tokenizer, c) for c in convs]
     return with_responses(prompts, target_responses(cfg, run, target, prompts), cfg.trainer.max_seq_len)
 
@@ -336,7 +343,17 @@ class Validation:
     def __call__(self, step: int) -> dict[str, Any]:
         cfg, run = self.cfg, self.run
         metrics: dict[str, Any] = {}
-        if cfg.validate.enabled and run.main:
+        if cfg.validate.enabled and run.main and cfg.model.get("shard"):
+            self.training.eval()
+            metrics = {"device": str(run.device), **(self.estimate() if self.held_out else {})}
+            self.training.train()
+            run.print_once(
+                "validation: the target's layers are split across the processes (model.shard=true) and the "
+                "runtime decodes with a whole target on one: the training-time estimate only (tau_estimate_*); "
+                "measure the export with `specdec bench` or an engine where the target fits"
+            )
+            self.tracker.log({f"val/{k}": x for k, x in metrics.items() if isinstance(x, int | float)}, step)
+        elif cfg.validate.enabled and run.main:
             self.training.eval()
             estimate = self.estimate() if self.held_out else {}
             self.runtime = self.runtime or runtime_decoder(self.target, None, run.device)

@@ -24,7 +24,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.checks import check_run_settings, refuse, run_or_exit, target_hub_id
+from recipes.checks import check_run_settings, check_shard, refuse, run_or_exit, target_hub_id
 from recipes.data import val_source
 from recipes.run import Run, finish, make_tracker, record_config, start
 from specdec_runtime.config import DecoderConfig
@@ -57,6 +57,7 @@ from train.validate import validate
 def check_config(cfg: DictConfig) -> list[str]:
     """Problems with the settings that need no model."""
     problems = check_run_settings(cfg)
+    problems += check_shard(cfg, "layerskip")
     if cfg.search.sampler not in SAMPLERS:
         problems.append(f"search.sampler='{cfg.search.sampler}': use gp (Bayesian optimization) or random")
     if cfg.search.objective not in OBJECTIVES:

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from recipes.checks import check_conversations, refuse, run_or_exit
+from recipes.checks import check_conversations, check_shard, refuse, run_or_exit
 from recipes.data import Conversations, conversations, target_responses, training_examples
 from recipes.run import (
     Run,
@@ -61,6 +61,7 @@ def check_config(cfg: DictConfig) -> None:
     """Refuse bad values before anything is loaded."""
     medusa, medusa2 = cfg.medusa, cfg.medusa2
     problems = check_conversations(cfg, ("target", "dataset"))
+    problems += check_shard(cfg, "medusa")
     if medusa.mode not in MODES:
         problems.append(f"medusa.mode='{medusa.mode}': use medusa1 (target frozen) or medusa2 (joint)")
     if medusa.num_heads < 1 or medusa.num_layers < 0:

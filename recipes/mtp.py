@@ -23,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from recipes.checks import check_trainer, refuse, run_or_exit, target_hub_id
+from recipes.checks import check_shard, check_trainer, refuse, run_or_exit, target_hub_id
 from recipes.run import (
     Run,
     finish,
@@ -62,6 +62,7 @@ def check_config(cfg: DictConfig) -> None:
     """Refuse bad values before anything is loaded."""
     mtp, trainer = cfg.mtp, cfg.trainer
     problems = check_trainer(cfg)
+    problems += check_shard(cfg, "mtp")
     if not isinstance(mtp.num_heads, int) or mtp.num_heads < 1:
         problems.append(f"mtp.num_heads={mtp.num_heads} must be a positive integer (1 = plain next-token training)")
     else:

@@ -14,6 +14,7 @@ max_seq_len tokens an example.
 """
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,12 +76,18 @@ def attention_shape(hf: Any) -> tuple[int, int, int, int]:
     return H, heads, getattr(hf, "num_key_value_heads", None) or heads, getattr(hf, "head_dim", None) or H // heads
 
 
+def decoder_layer_params(hf: Any) -> int:
+    """Parameters of one decoder layer of a Llama-family model (Qwen3's q/k norms included)."""
+    H, heads, kv, D = attention_shape(hf)
+    norms = 2 * D if getattr(hf, "model_type", "") == "qwen3" else 0
+    return H * (heads + 2 * kv) * D + heads * D * H + 3 * H * hf.intermediate_size + 2 * H + norms
+
+
 def decoder_params(hf: Any) -> int:
     """Parameters of a Llama-family decoder from its transformers config."""
-    H, heads, kv, D = attention_shape(hf)
-    L, V = hf.num_hidden_layers, hf.vocab_size
-    layer = H * (heads + 2 * kv) * D + heads * D * H + 3 * H * hf.intermediate_size + 2 * H
-    return V * H * (1 if getattr(hf, "tie_word_embeddings", False) else 2) + L * layer + H
+    H, V = hf.hidden_size, hf.vocab_size
+    embeddings = V * H * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+    return embeddings + hf.num_hidden_layers * decoder_layer_params(hf) + H
 
 
 def eagle3_drafter_params(hf: Any, draft_vocab: int) -> int:
@@ -152,7 +159,16 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     budget, source = gpu_budget(cfg)
     plan = Plan(budget_gib=budget, budget_from=source, steps=int(trainer.max_steps))
     params = decoder_params(hf)
-    plan.memory.append(("target (frozen, whole)", params * t_bytes, f"{params / 1e9:.2f} B parameters x {t_bytes} B"))
+    if cfg.model.get("shard"):
+        world = int(cfg.plan.get("processes") or os.environ.get("WORLD_SIZE", 1))
+        whole = params - hf.num_hidden_layers * decoder_layer_params(hf)  # embeddings, final norm, lm_head
+        layer = decoder_layer_params(hf)
+        kept = whole + hf.num_hidden_layers * layer / world + layer  # + the layer gathered in the forward
+        how = f"{params / 1e9:.2f} B parameters x {t_bytes} B, layers split across {world} processes (model.shard)"
+        plan.memory.append(("target (frozen, layers split)", kept * t_bytes, how))
+    else:
+        how = f"{params / 1e9:.2f} B parameters x {t_bytes} B"
+        plan.memory.append(("target (frozen, whole)", params * t_bytes, how))
     P = eagle3_drafter_params(hf, N)
     how = f"{P / 1e6:.0f} M parameters x 16 B (fp32 master, grad, 2 moments)"
     plan.memory.append(("drafter + grads + AdamW", 16 * P, how))
@@ -177,7 +193,8 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
         largest = max(plan.memory, key=lambda m: m[1])[0]
         keep = "(raise trainer.grad_accum to keep the batch)"
         advice = {
-            "target (frozen, whole)": "the target does not fit one GPU: a larger GPU, or model.dtype=bfloat16",
+            "target (frozen, whole)": "the target does not fit one GPU: model.shard=true splits its layers across the "
+            "processes (responses from a dataset), or model.dtype=bfloat16",
             "activations: attention": f"lower trainer.max_seq_len, eagle3.pack_tokens or trainer.micro_batch {keep}",
             "activations: layer rows": "eagle3.checkpoint_steps=true, or lower trainer.micro_batch " + keep,
             "activations: logits": f"lower trainer.micro_batch {keep} or eagle3.draft_vocab_size",

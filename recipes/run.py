@@ -44,7 +44,7 @@ from train import checkpoint
 from train.data import (
     Batches,
 )
-from train.launch import make_accelerator, unpartitioned
+from train.launch import load_layer_sharded, make_accelerator, unpartitioned
 from train.loop import (
     Horizon,
     Progress,
@@ -233,6 +233,10 @@ def load_target(cfg: DictConfig, run: Run, dtype: torch.dtype | None = None) -> 
         run.print_once(f"model.dtype=fast: {fast_bf16(run.device)}")
     dtype = dtype or resolve_dtype(cfg.model.dtype, run.device)
     run.print_once(f"target {cfg.model.name} ({run.target_path}) on {run.device} in {dtype}")
+    if cfg.model.get("shard"):
+        world = run.accelerator.num_processes
+        run.print_once(f"  its decoder layers split across the {world} processes (model.shard=true)")
+        return load_layer_sharded(run.target_path, dtype, run.device)
     with unpartitioned(run.accelerator):
         model = load_hf_model(cfg.model.name, dtype=dtype)
     return model.to(run.device).eval().requires_grad_(False)
@@ -371,7 +375,7 @@ def finish(
     m = result.get("validation") or {}
     summary = {"recipe": recipe, "target": cfg.model.name} | {k: m[k] for k in ("tau", "speedup", "lossless") if k in m}
     tracker.log_artifact(export, f"{recipe}-{run.out.name}", metadata=summary)
-    if m:
+    if m.get("tau") is not None:  # (a split target's validation has the training-time estimate only)
         parts = []  # the two rates the ratio comes from, and the drafter
         if m.get("ar_tokens_per_s"):
             parts.append(f"{m['tokens_per_s']:.1f} against {m['ar_tokens_per_s']:.1f} tok/s")

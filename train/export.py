@@ -418,6 +418,7 @@ def export_skipset(skipset: Any, out: Path, card: Card) -> Path:
 
 The set is a list of sublayers of {card.target}; transformers and vLLM have no layer-skip
 self-speculation that reads it."""
+
     def write(tmp: Path) -> None:
         skipset.save(tmp / "skipset.json")
 

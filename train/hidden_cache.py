@@ -111,10 +111,13 @@ def cache_states(
     progress: Any = None,
     shard_bytes: int = SHARD_BYTES,
     say: Callable[[str], Any] = lambda line: None,
+    together: Callable[[int], int] | None = None,
 ) -> list[Example]:
     """The examples with meta[name] = Stored for every state `states` computes (see the module
     docstring). token_bytes: the bytes of one token's states, for the disk check, whose figures
-    `say` gets before anything is computed."""
+    `say` gets before anything is computed. together: for a target split across the processes,
+    whose every forward is a collective: n -> the most forwards any process runs (each runs that
+    many, the extra ones on one token)."""
     folder.mkdir(parents=True, exist_ok=True)
     done = stored_states(folder)
     barrier()  # every process has read the same shards before any writes one: the same check everywhere
@@ -125,8 +128,14 @@ def cache_states(
         say(f"hidden-state store {folder}: {len(missing):,} of {len(examples):,} examples to compute, "
             f"{_size(need)} on disk ({_size(free)} free)")  # fmt: skip
     mine = sorted((i for i in range(rank, len(examples), world) if i not in done), key=lambda i: len(examples[i].ids))
+    batches = -(-len(mine) // batch_size)
+    idle = together(batches) - batches if together else 0
     if mine:  # by length: less padding
         _compute(target, examples, mine, folder, states, pad_id, batch_size, rank, progress, shard_bytes)
+    device = next(target.parameters()).device
+    for _ in range(idle):  # the forwards the busiest process still runs (their gathers need this one)
+        one = torch.full((1, 1), pad_id, device=device)
+        states(target, one, torch.ones_like(one))
     barrier()
     stored = stored_states(folder)
     names = sorted({n for s in stored.values() for n in s})

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -181,3 +182,69 @@ def gathered_state_dict(accelerator: Any, wrapped: Any) -> dict[str, torch.Tenso
     plain = _plain(accelerator, wrapped)  # accelerator.get_state_dict imports DeepSpeed too (unwrap)
     sd = plain.state_dict() if plain is not None else accelerator.get_state_dict(wrapped)
     return {k: v.detach() for k, v in sd.items()} if accelerator.is_main_process else None
+
+
+def most(n: int) -> int:
+    """The largest n any process holds (n itself in a single process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return n
+    t = torch.tensor([n], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def load_layer_sharded(path: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """A frozen causal LM whose decoder layers are split across the processes (FSDP2's
+    fully_shard: each process keeps 1/world of every layer's rows and gathers one layer at a time
+    in the forward), the embeddings, final norm and lm_head whole on every process (the recipes
+    read them). Each process reads only its own rows, one tensor at a time from the memory-mapped
+    safetensors files, so none ever holds the whole target (a 70B target in bf16 is 141 GB).
+
+    Every process must run the same forwards: each layer's gather is a collective."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world > 1:
+        mesh = init_device_mesh(device.type, (world,))
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if world > 1:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+            # Each layer is its own FSDP root (a root over the whole model would rename its class,
+            # and transformers finds the hidden states to return by class name); a root keeps its
+            # gathered weights after the forward, which here would gather the whole target.
+            layer.register_forward_hook(lambda module, args, out: module.reshard())
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())  # a tied lm_head is the embedding's parameter, named once
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(file), "pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                    if key not in params:
+                        continue
+                    p = params[key]
+                    if isinstance(p, DTensor):  # this process's rows, as fully_shard splits them (torch.chunk)
+                        rows = -(-p.shape[0] // world)
+                        p.to_local().copy_(f.get_slice(key)[rank * rows : (rank + 1) * rows])
+                    else:
+                        p.copy_(f.get_tensor(key))
+                    loaded.add(key)
+    if missing := sorted(set(params) - loaded):
+        raise SpecdecError(
+            f"model.shard: {path} has no tensors named {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
+            "sharding reads checkpoints whose tensor names are the model's own (Llama, Mistral, Qwen2/3 dense)"
+        )
+    rotary = model.model.rotary_emb  # its frequencies, a buffer made on the meta device: again, for real
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    return model.eval().requires_grad_(False)

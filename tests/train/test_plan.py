@@ -98,12 +98,19 @@ QWEN3_8B = dict(  # Qwen/Qwen3-8B's config.json, the fields a plan reads
 )  # fmt: skip
 
 
-def plan(tmp_path: Path, *overrides: str, preset: str = "eagle3_llama3_8b"):
-    """recipes.eagle3's dry run on a folder holding the preset's target's config.json and nothing else."""
+LLAMA_3_1_70B = LLAMA_3_1_8B | dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                    intermediate_size=28672)  # fmt: skip
+
+
+def plan(tmp_path: Path, *overrides: str, preset: str = "eagle3_llama3_8b", config: dict | None = None):
+    """recipes.eagle3's dry run on a folder holding the preset's target's config.json (or `config`)
+    and nothing else."""
     from transformers import LlamaConfig, Qwen3Config
 
     folder = tmp_path / preset
-    if preset == "eagle3_qwen3_8b":
+    if config is not None:
+        LlamaConfig(**config).save_pretrained(folder)
+    elif preset == "eagle3_qwen3_8b":
         Qwen3Config(**QWEN3_8B).save_pretrained(folder)
     else:
         LlamaConfig(**LLAMA_3_1_8B).save_pretrained(folder)
@@ -134,3 +141,16 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change(tmp_path):
         plan(tmp_path, "trainer.micro_batch=8", "trainer.max_seq_len=4096", "eagle3.checkpoint_steps=true").peak_gib
         < result.peak_gib
     )
+
+
+def test_a_70b_target_fits_once_its_layers_are_split_across_8_processes(tmp_path):
+    whole = plan(tmp_path / "whole", config=LLAMA_3_1_70B)
+    assert not whole.fits and "model.shard=true" in whole.advice[0]
+    split = plan(tmp_path / "split", "model.shard=true", "plan.processes=8", "responses.source=dataset",
+                 config=LLAMA_3_1_70B)  # fmt: skip
+    memory = {what: b / 2**30 for what, b, _ in split.memory}
+    layers = 80 * (8192 * (64 + 16) * 128 + 64 * 128 * 8192 + 3 * 8192 * 28672 + 2 * 8192)
+    assert memory["target (frozen, layers split)"] == pytest.approx(
+        (2 * 128256 * 8192 + 8192 + layers / 8 + layers / 80) * 2 / 2**30, rel=1e-6
+    )
+    assert split.fits and split.peak_gib < whole.peak_gib - 100
