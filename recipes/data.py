@@ -157,8 +157,14 @@ def self_prompts(cfg: DictConfig, run: Run, target: Any) -> list[list[int]]:
 
 
 def response_engine(cfg: DictConfig, run: Run) -> str:
-    """What generates the target's responses: responses.engine (local_engine)."""
-    return local_engine(cfg.responses.get("engine", "auto"), run.device)
+    """What generates the target's responses: responses.engine (local_engine); transformers where
+    the runtime cannot run the target (run.runtime_refusal)."""
+    setting = cfg.responses.get("engine", "auto")
+    if run.runtime_refusal and setting != "transformers":
+        if setting == "runtime":
+            raise SpecdecError(f"responses.engine=runtime: {run.runtime_refusal}; use responses.engine=transformers")
+        return "transformers"
+    return local_engine(setting, run.device)
 
 
 def local_engine(setting: str, device: torch.device) -> str:

@@ -90,7 +90,9 @@ def check_config(cfg: DictConfig) -> Eagle3Config:
     ):
         problems.append("validate: need gamma >= 1, tree_budget >= 0, top_k >= 1 and estimate_prompts >= 0")
     refuse(problems)
-    target = DecoderConfig.from_hf(load_hf_config(config_folder(cfg.model.name)))
+    # any family: the drafter's own layer is a Llama one, sized after the target (validation then
+    # says what it cannot measure where the runtime does not run the target: Validation)
+    target = DecoderConfig.from_hf(load_hf_config(config_folder(cfg.model.name)), any_family=True)
     aux = tuple(eagle3.aux_layers) if eagle3.aux_layers is not None else None
     return Eagle3Config.for_target(target, aux_layers=aux, draft_vocab_size=eagle3.draft_vocab_size)
 
@@ -308,6 +310,15 @@ class Validation:
         self.model: Eagle3Model = training.drafter
         self.runtime = None  # the target on the runtime, built at the first validation
 
+    def runtime_cannot(self) -> str | None:
+        """Why the runtime cannot decode with this run's target, or None."""
+        if self.cfg.model.get("shard"):
+            return (
+                "the target's layers are split across the processes (model.shard=true) and the runtime "
+                "decodes with a whole target on one"
+            )
+        return self.run.runtime_refusal
+
     def estimate(self) -> dict[str, Any]:
         """On held-out examples: per-step top-k accuracy, the tau a greedy chain reaches (the
         training-time test's hits replayed round by round, as the runtime decodes) and the tau
@@ -343,14 +354,13 @@ class Validation:
     def __call__(self, step: int) -> dict[str, Any]:
         cfg, run = self.cfg, self.run
         metrics: dict[str, Any] = {}
-        if cfg.validate.enabled and run.main and cfg.model.get("shard"):
+        if cfg.validate.enabled and run.main and (why := self.runtime_cannot()):
             self.training.eval()
             metrics = {"device": str(run.device), **(self.estimate() if self.held_out else {})}
             self.training.train()
             run.print_once(
-                "validation: the target's layers are split across the processes (model.shard=true) and the "
-                "runtime decodes with a whole target on one: the training-time estimate only (tau_estimate_*); "
-                "measure the export with `specdec bench` or an engine where the target fits"
+                f"validation: {why}: the training-time estimate only (tau_estimate_*); measure the export "
+                "with an engine (vLLM, SGLang) or `specdec bench` where the runtime runs the target"
             )
             self.tracker.log({f"val/{k}": x for k, x in metrics.items() if isinstance(x, int | float)}, step)
         elif cfg.validate.enabled and run.main:

@@ -35,10 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from recipes.checks import check_hub, check_target_id, target_hub_id
+from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.hardware import cpu_threads, fast_bf16, resolve_device, resolve_dtype
 from specdec_runtime.hub import push_command, push_folder
-from specdec_runtime.loading import load_hf_model, stop_token_ids
+from specdec_runtime.loading import load_hf_config, load_hf_model, stop_token_ids
 from specdec_runtime.paths import resolve_model
 from train import checkpoint
 from train.data import (
@@ -71,6 +72,9 @@ class Run:
     # The CPU threads each kind of work runs on ("train", "decode": cpu_threads), where this run
     # chose them (one process on a CPU); empty otherwise (torch's or accelerate's setting stands).
     threads: dict[str, int] = field(default_factory=dict)
+    # Why specdec_runtime cannot decode with the target (its family), or None: a recipe that
+    # trains on it anyway generates with transformers and validates with what it can without it
+    runtime_refusal: str | None = None
 
     @property
     def main(self) -> bool:
@@ -149,7 +153,13 @@ def start(cfg: DictConfig) -> Run:
     if "error" in outcome[0]:
         raise SpecdecError(outcome[0]["error"])
     threads = choose_threads(accelerator, training=trainer is not None)
-    return Run(accelerator, out, *load_tokenizer(cfg.model.name), changes=outcome[0]["changes"], threads=threads)
+    path, *tokenizer = load_tokenizer(cfg.model.name)
+    try:
+        DecoderConfig.from_hf(load_hf_config(path))
+        refusal = None
+    except SpecdecError as e:
+        refusal = str(e)
+    return Run(accelerator, out, path, *tokenizer, outcome[0]["changes"], threads, refusal)
 
 
 def target_card(cfg: DictConfig, run: "Run") -> dict[str, Any]:

@@ -177,7 +177,10 @@ def load_target(args: argparse.Namespace) -> "LoadedModel":  # noqa: F821
         print(f"threads: {choice} (--threads N to set them)", file=sys.stderr)
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     if args.compile == "on" or (args.compile == "auto" and target.model.device.type == "cuda"):
-        target.model.compile()
+        if args.compile == "auto" and not target.model.can_compile:
+            print("the fast path captures no mixture-of-experts layers yet: decoding eagerly", file=sys.stderr)
+        else:
+            target.model.compile()
     return target
 
 

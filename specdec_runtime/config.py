@@ -17,7 +17,7 @@ import torch
 
 from specdec_runtime.errors import SpecdecError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,6 +41,13 @@ class DecoderConfig:
     sliding_window: int | None = None
     model_type: str = "llama"
     qk_norm: bool = False  # RMSNorm over each query and key head before rope (Qwen3)
+    # Mixture of experts (Qwen3-MoE): these layers' MLP is num_experts experts of
+    # moe_intermediate_size, experts_per_token of them chosen per token by a router
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalized to sum to 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -50,16 +57,18 @@ class DecoderConfig:
             )
 
     @classmethod
-    def from_hf(cls, hf: Any) -> "DecoderConfig":
-        """Translate a transformers config (v4 or v5 field names); refuse unsupported models."""
+    def from_hf(cls, hf: Any, any_family: bool = False) -> "DecoderConfig":
+        """Translate a transformers config (v4 or v5 field names); refuse unsupported models.
+        any_family: only the shape, whatever the family and activation (a drafter's layer sized
+        after a target the runtime cannot run); the rope must still be one the runtime computes."""
         model_type = getattr(hf, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in SUPPORTED_MODEL_TYPES and not any_family:
             raise SpecdecError(
                 f"model_type '{model_type}' is not supported by specdec_runtime; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2)"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, SmolLM2)"
             )
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
+        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
+        if act != "silu" and not any_family:
             raise SpecdecError(f"hidden_act '{act}' is not supported: only silu (SwiGLU) MLPs")
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
@@ -76,15 +85,25 @@ class DecoderConfig:
         sliding = None
         if model_type == "mistral" or getattr(hf, "use_sliding_window", False):
             sliding = getattr(hf, "sliding_window", None)
+        moe: dict[str, Any] = {}
+        if model_type == "qwen3_moe" and hf.num_experts and not any_family:
+            dense, step = set(getattr(hf, "mlp_only_layers", None) or ()), getattr(hf, "decoder_sparse_step", 1) or 1
+            moe = dict(
+                moe_layers=tuple(i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0),
+                num_experts=hf.num_experts,
+                experts_per_token=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size,
+                norm_topk_prob=bool(hf.norm_topk_prob),
+            )
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            intermediate_size=getattr(hf, "intermediate_size", None) or hf.hidden_size * 4,
             num_layers=hf.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            rms_norm_eps=hf.rms_norm_eps,
+            rms_norm_eps=getattr(hf, "rms_norm_eps", None) or 1e-6,
             max_position_embeddings=hf.max_position_embeddings,
             rope_theta=theta,
             rope_scaling=rope_scaling,
@@ -94,7 +113,8 @@ class DecoderConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             sliding_window=sliding,
             model_type=model_type,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
 

@@ -218,6 +218,33 @@ def mlp(x: Tensor, norm: Tensor, gate_up: Weights, down: Weights, eps: float) ->
     return linear(F.silu(gate).mul_(up), down, residual=x)
 
 
+def moe(x: Tensor, norm: Tensor, router: Weights, gate_up: Tensor, down: Tensor, top_k: int, renorm: bool,
+        eps: float) -> Tensor:  # fmt: skip
+    """x + the router-weighted sum of the top_k experts' SwiGLU MLPs (Qwen3-MoE) for x [N, H];
+    gate_up [E, H, 2I], down [E, I, H]. While N x top_k <= E (decoding, verifying a draft) each
+    row reads only its chosen experts' weights, gathered, in two batched products and no host
+    read; more rows (a prefill) go expert by expert over the rows that chose each."""
+    h = rms_norm(x, norm, eps)
+    probs = linear(h, router).float().softmax(-1)  # [N, E]
+    weights, chosen = probs.topk(top_k, dim=-1)  # [N, k]
+    if renorm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights.to(h.dtype)
+    N, E = h.shape[0], gate_up.shape[0]
+    if N * top_k <= E:
+        flat = chosen.flatten()  # [N k]
+        rows = h.repeat_interleave(top_k, dim=0)[:, None]  # [N k, 1, H]
+        gate, up = torch.bmm(rows, gate_up.index_select(0, flat)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, down.index_select(0, flat))  # [N k, 1, H]
+        return x + (y.view(N, top_k, -1) * weights[..., None]).sum(1)
+    out = torch.zeros_like(h)
+    for e in chosen.unique().tolist():
+        row, slot = (chosen == e).nonzero(as_tuple=True)
+        gate, up = (h[row] @ gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, row, (F.silu(gate) * up) @ down[e] * weights[row, slot, None])
+    return x + out
+
+
 class Linear(nn.Module):
     """Holds a weight stored [in, out] (+ bias), and on request the copy a CPU's products of a few
     rows read (Weights.of, linear()); the decoder calls linear() on them directly."""
@@ -247,17 +274,26 @@ class Linear(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm layer's weights: x + attn(norm(x)), then x + mlp(norm(x)) (the functions above)."""
+    """One pre-norm layer's weights: x + attn(norm(x)), then x + mlp(norm(x)) (the functions above);
+    moe: the MLP is the config's experts and their router (moe())."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, moe: bool = False):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.attn_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
         self.qkv = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.qkv_bias)
         self.o = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
         self.mlp_norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.router: Linear | None = None
+        if moe:
+            E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size  # noqa: E741
+            self.router = Linear(H, E)
+            self.experts_gate_up = nn.Parameter(torch.empty(E, H, 2 * I))
+            self.experts_down = nn.Parameter(torch.empty(E, I, H))
+            self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
+        else:
+            self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+            self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         # Qwen3: each query and key head RMS-normalized before rope ([q, k] weights, each doubled)
         self.qk_norm = nn.Parameter(torch.ones(2, 2 * cfg.head_dim)) if cfg.qk_norm else None
 
@@ -269,6 +305,40 @@ class Block(nn.Module):
     @property
     def mlp_weights(self) -> tuple[Tensor, Weights, Weights]:
         return self.mlp_norm, self.gate_up.params, self.down.params
+
+    @property
+    def mlp_params_read(self) -> int:
+        """The MLP's parameters one token's step reads: all of a dense one; the router and the chosen
+        experts of a mixture of experts."""
+        if self.router is None:
+            return self.gate_up.weight.numel() + self.down.weight.numel()
+        per_expert = self.experts_gate_up[0].numel() + self.experts_down[0].numel()
+        return self.router.weight.numel() + self.top_k * per_expert
+
+    def feed_forward(self, x: Tensor, ffn=mlp) -> Tensor:  # noqa: ANN001
+        """x + this layer's MLP: ffn (mlp() or its compiled version) of the dense weights, or moe()."""
+        if self.router is None:
+            return ffn(x, *self.mlp_weights, self.eps)
+        w = (self.router.params, self.experts_gate_up, self.experts_down)
+        return moe(x, self.mlp_norm, *w, self.top_k, self.renorm, self.eps)
+
+
+def experts_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], m: str, o: str, prep) -> dict[str, Tensor]:
+    """A Qwen3-MoE layer's router and experts (keys under `m`, the layer's "mlp.") as a Block's:
+    router [H, E], experts_gate_up [E, H, 2I], experts_down [E, I, H]. From checkpoints as saved,
+    one module per expert (experts.{e}.gate_proj...), or as transformers holds them in memory,
+    stacked (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
+    if m + "experts.gate_up_proj" in sd:
+        gate_up, down = sd[m + "experts.gate_up_proj"], sd[m + "experts.down_proj"]
+    else:
+        e = [f"{m}experts.{i}." for i in range(cfg.num_experts)]
+        gate_up = torch.stack([torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]]) for x in e])
+        down = torch.stack([sd[x + "down_proj.weight"] for x in e])
+    return {
+        o + "router.weight": prep(sd[m + "gate.weight"].t()),
+        o + "experts_gate_up": prep(gate_up.transpose(1, 2)),
+        o + "experts_down": prep(down.transpose(1, 2)),
+    }
 
 
 def block_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], src: str, dst: str, prep) -> dict[str, Tensor]:
@@ -284,9 +354,12 @@ def block_state_dict(cfg: DecoderConfig, sd: dict[str, Tensor], src: str, dst: s
         o + "mlp_norm": twice(sd[src + "post_attention_layernorm.weight"]),
         o + "qkv.weight": prep(torch.cat([q, k, sd[a + "v_proj.weight"]]).t()),
         o + "o.weight": prep(sd[a + "o_proj.weight"].t()),
-        o + "gate_up.weight": prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t()),
-        o + "down.weight": prep(sd[m + "down_proj.weight"].t()),
     }
+    if m + "gate.weight" in sd:
+        own |= experts_state_dict(cfg, sd, m, o, prep)
+    else:
+        own[o + "gate_up.weight"] = prep(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t())
+        own[o + "down.weight"] = prep(sd[m + "down_proj.weight"].t())
     if cfg.qk_norm:  # [D] each, in the heads' interleaved order (the norm's mean is the same in any order)
         qn, kn = (interleave_rope_dims(sd[a + n], 1, cfg.head_dim) for n in ("q_norm.weight", "k_norm.weight"))
         own[o + "qk_norm"] = prep(torch.stack([torch.cat([qn, qn]), torch.cat([kn, kn])]))

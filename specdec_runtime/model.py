@@ -128,7 +128,7 @@ class AttentionInputs(NamedTuple):
 
 
 class Decoder(nn.Module):
-    """Llama / Mistral / Qwen2 decoder for inference, with its own KV cache."""
+    """Llama / Mistral / Qwen2 / Qwen3 (dense and MoE) decoder for inference, with its own KV cache."""
 
     def __init__(self, cfg: DecoderConfig, head_size: int | None = None):
         super().__init__()
@@ -137,7 +137,7 @@ class Decoder(nn.Module):
         # drafter with a draft vocabulary (head_size < V rows) keeps its full embedding table apart.
         tied = cfg.tie_word_embeddings and head_size is None
         self.embed = None if tied else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, moe=i in cfg.moe_layers) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(2 * cfg.hidden_size))  # [w, w], see rms_norm
         self.lm_head = Linear(cfg.hidden_size, head_size or cfg.vocab_size)
         self.vocab_ids: Tensor | None = None  # [head_size] vocabulary ids of the head's outputs
@@ -173,6 +173,12 @@ class Decoder(nn.Module):
     def compiled(self) -> bool:
         return self.steps is not None
 
+    @property
+    def can_compile(self) -> bool:
+        """Whether compile() can capture this model's steps (not yet with experts, whose rows go
+        expert by expert in a prefill)."""
+        return not self.config.moe_layers
+
     @torch.inference_mode()
     def setup_cache(self, batch: int, size: int) -> None:
         """Make room for `size` slots: the cache is allocated once and only ever grows (on the fast
@@ -203,6 +209,11 @@ class Decoder(nn.Module):
         """Turn on the fast path (module docstring): captured steps, with the layers' attention and
         MLP compiled by torch.compile (fullgraph, static shapes). CUDA graphs on CUDA; elsewhere
         the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager')."""
+        if not self.can_compile:
+            raise SpecdecError(
+                f"the fast path captures no mixture-of-experts layers yet ({self.config.model_type}): "
+                "run it eagerly (--compile off)"
+            )
         for name in ("recompile_limit", "cache_size_limit"):  # one entry per step shape and model
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
@@ -228,7 +239,7 @@ class Decoder(nn.Module):
         """The CPU kernel's view of this model's layers and head (cpu.DecoderKernel: a forward's whole
         stack in one call), where the model keeps CPU copies (keep_cpu_copies); built on first use
         and again whenever the weights' tensors may have been replaced (load_state_dict, to())."""
-        if self._native is None and self.lm_head.cpu_copy:
+        if self._native is None and self.lm_head.cpu_copy and not self.config.moe_layers:  # (no experts in it)
             layers = [(*b.attn_weights, *b.mlp_weights) for b in self.layers]
             self._native = cpu.DecoderKernel(layers, self.norm, self.lm_head.params)
         return self._native
@@ -497,7 +508,7 @@ class Decoder(nn.Module):
             if i not in skip_attn:
                 h = attn(h, B, *blk.attn_weights, a.cos, a.sin, self.kv_layers[i], a.slots, a.mask, a.bound, blk.eps)
             if i not in skip_mlp:
-                h = ffn(h, *blk.mlp_weights, blk.eps)
+                h = blk.feed_forward(h, ffn)
         if last in taps:
             tapped.append(h)
         hidden = torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0] if tapped else None

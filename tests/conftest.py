@@ -44,13 +44,19 @@ TINY = dict(
     initializer_range=0.2,  # spread-out logits: greedy argmax has no near-ties
 )
 
+# Qwen3-MoE: 8 experts of 32, 2 chosen per token, every layer sparse unless mlp_only_layers says
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                mlp_only_layers=[], norm_topk_prob=True, head_dim=32)  # fmt: skip
+
 
 def tiny_hf_config(kind: str = "llama", **overrides):
     """A 2-layer, hidden-64 transformers config of the given family."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[kind]
-    return cls(**{**TINY, **overrides})
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "qwen3_moe": Qwen3MoeConfig}  # fmt: skip
+    extra = TINY_MOE if kind == "qwen3_moe" else {}
+    return classes[kind](**{**TINY, **extra, **overrides})
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):

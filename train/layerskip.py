@@ -161,7 +161,7 @@ class CostModel:
         (memory bandwidth). Verifying a few more tokens reads no more weights: verify_extra 0."""
         block, n = model.layers[0], model.config.num_layers
         attn = block.qkv.weight.numel() + block.o.weight.numel()
-        mlp = block.gate_up.weight.numel() + block.down.weight.numel()
+        mlp = sum(b.mlp_params_read for b in model.layers) / n  # (a mixture of experts: the chosen ones)
         head = model.lm_head.weight.numel()
         total = n * (attn + mlp) + head
         return cls(head / total, attn / total, mlp / total, 0.0, n, "params")

@@ -40,7 +40,7 @@ def runtime_decoder(
     cfg = DecoderConfig.from_hf(model.config)
     dtype = dtype or resolve_dtype("auto", torch.device(device))
     decoder = Decoder.from_hf_state_dict(cfg, full_state_dict(model, vocab_ids), device, dtype, vocab_ids=vocab_ids)
-    if decoder.device.type == "cuda" and fast_path:
+    if decoder.device.type == "cuda" and fast_path and decoder.can_compile:
         decoder.compile()
     return decoder
 

@@ -83,7 +83,7 @@ def test_drafter_that_is_the_target_gets_everything_accepted():
     assert spec.stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("spec", ["draft-model", "truncate", "ngram", "draft-model-adaptive", "lookup-adaptive"])
 def test_greedy_speculative_equals_target_greedy_with_real_tiny_models(kind, spec):
     target = tiny_decoder(kind, seed=0, num_hidden_layers=3)

@@ -36,6 +36,7 @@ FAMILIES = {
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 32}),  # q/k norms; head_dim 32 where hidden / heads is 16
+    "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),  # a dense layer between
     "mistral-window": ("mistral", {"sliding_window": 8}),
 }
 
@@ -56,7 +57,7 @@ def test_prefill_logits_match_transformers(family):
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-moe"])
 def test_greedy_output_equals_transformers_greedy(family):
     """generate() on the runtime's decoder writes what transformers' greedy generate writes."""
     from specdec_runtime.generate import generate
@@ -89,7 +90,7 @@ def test_attention_output_in_another_memory_layout(monkeypatch):
     torch.testing.assert_close(model(ids, 0).logits, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral-window", "llama3-rope"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-moe", "mistral-window", "llama3-rope"])
 def test_incremental_decoding_matches_full_forward(family):
     """Prefill part of a sequence, then feed the rest in chunks of 1-3 tokens: same logits."""
     kind, over = FAMILIES[family]
@@ -225,7 +226,7 @@ def test_unsupported_config_is_refused_clearly(kind, over, message):
 def test_unsupported_model_type_names_the_supported_ones():
     from transformers import GPT2Config
 
-    with pytest.raises(SpecdecError, match="model_type 'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(SpecdecError, match="model_type .gpt2. is not supported.*qwen2, qwen3, qwen3_moe"):
         DecoderConfig.from_hf(GPT2Config())
 
 
@@ -242,3 +243,34 @@ def test_half_precision_tracks_transformers_in_the_same_dtype(dtype, rel):
     assert ours.dtype == torch.float32 and model.dtype == dtype
     assert (ours - ref).abs().max() <= rel * ref.abs().max()
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+
+
+def test_a_decode_step_reads_only_the_experts_its_token_chose():
+    """One token's step (1 x top-2 <= 8 experts) gathers its 2 experts' weights: every other
+    expert's weights set to NaN change nothing (a dense pass over all experts would be NaN)."""
+    hf = tiny_hf_model("qwen3_moe", seed=5, num_hidden_layers=2)
+    model = runtime_from_hf(hf)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    model.setup_cache(1, 10)
+    model(ids[:, :8], 0)
+    want = model(ids[:, 8:], 8).logits
+    picked = {}  # the experts each layer's router chooses for this token, seen in the same forward
+    layers = model.layers
+    originals = [layer.feed_forward for layer in layers]
+    for i, layer in enumerate(layers):
+
+        def spy(x, ffn=None, i=i, layer=layer):
+            h = rms_norm(x, layer.mlp_norm, layer.eps)
+            picked[i] = set((h @ layer.router.weight).topk(layer.top_k, dim=-1).indices.flatten().tolist())
+            return originals[i](x)
+
+        layer.feed_forward = spy
+    model(ids[:, 8:], 8)
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.feed_forward = originals[i]
+            for e in set(range(8)) - picked[i]:
+                layer.experts_gate_up[e] = float("nan")
+                layer.experts_down[e] = float("nan")
+    assert all(len(p) == 2 for p in picked.values())
+    torch.testing.assert_close(model(ids[:, 8:], 8).logits, want)

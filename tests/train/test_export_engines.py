@@ -17,7 +17,7 @@ from specdec_runtime.export_check import MANIFEST, check_export, target_facts
 from tests.conftest import runtime_from_hf, save_tiny_model, tiny_hf_model
 from train.export import Card, export_eagle3, export_medusa, export_mtp, export_skipset, export_standalone
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def target_folder(tmp_path: Path, kind: str) -> tuple[Path, dict]:
@@ -136,8 +136,8 @@ def test_every_export_loads_in_every_engine_it_claims(exports):
 def test_exported_configs_name_the_target_by_its_hub_id_and_sglang_by_its_dtype(exports):
     family, folders = exports
     e3 = json.loads((folders["eagle3"] / "config.json").read_text())
-    assert e3["speculators_config"]["verifier"] == {"name_or_path": "org/target", "architectures": [
-        "LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM"]}  # fmt: skip
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert e3["speculators_config"]["verifier"] == {"name_or_path": "org/target", "architectures": [architecture]}
     layer = e3["transformer_layer_config"]
     assert layer["attention_bias"] is False and layer["mlp_bias"] is False and layer["model_type"] == "llama"
     sg = json.loads((folders["eagle3"] / "sglang" / "config.json").read_text())
