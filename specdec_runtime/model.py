@@ -174,9 +174,7 @@ class Decoder(nn.Module):
         return self.steps is not None
 
     @property
-    def can_compile(self) -> bool:
-        """Whether compile() can capture this model's steps (not yet with experts, whose rows go
-        expert by expert in a prefill)."""
+    def can_compile(self) -> bool:  # not yet with experts (a prefill goes expert by expert: layers.moe)
         return not self.config.moe_layers
 
     @torch.inference_mode()
@@ -210,10 +208,7 @@ class Decoder(nn.Module):
         MLP compiled by torch.compile (fullgraph, static shapes). CUDA graphs on CUDA; elsewhere
         the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager')."""
         if not self.can_compile:
-            raise SpecdecError(
-                f"the fast path captures no mixture-of-experts layers yet ({self.config.model_type}): "
-                "run it eagerly (--compile off)"
-            )
+            raise SpecdecError("the fast path captures no mixture-of-experts layers yet: --compile off")
         for name in ("recompile_limit", "cache_size_limit"):  # one entry per step shape and model
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))

@@ -275,6 +275,9 @@ def test_invalid_settings_are_refused_before_any_work(tiny, tmp_path, override, 
     assert not (out / "study.db").exists()
 
 
+# ~15 s of launching two processes to see one refusal; -m slow since the default run passed 10
+# minutes (issue 60's 2-process tests of a split target took its place)
+@pytest.mark.slow
 def test_two_processes_are_refused_with_what_to_do_instead(tiny, tmp_path):
     """Under `accelerate launch` with 2 processes the search stops at start-up and says how to run
     parallel workers (one process each against one storage); no study is created."""
