@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from recipes.checks import check_conversations, check_shard, refuse, run_or_exit
 from recipes.data import Conversations, conversations, generation_kwargs, training_examples
+from recipes.plan import distill_plan, drafter_config, dry_run
 from recipes.run import (
     Run,
     finish,
@@ -79,6 +80,8 @@ def check_config(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
+    if cfg.dry_run:  # the plan from config.json alone: nothing loads, nothing is written
+        return dry_run(cfg, "distill", lambda hf: distill_plan(cfg, hf, drafter_config(cfg, hf)))
     run = start(cfg)
     data = conversations(cfg, run)
     accelerator, trainer, responses = run.accelerator, cfg.trainer, cfg.responses

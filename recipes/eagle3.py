@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from recipes.checks import check_conversations, check_shard, refuse, run_or_exit
 from recipes.data import Conversations, conversations, target_responses, training_examples
-from recipes.plan import eagle3_plan
+from recipes.plan import dry_run, eagle3_plan
 from recipes.run import (
     Run,
     finish,
@@ -101,9 +101,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     config = check_config(cfg)
     if cfg.dry_run:  # the plan from config.json alone: nothing loads, nothing is written
-        plan = eagle3_plan(cfg, load_hf_config(config_folder(cfg.model.name)))
-        print(f"dry run: recipes.eagle3 on {cfg.model.name}, per GPU\n{plan.render()}")
-        return {"plan": plan}
+        return dry_run(cfg, "eagle3", lambda hf: eagle3_plan(cfg, hf))
     run = start(cfg)
     data = conversations(cfg, run)
     accelerator, trainer, eagle3 = run.accelerator, cfg.trainer, cfg.eagle3

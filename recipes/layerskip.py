@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from recipes.checks import check_run_settings, check_shard, refuse, run_or_exit, target_hub_id
 from recipes.data import val_source
+from recipes.plan import dry_run, layerskip_plan
 from recipes.run import Run, finish, make_tracker, record_config, start
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters.layerskip import SkipSet, skip_drafter
@@ -173,6 +174,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     dcfg = DecoderConfig.from_hf(load_hf_config(config_folder(cfg.model.name)))  # clear errors, no weights
     space = search_space(cfg, dcfg.num_layers)
     refuse(space.problems())
+    if cfg.dry_run:  # the plan from config.json alone: nothing loads, nothing is written
+        return dry_run(cfg, "layerskip", lambda hf: layerskip_plan(cfg, hf))
     run = start(cfg)
     if run.accelerator.num_processes > 1:
         raise SpecdecError(

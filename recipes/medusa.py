@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from recipes.checks import check_conversations, check_shard, refuse, run_or_exit
 from recipes.data import Conversations, conversations, target_responses, training_examples
+from recipes.plan import dry_run, medusa_plan
 from recipes.run import (
     Run,
     finish,
@@ -121,6 +122,8 @@ def adapted_target(model: MedusaTraining) -> Any:
 def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
+    if cfg.dry_run:  # the plan from config.json alone: nothing loads, nothing is written
+        return dry_run(cfg, "medusa", lambda hf: medusa_plan(cfg, hf))
     run = start(cfg)
     data = conversations(cfg, run)
     accelerator, trainer, medusa = run.accelerator, cfg.trainer, cfg.medusa

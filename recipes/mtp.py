@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipes.checks import check_shard, check_trainer, refuse, run_or_exit, target_hub_id
+from recipes.plan import dry_run, mtp_plan
 from recipes.run import (
     Run,
     finish,
@@ -192,6 +193,8 @@ def validation_prompts(val: torch.Tensor, n: int, prompt_tokens: int) -> list[li
 def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- setup
     check_config(cfg)
+    if cfg.dry_run:  # the plan from config.json alone: nothing loads, nothing is written
+        return dry_run(cfg, "mtp", lambda hf: mtp_plan(cfg, hf))
     run = start(cfg)
     accelerator, trainer, mtp = run.accelerator, cfg.trainer, cfg.mtp
     check_launch(

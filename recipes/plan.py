@@ -203,3 +203,163 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     if eagle3.cache_hidden and not examples:
         plan.advice.append("the store's disk is counted from data.max_samples: set it to see the figure")
     return plan
+
+
+def decoder_activation_bytes(hf: Any, rows: int, half: bool, layers: int | None = None) -> float:
+    """Bytes a transformers Llama-family decoder's layers keep for the backward over `rows` tokens
+    when gradients flow through them (SDPA's fused kernels keep a log-sum-exp per head, no [T, T]
+    matrix; sequences counted unpadded): per layer and row, the MLP's gate, up, activation and
+    product, the norms' inputs and outputs, the residual sums, q, k, v and the attention's output;
+    under bf16 autocast also the products' bf16 weight copies (tests/train/test_plan.py holds it to
+    what autograd saves)."""
+    H, heads, kv, D = attention_shape(hf)
+    I = hf.intermediate_size  # noqa: E741
+    L = hf.num_hidden_layers if layers is None else layers
+    if half:
+        per_row = (4 * I + 4 * H + 2 * kv * D + heads * D) * 2 + 5 * H * 4 + (heads + 2) * 4
+        return L * (rows * per_row + 2 * (decoder_layer_params(hf) - 2 * H))
+    return L * rows * ((4 * I + 7 * H + 2 * kv * D + heads * D) * 4 + (heads + 2) * 4)
+
+
+def _start(cfg: DictConfig, hf: Any, whole_target: bool = True) -> Plan:
+    """A plan with its budget and steps, and the frozen target whole on every GPU."""
+    budget, source = gpu_budget(cfg)
+    trainer = cfg.get("trainer")
+    plan = Plan(budget_gib=budget, budget_from=source, steps=int(trainer.max_steps) if trainer else 0)
+    if whole_target:
+        params, t_bytes = decoder_params(hf), dtype_bytes(cfg.model.dtype)
+        plan.memory.append(
+            ("target (frozen, whole)", params * t_bytes, f"{params / 1e9:.2f} B parameters x {t_bytes} B")
+        )
+    return plan
+
+
+def _trained(plan: Plan, what: str, params: float) -> None:
+    plan.memory.append((what, 16 * params, f"{params / 1e6:.0f} M parameters x 16 B (fp32 master, grad, 2 moments)"))
+
+
+def _advise(plan: Plan, keep: str = "(raise trainer.grad_accum to keep the batch)") -> Plan:
+    if not plan.fits:
+        largest = max(plan.memory, key=lambda m: m[1])[0]
+        if largest.startswith("target"):
+            plan.advice.append("the target does not fit one GPU: a larger GPU, or model.dtype=bfloat16")
+        elif largest.startswith("heads + grads"):
+            plan.advice.append("medusa.share_lm_head=true (the heads read the target's lm_head) or fewer heads")
+        else:
+            plan.advice.append(f"lower trainer.micro_batch or trainer.max_seq_len {keep}")
+    return plan
+
+
+def distill_plan(cfg: DictConfig, hf: Any, drafter_hf: Any) -> Plan:
+    """recipes.distill: the frozen target, the stand-alone drafter (drafter_hf: its config) trained
+    whole, its activations at micro_batch x max_seq_len, and the logits of both at every position
+    (the most response tokens there can be) in fp32, with the divergence's [tokens, vocabulary]
+    intermediates."""
+    trainer, half = cfg.trainer, cfg.trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
+    rows, V = trainer.micro_batch * trainer.max_seq_len, drafter_hf.vocab_size
+    N = cfg.drafter.draft_vocab_size or V
+    plan = _start(cfg, hf)
+    H = drafter_hf.hidden_size
+    head = H * N + (0 if getattr(drafter_hf, "tie_word_embeddings", False) and N == V else H * V)
+    _trained(
+        plan, "drafter + grads + AdamW", drafter_hf.num_hidden_layers * decoder_layer_params(drafter_hf) + head + H
+    )
+    act = decoder_activation_bytes(drafter_hf, rows, half)
+    plan.memory.append(("activations: drafter layers", act, f"micro_batch x max_seq_len = {rows} tokens"))
+    logits = rows * (DISTILL_LOGITS * N + V) * 4
+    plan.memory.append(("activations: logits", logits, f"both models' over {N} / {V} tokens, fp32"))
+    return _advise(plan)
+
+
+# [tokens, N] fp32 tensors the divergence keeps for its backward (the student's logits, log-q,
+# q, log-m and the teacher's terms), held to autograd by tests/train/test_plan.py
+DISTILL_LOGITS = 5
+
+
+def medusa_plan(cfg: DictConfig, hf: Any) -> Plan:
+    """recipes.medusa: the target (frozen, or LoRA-adapted under Medusa-2 with its activations),
+    the heads (a residual block each, and a vocabulary projection unless share_lm_head), and each
+    head's fp32 logits at every position."""
+    trainer, medusa = cfg.trainer, cfg.medusa
+    half = trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
+    rows, H, V = trainer.micro_batch * trainer.max_seq_len, hf.hidden_size, hf.vocab_size
+    plan = _start(cfg, hf)
+    per_head = medusa.num_layers * (H * H + H) + (0 if medusa.share_lm_head else H * V)
+    _trained(plan, "heads + grads + AdamW", medusa.num_heads * per_head)
+    heads = medusa.num_heads * rows * (3 * medusa.num_layers * H + V) * 4  # a block's rows, then the logits
+    plan.memory.append(("activations: heads", heads, f"{medusa.num_heads} heads x {rows} tokens, logits in fp32"))
+    if medusa.mode == "medusa2":
+        if cfg.medusa2.target == "lora":
+            r, mods = cfg.medusa2.lora.r, len(cfg.medusa2.lora.target_modules)
+            _trained(plan, "LoRA + grads + AdamW", hf.num_hidden_layers * mods * r * 2 * H)
+        else:
+            _trained(plan, "target + grads + AdamW", decoder_params(hf))
+        act = decoder_activation_bytes(hf, rows, half)
+        plan.memory.append(("activations: target layers", act, "Medusa-2 trains through the target"))
+        plan.memory.append(("activations: KL", rows * 3 * V * 4.0, "the original and adapted logits, fp32"))
+    return _advise(plan)
+
+
+def mtp_plan(cfg: DictConfig, hf: Any) -> Plan:
+    """recipes.mtp: the model (pretrained from scratch in the shape mtp.architecture gives, or
+    model.name with heads) trained whole, the trunk's activations and one head's at a time
+    (mtp.backward=sequential; naive keeps every head's)."""
+    trainer, mtp = cfg.trainer, cfg.mtp
+    half = trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
+    if mtp.init == "scratch":  # the model's last layer is head 0; heads 1.. are layers beside it
+        a = mtp.architecture
+        shape = dict(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                     num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
+                     num_hidden_layers=a.trunk_layers + 1, vocab_size=hf.vocab_size,
+                     tie_word_embeddings=a.tie_word_embeddings)  # fmt: skip
+        model = type(hf)(**shape)
+    else:
+        model = hf
+    trunk, rows = model.num_hidden_layers - 1, trainer.micro_batch * trainer.max_seq_len
+    plan = _start(cfg, hf, whole_target=False)
+    params = decoder_params(model) + (mtp.num_heads - 1) * decoder_layer_params(model)
+    _trained(plan, "model + heads + grads + AdamW", params)
+    plan.memory.append(("activations: trunk", decoder_activation_bytes(model, rows, half, trunk), f"{trunk} layers"))
+    heads = 1 if mtp.backward == "sequential" else mtp.num_heads
+    per_head = decoder_activation_bytes(model, rows, half, 1) + rows * 2 * model.vocab_size * 4
+    plan.memory.append(("activations: heads", heads * per_head, f"{heads} head(s) at a time, logits in fp32"))
+    return _advise(plan)
+
+
+def layerskip_plan(cfg: DictConfig, hf: Any) -> Plan:
+    """recipes.layerskip: nothing trains; the target whole and the KV cache of its calibration and
+    validation decoding."""
+    plan = _start(cfg, hf)
+    _, _, kv, D = attention_shape(hf)
+    tokens = 4096  # calibration and validation decode a prompt and a few hundred tokens at most
+    cache = 2 * hf.num_hidden_layers * kv * D * tokens * dtype_bytes(cfg.model.dtype)
+    plan.memory.append(("KV cache", cache, f"{tokens} positions"))
+    return _advise(plan)
+
+
+def dry_run(cfg: DictConfig, recipe: str, make: Any) -> dict[str, Plan]:
+    """A recipe's dry run: make(config.json) -> its Plan, printed; nothing loads."""
+    from specdec_runtime.loading import load_hf_config
+    from specdec_runtime.paths import config_folder
+
+    plan = make(load_hf_config(config_folder(cfg.model.name)))
+    print(f"dry run: recipes.{recipe} on {cfg.model.name}, per GPU\n{plan.render()}")
+    return {"plan": plan}
+
+
+def drafter_config(cfg: DictConfig, hf: Any) -> Any:
+    """The config of recipes.distill's drafter (drafter.source): the target's first layers, a small
+    Llama of the given shape, or a pretrained model's config.json."""
+    from transformers import LlamaConfig
+
+    from specdec_runtime.loading import load_hf_config
+    from specdec_runtime.paths import config_folder
+
+    d = cfg.drafter
+    if d.source == "target_layers":
+        return type(hf)(**{**hf.to_dict(), "num_hidden_layers": d.num_layers})
+    if d.source == "config":
+        return LlamaConfig(vocab_size=hf.vocab_size, hidden_size=d.hidden_size, num_hidden_layers=d.num_layers,
+                           intermediate_size=d.intermediate_size, num_attention_heads=d.num_heads,
+                           num_key_value_heads=d.num_kv_heads, tie_word_embeddings=True)  # fmt: skip
+    return load_hf_config(config_folder(d.name))

@@ -154,3 +154,112 @@ def test_a_70b_target_fits_once_its_layers_are_split_across_8_processes(tmp_path
         (2 * 128256 * 8192 + 8192 + layers / 8 + layers / 80) * 2 / 2**30, rel=1e-6
     )
     assert split.fits and split.peak_gib < whole.peak_gib - 100
+
+
+def saved_bytes(fn, *modules: torch.nn.Module) -> int:
+    """Bytes of the tensors autograd keeps while fn() runs (each storage once), the modules'
+    parameters (and views of them) aside."""
+    weights = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        fn()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_transformers_decoder_layer_keeps_what_is_counted(half):
+    """decoder_activation_bytes (distill's drafter, Medusa-2's target, MTP's model): a layer's
+    share, as one more layer changes what autograd keeps in a transformers Llama's training forward."""
+    from recipes.plan import decoder_activation_bytes
+
+    B, T = 2, 96
+    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+
+    def kept(layers: int) -> int:
+        hf = tiny_hf_model("llama", 0, num_hidden_layers=layers, vocab_size=256, hidden_size=64,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2).train()  # fmt: skip
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+            return saved_bytes(lambda: hf(input_ids=ids, labels=ids), hf)
+
+    config = tiny_hf_model("llama", 0, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2).config  # fmt: skip
+    assert decoder_activation_bytes(config, B * T, half, layers=1) == pytest.approx(kept(3) - kept(2), rel=0.1)
+
+
+def test_the_distillation_divergence_keeps_what_is_counted():
+    from recipes.plan import DISTILL_LOGITS
+    from train import losses
+
+    N, V = 64, 500
+    student = torch.randn(N, V, requires_grad=True)
+    teacher = losses.Teacher.dense(torch.randn(N, V))
+    kept = saved_bytes(lambda: losses.divergence("jsd", student * 1.0, teacher).sum())
+    assert DISTILL_LOGITS * N * V * 4 == pytest.approx(kept, rel=0.25)
+
+
+def dry(tmp_path: Path, recipe: str, *overrides: str):
+    """A recipe's dry run on a folder holding Llama-3.1-8B's config.json and nothing else."""
+    from transformers import LlamaConfig
+
+    import recipes.distill
+    import recipes.layerskip
+    import recipes.medusa
+    import recipes.mtp
+
+    folder = tmp_path / "llama-8b"
+    LlamaConfig(**LLAMA_3_1_8B).save_pretrained(folder)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        base = [f"model.name={folder}", "dry_run=true", "plan.gpu_memory_gib=80", "model.dtype=bfloat16"]
+        cfg = compose(recipe, overrides=[*base, f"output_dir={tmp_path / 'run'}", *overrides])
+    module = {"distill": recipes.distill, "medusa": recipes.medusa, "mtp": recipes.mtp, "layerskip": recipes.layerskip}
+    return module[recipe].run(cfg)["plan"]
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, fits",
+    [
+        ("distill", ("trainer.micro_batch=4", "trainer.max_seq_len=2048"), True),
+        ("distill", ("trainer.micro_batch=32", "trainer.max_seq_len=4096"), False),
+        ("medusa", ("medusa.share_lm_head=true", "trainer.micro_batch=4", "trainer.max_seq_len=2048"), True),
+        ("medusa", ("trainer.micro_batch=8", "trainer.max_seq_len=2048"), False),  # 5 heads, each a vocabulary
+        ("medusa", ("medusa.mode=medusa2", "trainer.micro_batch=16", "trainer.max_seq_len=4096"), False),
+        ("mtp", ("trainer.micro_batch=8", "trainer.max_seq_len=2048"), True),
+        ("layerskip", (), True),
+    ],
+)
+def test_every_recipe_plans_from_config_json_alone(tmp_path, capsys, recipe, overrides, fits):
+    result = dry(tmp_path, recipe, *overrides)
+    assert not (tmp_path / "run").exists()
+    assert result.fits == fits and (fits or result.advice)
+    out = capsys.readouterr().out
+    assert f"dry run: recipes.{recipe}" in out and "peak per GPU" in out
+    memory = dict((what, b) for what, b, _ in result.memory)
+    if recipe != "mtp":  # mtp pretrains its own model: no frozen target
+        assert memory["target (frozen, whole)"] == pytest.approx(8.03e9 * 2, rel=0.01)
+
+
+def test_the_medusa_heads_keep_what_is_counted():
+    """medusa_plan's heads term against what autograd keeps in train.medusa's forward (Medusa-1: the
+    frozen target's states given), every position a response token."""
+    from recipes.plan import medusa_plan
+    from specdec_runtime.drafters.medusa import MedusaHeads
+    from train.medusa import MedusaTraining
+
+    B, T, H, V, heads = 2, 64, 64, 256, 3
+    target = tiny_hf_model("llama", 0, vocab_size=V, hidden_size=H)
+    training = MedusaTraining(target, MedusaHeads(H, V, heads, 1))
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(B, T, H)
+    mask = torch.ones(B, T - 1, dtype=torch.bool)
+    kept = saved_bytes(lambda: training(ids, torch.ones_like(ids), mask, hidden), training, target)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("medusa", overrides=[f"medusa.num_heads={heads}", "medusa.num_layers=1", "trainer.micro_batch=2",
+                                           f"trainer.max_seq_len={T}", "plan.gpu_memory_gib=80"])  # fmt: skip
+    counted = dict((what, b) for what, b, _ in medusa_plan(cfg, target.config).memory)["activations: heads"]
+    assert counted == pytest.approx(kept, rel=0.15)
