@@ -131,13 +131,8 @@ def check_shard(cfg: DictConfig, recipe: str) -> list[str]:
         return []
     if recipe != "eagle3":
         return [f"model.shard=true: recipes.{recipe} keeps a whole target on every process; recipes.eagle3 shards it"]
-    if cfg.responses.source != "dataset":
-        return [
-            "model.shard=true: a target split across processes cannot write the responses inside the job (every "
-            "process would wait for the others at each layer of each token): regenerate them first with "
-            "`python -m recipes.regenerate model.name=... engine.kind=server engine.url=...` (vLLM, SGLang) and "
-            "train on that folder: data=files data.train=OUTPUT_DIR responses.source=dataset"
-        ]
+    if cfg.responses.get("engine", "auto") == "runtime":
+        return ["model.shard=true: the runtime decodes with a whole target; use responses.engine=transformers"]
     return []
 
 

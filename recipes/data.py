@@ -26,6 +26,7 @@ from train.data import (
     self_written,
     with_responses,
 )
+from train.launch import most
 from train.responses import DONE as RESPONSES_DONE
 from train.responses import cache_key, generate_responses
 from train.validate import runtime_decoder
@@ -110,6 +111,7 @@ def generation_kwargs(cfg: DictConfig, run: Run) -> dict[str, Any]:
         barrier=accelerator.wait_for_everyone,
         gather=lambda d: gather_object([d]),  # every process gets every share
         progress=progress,
+        together=most if cfg.model.get("shard") else None,  # a split target: every process the same forwards
     )
 
 
@@ -160,9 +162,10 @@ def response_engine(cfg: DictConfig, run: Run) -> str:
     """What generates the target's responses: responses.engine (local_engine); transformers where
     the runtime cannot run the target (run.runtime_refusal)."""
     setting = cfg.responses.get("engine", "auto")
-    if run.runtime_refusal and setting != "transformers":
+    cannot = "the target's layers are split across the processes" if cfg.model.get("shard") else run.runtime_refusal
+    if cannot and setting != "transformers":
         if setting == "runtime":
-            raise SpecdecError(f"responses.engine=runtime: {run.runtime_refusal}; use responses.engine=transformers")
+            raise SpecdecError(f"responses.engine=runtime: {cannot}; use responses.engine=transformers")
         return "transformers"
     return local_engine(setting, run.device)
 

@@ -49,7 +49,7 @@ from specdec_runtime.loading import load_hf_config
 from specdec_runtime.paths import cache_root, config_folder
 from specdec_runtime.tree import Tree
 from train.checkpoint import save_checkpoint
-from train.data import Example, collate, encode_conversation, prompt_ids, responses_of, with_responses
+from train.data import Example, collate, prompt_ids, responses_of, with_responses
 from train.draft_model import draft_vocab
 from train.eagle3 import Eagle3Training, accuracies, pack, replay_chain, target_states, tau_estimate, warm_start
 from train.export import Card, export_eagle3
@@ -290,9 +290,6 @@ def estimate_examples(cfg: DictConfig, run: Run, data: Conversations, target: An
     convs = data.rest_val[: cfg.validate.estimate_prompts]
     if not convs:
         return []
-    if cfg.model.get("shard"):  # a split target writes nothing in the job: the data's own (regenerated) responses
-        examples = [encode_conversation(run.tokenizer, c, cfg.trainer.max_seq_len) for c in convs]
-        return [e for e in examples if e.n_targets]
     prompts = [prompt_ids(run.tokenizer, c) for c in convs]
     return with_responses(prompts, target_responses(cfg, run, target, prompts), cfg.trainer.max_seq_len)
 

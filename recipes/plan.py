@@ -193,8 +193,8 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
         largest = max(plan.memory, key=lambda m: m[1])[0]
         keep = "(raise trainer.grad_accum to keep the batch)"
         advice = {
-            "target (frozen, whole)": "the target does not fit one GPU: model.shard=true splits its layers across the "
-            "processes (responses from a dataset), or model.dtype=bfloat16",
+            "target (frozen, whole)": "the target does not fit one GPU: model.shard=true (its layers split "
+            "across the processes), or model.dtype=bfloat16",
             "activations: attention": f"lower trainer.max_seq_len, eagle3.pack_tokens or trainer.micro_batch {keep}",
             "activations: layer rows": "eagle3.checkpoint_steps=true, or lower trainer.micro_batch " + keep,
             "activations: logits": f"lower trainer.micro_batch {keep} or eagle3.draft_vocab_size",

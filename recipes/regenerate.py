@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.checks import ENGINES, check_collective_timeout, check_data, refuse, run_or_exit
+from recipes.checks import ENGINES, check_collective_timeout, check_data, check_shard, refuse, run_or_exit
 from recipes.data import local_engine, training_conversations
 from recipes.run import load_tokenizer
 from specdec_runtime.hardware import resolve_dtype
@@ -30,7 +30,7 @@ SETTINGS = "regenerate.json"  # what made the folder: target, engine, generation
 def check_config(cfg: DictConfig) -> None:
     """Refuse bad values before anything loads or any request is sent."""
     engine, generation = cfg.engine, cfg.generation
-    problems = check_data(cfg)
+    problems = check_data(cfg) + check_shard(cfg, "regenerate")
     if engine.kind not in KINDS:
         problems.append(f"engine.kind='{engine.kind}': use in_process (the target in this job) or server")
     if engine.kind == "server" and not str(engine.url or "").startswith(("http://", "https://")):

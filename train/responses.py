@@ -12,6 +12,7 @@ a finished set is merged into responses.jsonl that later runs (any process count
 Under several processes each one generates its share (prompt i goes to rank i % world).
 """
 
+import copy
 import hashlib
 import json
 import os
@@ -60,9 +61,12 @@ def batch_generator(
     temperature: float,
     top_p: float,
     seed: int,
+    every_step: bool = False,
 ) -> Callable[[list[list[int]]], list[list[int]]]:
     """A batch of prompts -> their responses: the runtime's generate_batch for a specdec_runtime
-    Decoder (sampling from its own Sampler), transformers' generate for a transformers model."""
+    Decoder (sampling from its own Sampler), transformers' generate for a transformers model.
+    every_step: transformers runs all max_new_tokens steps, past every stop token (the responses,
+    cut at their first one, are the same tokens: a row that stops is sampled along all the same)."""
     if isinstance(model, Decoder):
         sampler = Sampler(temperature, top_p=top_p, seed=seed)
         return partial(
@@ -73,12 +77,21 @@ def batch_generator(
         if temperature > 0
         else {"do_sample": False}
     )
+    if every_step:  # no stop token for generate itself: a GenerationConfig that has none
+        config = copy.deepcopy(model.generation_config)
+        config.update(max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
+        config.eos_token_id = []  # (None falls back to the model's own)
+        # synced_gpus off: every process runs every step already (transformers' own lockstep adds
+        # an all-reduce a step)
+        kw = dict(generation_config=config, synced_gpus=False)
+        return partial(_transformers_batch, model, pad_id=pad_id, stop_ids=stop_ids, **kw)
     return partial(
-        _transformers_batch, model, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, **sampling
-    )
+        _transformers_batch, model, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(stop_ids), pad_token_id=pad_id, **sampling,
+    )  # fmt: skip
 
 
-@torch.inference_mode()
+@torch.no_grad()  # (not inference_mode: a split target's gathered weights are reused outside it after)
 def _transformers_batch(
     model: Any, batch: list[list[int]], *, pad_id: int, stop_ids: frozenset[int], **kw: Any
 ) -> list[list[int]]:
@@ -86,9 +99,7 @@ def _transformers_batch(
     T = ids.shape[1]
     attn = (torch.arange(T)[None] >= starts[:, None]).long()
     dev = next(model.parameters()).device
-    out = model.generate(
-        input_ids=ids.to(dev), attention_mask=attn.to(dev), pad_token_id=pad_id, eos_token_id=sorted(stop_ids), **kw
-    )
+    out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), **kw)
     return [cut_at_stop(row[T:].tolist(), stop_ids) for row in out]
 
 
@@ -109,8 +120,12 @@ def generate_responses(
     barrier: Callable[[], None] = lambda: None,
     gather: Callable[[dict[int, list[int]]], list[dict[int, list[int]]]] = lambda d: [d],
     progress: Callable[[int, int], Any] | None = None,
+    together: Callable[[int], int] | None = None,
 ) -> list[list[int]]:
-    """The model's response token ids for every prompt (in order); see the module docstring."""
+    """The model's response token ids for every prompt (in order); see the module docstring.
+    together: for a target split across the processes, whose every forward is a collective: n ->
+    the most batches any process generates; each then generates that many (the extra ones of one
+    token), every one for all max_new_tokens steps (batch_generator's every_step)."""
     if cache_dir is not None and (cache_dir / DONE).is_file():
         return [json.loads(line)["response"] for line in (cache_dir / DONE).read_text().splitlines()]
     done: dict[int, list[int]] = {}
@@ -124,8 +139,10 @@ def generate_responses(
     torch.manual_seed(seed + rank)  # transformers' sampling; the runtime's draws from its sampler
     generate = batch_generator(
         model, pad_id=pad_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_p=top_p, seed=seed + rank,
+        top_p=top_p, seed=seed + rank, every_step=together is not None,
     )  # fmt: skip
+    batches = -(-len(todo) // batch_size)
+    idle = together(batches) - batches if together else 0  # (a collective: before any forward)
     bar = progress(len(todo), len(prompts)) if progress else None
     mine: dict[int, list[int]] = {}
     for b in range(0, len(todo), batch_size):
@@ -139,6 +156,8 @@ def generate_responses(
             part.flush()
         if bar is not None:
             bar.update(len(idx))
+    for _ in range(idle):  # as many batches as the busiest process
+        generate([[pad_id]])
     if bar is not None:
         bar.close()
     if part is not None:

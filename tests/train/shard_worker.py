@@ -13,11 +13,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 
 from train.data import Example
 from train.eagle3 import target_states
 from train.hidden_cache import cache_states, padded
 from train.launch import load_layer_sharded, make_accelerator, most
+from train.responses import generate_responses
 
 
 def main(target: str, out: str) -> None:
@@ -48,9 +50,16 @@ def main(target: str, out: str) -> None:
     with torch.no_grad():
         direct = states(whole, torch.tensor([examples[2].ids]), torch.ones(1, 4, dtype=torch.long))
     store_diff = (padded(stored[2:], "taps", torch.device("cpu")) - direct["taps"]).abs().max().item()
-    (Path(out) / f"rank{rank}.json").write_text(
-        json.dumps({"diff": diff, "kept": kept, "store_diff": store_diff, "world": acc.num_processes})
-    )
+    # responses in the job: 3 prompts over 2 processes, a batch each, every process as many batches
+    # and steps as the busiest; the same greedy tokens as the whole target's normal generate
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    kw = dict(pad_id=0, stop_ids=frozenset({2}), max_new_tokens=6, batch_size=1, rank=rank, world=acc.num_processes)
+    split_responses = generate_responses(split, prompts, gather=lambda d: gather_object([d]), together=most, **kw)
+    whole_responses = generate_responses(whole, prompts, pad_id=0, stop_ids=frozenset({2}), max_new_tokens=6)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({
+        "diff": diff, "kept": kept, "store_diff": store_diff, "world": acc.num_processes,
+        "responses_equal": split_responses == whole_responses, "responses": split_responses,
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """model.shard=true: the frozen target's decoder layers split across 2 CPU processes (FSDP2),
-its states equal to the whole target's, the state store filled in lockstep with unequal shares,
-and recipes.eagle3 trained, validated (the training-time estimate) and exported on it; other
-recipes and in-job responses are refused before anything loads."""
+its states equal to the whole target's, the state store filled and responses generated in
+lockstep with unequal shares (the responses the whole target's greedy ones), and recipes.eagle3
+generating its responses, training, validating (the training-time estimate) and exporting on
+it; other recipes and the runtime engine are refused before anything loads."""
 
 import json
 from pathlib import Path
@@ -39,13 +40,14 @@ def test_split_target_states_equal_the_whole_targets_and_the_store_runs_in_locks
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["world"] == 2 and r["diff"] < 1e-5 and r["store_diff"] < 1e-5
         assert r["kept"] == [32, 64]  # half of q_proj's rows on each process
+        assert r["responses_equal"] and all(r["responses"]), r["responses"]
 
 
 def overrides(tiny, out: Path, *extra: str) -> list[str]:
     target, data = tiny
     return [
         f"output_dir={out}", "device=cpu", f"model.name={target}", "model.shard=true", "data=files",
-        f"data.train={data}", f"data.val={data}", "responses.source=dataset", "eagle3.aux_layers=[1,2,3]",
+        f"data.train={data}", f"data.val={data}", "responses.max_new_tokens=8", "eagle3.aux_layers=[1,2,3]",
         "eagle3.draft_vocab_size=30", "eagle3.ttt_steps=2", "eagle3.cache_hidden=false", "trainer.micro_batch=2",
         "trainer.max_steps=3", "trainer.checkpoint_every=3", "validate.estimate_prompts=4", *extra,
     ]  # fmt: skip
@@ -65,7 +67,7 @@ def test_eagle3_trains_validates_and_exports_on_a_split_target(tiny, tmp_path):
 @pytest.mark.parametrize(
     "recipe, extra, message",
     [
-        (eagle3, ("responses.source=target",), "cannot write the responses inside the job"),
+        (eagle3, ("responses.engine=runtime",), "the runtime decodes with a whole target"),
         (distill, ("responses.source=dataset",), "recipes.distill keeps a whole target on every process"),
     ],
 )
