@@ -162,10 +162,9 @@ def response_engine(cfg: DictConfig, run: Run) -> str:
     """What generates the target's responses: responses.engine (local_engine); transformers where
     the runtime cannot run the target (run.runtime_refusal)."""
     setting = cfg.responses.get("engine", "auto")
-    cannot = "the target's layers are split across the processes" if cfg.model.get("shard") else run.runtime_refusal
-    if cannot and setting != "transformers":
+    if run.runtime_refusal and setting != "transformers":
         if setting == "runtime":
-            raise SpecdecError(f"responses.engine=runtime: {cannot}; use responses.engine=transformers")
+            raise SpecdecError(f"responses.engine=runtime: {run.runtime_refusal}; use responses.engine=transformers")
         return "transformers"
     return local_engine(setting, run.device)
 

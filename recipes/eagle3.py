@@ -305,15 +305,6 @@ class Validation:
         self.model: Eagle3Model = training.drafter
         self.runtime = None  # the target on the runtime, built at the first validation
 
-    def runtime_cannot(self) -> str | None:
-        """Why the runtime cannot decode with this run's target, or None."""
-        if self.cfg.model.get("shard"):
-            return (
-                "the target's layers are split across the processes (model.shard=true) and the runtime "
-                "decodes with a whole target on one"
-            )
-        return self.run.runtime_refusal
-
     def estimate(self) -> dict[str, Any]:
         """On held-out examples: per-step top-k accuracy, the tau a greedy chain reaches (the
         training-time test's hits replayed round by round, as the runtime decodes) and the tau
@@ -349,7 +340,7 @@ class Validation:
     def __call__(self, step: int) -> dict[str, Any]:
         cfg, run = self.cfg, self.run
         metrics: dict[str, Any] = {}
-        if cfg.validate.enabled and run.main and (why := self.runtime_cannot()):
+        if cfg.validate.enabled and run.main and (why := run.runtime_refusal):
             self.training.eval()
             metrics = {"device": str(run.device), **(self.estimate() if self.held_out else {})}
             self.training.train()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+KEEP = "(raise trainer.grad_accum to keep the batch)"
 DEFAULT_GPU_GIB = 80.0  # the budget where this machine has no GPU to ask (an H100's)
 GIB = 2**30
 
@@ -63,6 +64,11 @@ def gpu_budget(cfg: DictConfig) -> tuple[float, str]:
         props = torch.cuda.get_device_properties(0)
         return props.total_memory / GIB, props.name
     return DEFAULT_GPU_GIB, f"no GPU here: {DEFAULT_GPU_GIB:.0f} GiB assumed, plan.gpu_memory_gib=N to change it"
+
+
+def autocast_half(trainer: DictConfig) -> bool:
+    """Whether trainer.mixed_precision runs the products in half precision (on a GPU: auto does)."""
+    return trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
 
 
 def dtype_bytes(name: str) -> int:
@@ -155,23 +161,16 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     trainer, eagle3 = cfg.trainer, cfg.eagle3
     B, T, steps, N = trainer.micro_batch, trainer.max_seq_len, eagle3.ttt_steps, eagle3.draft_vocab_size
     t_bytes = dtype_bytes(cfg.model.dtype)
-    half = trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
-    budget, source = gpu_budget(cfg)
-    plan = Plan(budget_gib=budget, budget_from=source, steps=int(trainer.max_steps))
-    params = decoder_params(hf)
+    half = autocast_half(trainer)
+    plan = _start(cfg, hf, whole_target=not cfg.model.get("shard"))
     if cfg.model.get("shard"):
+        params, layer = decoder_params(hf), decoder_layer_params(hf)
         world = int(cfg.plan.get("processes") or os.environ.get("WORLD_SIZE", 1))
-        whole = params - hf.num_hidden_layers * decoder_layer_params(hf)  # embeddings, final norm, lm_head
-        layer = decoder_layer_params(hf)
+        whole = params - hf.num_hidden_layers * layer  # embeddings, final norm, lm_head
         kept = whole + hf.num_hidden_layers * layer / world + layer  # + the layer gathered in the forward
         how = f"{params / 1e9:.2f} B parameters x {t_bytes} B, layers split across {world} processes (model.shard)"
         plan.memory.append(("target (frozen, layers split)", kept * t_bytes, how))
-    else:
-        how = f"{params / 1e9:.2f} B parameters x {t_bytes} B"
-        plan.memory.append(("target (frozen, whole)", params * t_bytes, how))
-    P = eagle3_drafter_params(hf, N)
-    how = f"{P / 1e6:.0f} M parameters x 16 B (fp32 master, grad, 2 moments)"
-    plan.memory.append(("drafter + grads + AdamW", 16 * P, how))
+    _trained(plan, "drafter + grads + AdamW", eagle3_drafter_params(hf, N))
     pack, ckpt = eagle3.pack_tokens, eagle3.checkpoint_steps
     act = ttt_activation_bytes(hf, B, T, steps, N, half, pack_tokens=pack, checkpoint_steps=ckpt)
     how = f"micro_batch {B} x max_seq_len {T}, {steps} unrolled steps"
@@ -189,17 +188,14 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     examples = (cfg.data.max_samples or 0) * max(1, cfg.responses.samples_per_prompt)
     if eagle3.cache_hidden:
         plan.disk_bytes = examples * T * (len(eagle3.aux_layers or (0, 0, 0)) + 1) * hf.hidden_size * t_bytes
-    if not plan.fits:
-        largest = max(plan.memory, key=lambda m: m[1])[0]
-        keep = "(raise trainer.grad_accum to keep the batch)"
-        advice = {
-            "target (frozen, whole)": "the target does not fit one GPU: model.shard=true (its layers split "
-            "across the processes), or model.dtype=bfloat16",
-            "activations: attention": f"lower trainer.max_seq_len, eagle3.pack_tokens or trainer.micro_batch {keep}",
-            "activations: layer rows": "eagle3.checkpoint_steps=true, or lower trainer.micro_batch " + keep,
-            "activations: logits": f"lower trainer.micro_batch {keep} or eagle3.draft_vocab_size",
-        }
-        plan.advice.append(advice.get(largest, f"lower trainer.micro_batch {keep}"))
+    advice = {
+        "target (frozen, whole)": "the target does not fit one GPU: model.shard=true (its layers split "
+        "across the processes), or model.dtype=bfloat16",
+        "activations: attention": f"lower trainer.max_seq_len, eagle3.pack_tokens or trainer.micro_batch {KEEP}",
+        "activations: layer rows": "eagle3.checkpoint_steps=true, or lower trainer.micro_batch " + KEEP,
+        "activations: logits": f"lower trainer.micro_batch {KEEP} or eagle3.draft_vocab_size",
+    }
+    _advise(plan, advice, otherwise=f"lower trainer.micro_batch {KEEP}")
     if eagle3.cache_hidden and not examples:
         plan.advice.append("the store's disk is counted from data.max_samples: set it to see the figure")
     return plan
@@ -238,15 +234,20 @@ def _trained(plan: Plan, what: str, params: float) -> None:
     plan.memory.append((what, 16 * params, f"{params / 1e6:.0f} M parameters x 16 B (fp32 master, grad, 2 moments)"))
 
 
-def _advise(plan: Plan, keep: str = "(raise trainer.grad_accum to keep the batch)") -> Plan:
-    if not plan.fits:
-        largest = max(plan.memory, key=lambda m: m[1])[0]
-        if largest.startswith("target"):
-            plan.advice.append("the target does not fit one GPU: a larger GPU, or model.dtype=bfloat16")
-        elif largest.startswith("heads + grads"):
-            plan.advice.append("medusa.share_lm_head=true (the heads read the target's lm_head) or fewer heads")
-        else:
-            plan.advice.append(f"lower trainer.micro_batch or trainer.max_seq_len {keep}")
+def _advise(plan: Plan, advice: dict[str, str] | None = None, otherwise: str | None = None) -> Plan:
+    """Where the plan does not fit, the setting to change for its largest line: `advice` by the
+    line's name (and `otherwise`) where the recipe gives them, else what fits every recipe."""
+    if plan.fits:
+        return plan
+    largest = max(plan.memory, key=lambda m: m[1])[0]
+    if advice is not None:
+        plan.advice.append(advice.get(largest, otherwise))
+    elif largest.startswith("target"):
+        plan.advice.append("the target does not fit one GPU: a larger GPU, or model.dtype=bfloat16")
+    elif largest.startswith("heads + grads"):
+        plan.advice.append("medusa.share_lm_head=true (the heads read the target's lm_head) or fewer heads")
+    else:
+        plan.advice.append(f"lower trainer.micro_batch or trainer.max_seq_len {KEEP}")
     return plan
 
 
@@ -255,7 +256,7 @@ def distill_plan(cfg: DictConfig, hf: Any, drafter_hf: Any) -> Plan:
     whole, its activations at micro_batch x max_seq_len, and the logits of both at every position
     (the most response tokens there can be) in fp32, with the divergence's [tokens, vocabulary]
     intermediates."""
-    trainer, half = cfg.trainer, cfg.trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
+    trainer, half = cfg.trainer, autocast_half(cfg.trainer)
     rows, V = trainer.micro_batch * trainer.max_seq_len, drafter_hf.vocab_size
     N = cfg.drafter.draft_vocab_size or V
     plan = _start(cfg, hf)
@@ -281,7 +282,7 @@ def medusa_plan(cfg: DictConfig, hf: Any) -> Plan:
     the heads (a residual block each, and a vocabulary projection unless share_lm_head), and each
     head's fp32 logits at every position."""
     trainer, medusa = cfg.trainer, cfg.medusa
-    half = trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
+    half = autocast_half(trainer)
     rows, H, V = trainer.micro_batch * trainer.max_seq_len, hf.hidden_size, hf.vocab_size
     plan = _start(cfg, hf)
     per_head = medusa.num_layers * (H * H + H) + (0 if medusa.share_lm_head else H * V)
@@ -305,7 +306,7 @@ def mtp_plan(cfg: DictConfig, hf: Any) -> Plan:
     model.name with heads) trained whole, the trunk's activations and one head's at a time
     (mtp.backward=sequential; naive keeps every head's)."""
     trainer, mtp = cfg.trainer, cfg.mtp
-    half = trainer.mixed_precision in ("bf16", "fp16", "auto", "fast")
+    half = autocast_half(trainer)
     if mtp.init == "scratch":  # the model's last layer is head 0; heads 1.. are layers beside it
         a = mtp.architecture
         shape = dict(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,

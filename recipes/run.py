@@ -72,8 +72,9 @@ class Run:
     # The CPU threads each kind of work runs on ("train", "decode": cpu_threads), where this run
     # chose them (one process on a CPU); empty otherwise (torch's or accelerate's setting stands).
     threads: dict[str, int] = field(default_factory=dict)
-    # Why specdec_runtime cannot decode with the target (its family), or None: a recipe that
-    # trains on it anyway generates with transformers and validates with what it can without it
+    # Why specdec_runtime cannot decode with the target (its family, or its layers split across the
+    # processes), or None: a recipe that trains on it anyway generates with transformers and
+    # validates with what it can without it
     runtime_refusal: str | None = None
 
     @property
@@ -154,12 +155,21 @@ def start(cfg: DictConfig) -> Run:
         raise SpecdecError(outcome[0]["error"])
     threads = choose_threads(accelerator, training=trainer is not None)
     path, *tokenizer = load_tokenizer(cfg.model.name)
+    return Run(accelerator, out, path, *tokenizer, outcome[0]["changes"], threads, runtime_refusal(cfg, path))
+
+
+def runtime_refusal(cfg: DictConfig, path: Path) -> str | None:
+    """Why specdec_runtime cannot decode with the run's target (Run.runtime_refusal), or None."""
+    if cfg.model.get("shard"):
+        return (
+            "the target's layers are split across the processes (model.shard=true) and the runtime decodes "
+            "with a whole target on one"
+        )
     try:
         DecoderConfig.from_hf(load_hf_config(path))
-        refusal = None
     except SpecdecError as e:
-        refusal = str(e)
-    return Run(accelerator, out, path, *tokenizer, outcome[0]["changes"], threads, refusal)
+        return str(e)
+    return None
 
 
 def target_card(cfg: DictConfig, run: "Run") -> dict[str, Any]:

@@ -132,10 +132,10 @@ def cache_states(
     idle = together(batches) - batches if together else 0
     if mine:  # by length: less padding
         _compute(target, examples, mine, folder, states, pad_id, batch_size, rank, progress, shard_bytes)
-    device = next(target.parameters()).device
-    for _ in range(idle):  # the forwards the busiest process still runs (their gathers need this one)
-        one = torch.full((1, 1), pad_id, device=device)
-        states(target, one, torch.ones_like(one))
+    if idle:  # the forwards the busiest process still runs (their gathers need this one)
+        one = torch.full((1, 1), pad_id, device=next(target.parameters()).device)
+        for _ in range(idle):
+            states(target, one, torch.ones_like(one))
     barrier()
     stored = stored_states(folder)
     names = sorted({n for s in stored.values() for n in s})
