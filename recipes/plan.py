@@ -13,7 +13,6 @@ to the bytes autograd saves on a small configuration). Disk: the hidden-state st
 max_seq_len tokens an example.
 """
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,17 +116,16 @@ def ttt_activation_bytes(
     """Bytes the training-time test keeps for its backward (train/eagle3.Eagle3Training.forward),
     every position counted as a response token in the draft vocabulary (the most there can be).
     half: under bf16 autocast (products in bf16, norms and log-probabilities in fp32); pack_tokens:
-    the B x T tokens packed into rows of that many (one attention mask a row, at most twice as many
-    rows as full ones: first-fit leaves every row but one over half full); checkpoint_steps: each
+    the B x T tokens packed into rows of that many (the attention runs a document per row, at most
+    B x T of them: no more than unpadded, counted as that); checkpoint_steps: each
     step's layer keeps only its inputs and keys and is recomputed, one at a time, in the backward."""
     H, heads, kv, D = attention_shape(hf)
     I = hf.intermediate_size  # noqa: E741
     p = 2 if half else 4  # a product's output
     rows = B * T
-    if pack_tokens:
-        mask = min(B, 2 * math.ceil(rows / pack_tokens)) * pack_tokens * steps * pack_tokens * p
-    else:
-        mask = T * steps * T * p  # the additive mask, made once, shared by the batch
+    # the additive mask, made once, shared by the batch; packed, one a group of documents whose
+    # longest shrink by 2/3 or more from group to group: at most 1 / (1 - 4/9) = 1.8 times as much
+    mask = T * steps * T * p * (1.8 if pack_tokens else 1)
     # inside a step's layer: q, the keys and values of steps 0..k repeated to every head, a
     # log-sum-exp per head; the MLP's gate, up, activation and product, the norms' inputs and
     # outputs, the residual sums and the attention's output
@@ -174,7 +172,7 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     pack, ckpt = eagle3.pack_tokens, eagle3.checkpoint_steps
     act = ttt_activation_bytes(hf, B, T, steps, N, half, pack_tokens=pack, checkpoint_steps=ckpt)
     how = f"micro_batch {B} x max_seq_len {T}, {steps} unrolled steps"
-    rows = f"rows of {pack} tokens, a mask each" if pack else "one mask (max_seq_len^2 x steps)"
+    rows = f"packed in rows of {pack}, a mask per group of lengths" if pack else "one mask (max_seq_len^2 x steps)"
     plan.memory.append(("activations: attention", act["attention"], f"{how}; {rows}"))
     plan.memory.append(("activations: logits", act["logits"] + act["target_logp"], f"draft vocabulary {N}"))
     kept = "each step's inputs and keys (eagle3.checkpoint_steps)" if ckpt else "norms, projections, MLP"
@@ -191,7 +189,7 @@ def eagle3_plan(cfg: DictConfig, hf: Any) -> Plan:
     advice = {
         "target (frozen, whole)": "the target does not fit one GPU: model.shard=true (its layers split "
         "across the processes), or model.dtype=bfloat16",
-        "activations: attention": f"lower trainer.max_seq_len, eagle3.pack_tokens or trainer.micro_batch {KEEP}",
+        "activations: attention": f"lower trainer.max_seq_len or trainer.micro_batch {KEEP}",
         "activations: layer rows": "eagle3.checkpoint_steps=true, or lower trainer.micro_batch " + KEEP,
         "activations: logits": f"lower trainer.micro_batch {KEEP} or eagle3.draft_vocab_size",
     }

@@ -4,6 +4,7 @@ over the process's before the step), at T tokens and 7 unrolled steps, micro-bat
 
     python scripts/bench_ttt_memory.py                       # T = 512, 1024, 2048, 4096
     python scripts/bench_ttt_memory.py --lengths 512,1024 --steps 7
+    python scripts/bench_ttt_memory.py --lengths "" --store STORE  # packing only
 
 `before`: the attention that kept [B, h, T, T + k] fp32 scores a step (tests/train/test_ttt.py's
 MaterializedAttention, the code it replaced); `now`: one SDPA call a step; `now + checkpoint`:
@@ -107,7 +108,7 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=2048, help="the quickstart's")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--store", type=Path, help="a hidden-state store whose examples give the lengths (packing)")
-    p.add_argument("--budget", type=int, default=512, help="packed rows' tokens (the quickstart's max_seq_len)")
+    p.add_argument("--budget", type=int, default=4096, help="packed rows' tokens (a micro-batch of 8 x 512 in one)")
     p.add_argument("--batches", type=int, default=6, help="micro-batches of 8 timed, packed and padded")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="now", help=argparse.SUPPRESS)
@@ -117,10 +118,12 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     print(f"one training step, {args.steps} unrolled steps, micro-batch 1, draft vocabulary {args.draft_vocab}, "
           f"SmolLM2-135M's shape, {torch.get_num_threads()} threads\n")  # fmt: skip
-    print("| T | before: peak MiB | s | now: peak MiB | s | now + checkpoint: peak MiB | s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    lengths = [int(T) for T in args.lengths.split(",") if T]
+    if lengths:
+        print("| T | before: peak MiB | s | now: peak MiB | s | now + checkpoint: peak MiB | s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
-    for T in map(int, args.lengths.split(",")):
+    for T in lengths:
         rows[T] = {v: run(args, v, [T]) for v in ("before", "now", "checkpoint")}
         cells = " | ".join(f"{rows[T][v]['peak'] / 2**20:.0f} | {rows[T][v]['seconds']:.2f}"
                            for v in ("before", "now", "checkpoint"))  # fmt: skip

@@ -54,39 +54,87 @@ class TTTAttention:
     (one extra key per step).
 
     One scaled_dot_product_attention a step over the keys of steps 0..k side by side
-    [B, h, (k+1)T, D], under an additive mask [B or 1, 1, T, steps T] made once in the queries'
-    dtype (its first T columns causal, each later block the diagonal) and sliced per step, so the
+    [B, h, (k+1)T, D], under an additive mask [1, 1, T, steps T] made once in the queries' dtype
+    (its first T columns causal, each later block the diagonal) and sliced per step, so the
     backward keeps the mask once, the keys, the output and a log-sum-exp a row: no [T, T] matrix
     per head (the naive attention kept B x h x T x (T + k) fp32 a step: 45 GB at 2k tokens,
-    micro-batch 8, issue 60). A checkpointed step recomputes its own keys in the backward
-    (`step` names the step the next call belongs to; later steps' keys are not read again)."""
+    micro-batch 8, issue 60). Packed rows attend a document per row (`Documents`: one call per
+    group of similar lengths), so the rest of the layer runs on the packed tokens and the
+    attention costs no more than the unpacked batch's. A checkpointed step recomputes its own
+    keys in the backward (`step` names the step the next call belongs to; later steps' keys are
+    not read again)."""
 
     def __init__(self, length: int, device: torch.device, steps: int, documents: Tensor | None = None):
-        self.length, self.steps, self.step = length, steps, 0
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]  # [1, T, T]
-        if documents is not None:  # packed rows: no attention across documents
-            causal = causal & (documents[:, :, None] == documents[:, None, :])  # [B, T, T]
-        self.allowed = causal
-        self.masks: dict[torch.dtype, Tensor] = {}
+        self.documents = None if documents is None else Documents(documents)
+        self.steps, self.step, self.device = steps, 0, device
+        self.keys: list[list[Tensor]] = []  # [step][group] (one group where nothing is packed)
+        self.values: list[list[Tensor]] = []
+        self.masks: dict[tuple[torch.dtype, int], Tensor] = {}
 
-    def mask(self, dtype: torch.dtype) -> Tensor:
-        """The additive mask [B or 1, 1, T, steps T] in the queries' dtype, made on first use."""
-        if dtype not in self.masks:
-            first, T = self.allowed, self.length
-            diagonal = torch.eye(T, dtype=torch.bool, device=first.device).expand_as(first)
-            allowed = torch.cat([first, *[diagonal] * (self.steps - 1)], dim=-1)[:, None]
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=first.device)
-            self.masks[dtype] = mask.masked_fill_(~allowed, float("-inf"))
-        return self.masks[dtype]
+    def mask(self, dtype: torch.dtype, T: int) -> Tensor:
+        """The additive mask [1, 1, T, steps T] in the queries' dtype, made on first use."""
+        if (dtype, T) not in self.masks:
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            diagonal = torch.eye(T, dtype=torch.bool, device=self.device)
+            allowed = torch.cat([causal, *[diagonal] * (self.steps - 1)], dim=-1)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            self.masks[dtype, T] = mask.masked_fill_(~allowed, float("-inf"))[None, None]
+        return self.masks[dtype, T]
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.keys[self.step :] = [k]  # a recomputed (checkpointed) step replaces its own keys
-        self.values[self.step :] = [v]
+        split = self.documents.split if self.documents is not None else lambda x: [x]
+        qs = split(q)
+        self.keys[self.step :] = [split(k)]  # a recomputed (checkpointed) step replaces its own keys
+        self.values[self.step :] = [split(v)]
         h, n = q.shape[1], self.step + 1
-        keys, values = (grouped(torch.cat(x[:n], dim=2), h) for x in (self.keys, self.values))
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(q.dtype)[..., : n * self.length])
+        out = []
+        for g, q in enumerate(qs):
+            keys, values = (grouped(torch.cat([x[g] for x in xs[:n]], dim=2), h) for xs in (self.keys, self.values))
+            T = q.shape[2]
+            out.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(q.dtype, T)[..., : n * T]))
+        return out[0] if self.documents is None else self.documents.join(out)
+
+
+class Documents:
+    """Packed rows' documents laid out a document per row for the attention, in groups of
+    similar lengths (each document at least 2/3 of its group's longest): `split` takes
+    [R, h, L, d] (rows of packed tokens) to a [n, h, T, d] per group (document d's tokens at
+    0..len - 1, T the group's longest; the slots after a document's end hold copies of a real
+    token, which no real token attends: the mask is causal), `join` takes them back (what a
+    packed row holds after its last document is a copy of a real token's output, read by nothing
+    that has a loss)."""
+
+    def __init__(self, documents: Tensor, similar: float = 2 / 3):
+        R, L = documents.shape
+        where = (documents.flatten() >= 0).nonzero().squeeze(1)  # packed tokens, documents contiguous
+        ids, row = documents.flatten()[where], where // L
+        starts = F.pad((ids[1:] != ids[:-1]) | (row[1:] != row[:-1]), (1, 0), value=True)
+        document = starts.cumsum(0) - 1
+        lengths = torch.bincount(document).tolist()
+        self.groups: list[tuple[int, int]] = []  # (documents, longest)
+        base = [0] * len(lengths)  # where each document's first token goes in the split layout
+        at = 0
+        for d in sorted(range(len(lengths)), key=lambda d: -lengths[d]):
+            if not self.groups or lengths[d] < similar * self.groups[-1][1]:
+                self.groups.append((0, lengths[d]))
+            n, longest = self.groups[-1]
+            self.groups[-1] = (n + 1, longest)
+            base[d], at = at, at + longest
+        slot = torch.tensor(base, device=where.device)[document] + positions_in_documents(documents).flatten()[where]
+        self.gather = where.new_zeros(at).index_copy_(0, slot, where)
+        self.scatter = where.new_zeros(R * L).index_copy_(0, where, slot)
+        self.rows = (R, L)
+
+    def split(self, x: Tensor) -> list[Tensor]:
+        h, d = x.shape[1], x.shape[3]
+        flat = x.transpose(1, 2).reshape(-1, h, d)[self.gather]
+        parts = flat.split([n * longest for n, longest in self.groups])
+        return [p.view(n, longest, h, d).transpose(1, 2) for p, (n, longest) in zip(parts, self.groups, strict=True)]
+
+    def join(self, parts: list[Tensor]) -> Tensor:
+        h, d = parts[0].shape[1], parts[0].shape[3]
+        flat = torch.cat([p.transpose(1, 2).reshape(-1, h, d) for p in parts])[self.scatter]
+        return flat.view(*self.rows, h, d).transpose(1, 2)
 
 
 def positions_in_documents(documents: Tensor) -> Tensor:

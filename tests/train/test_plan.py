@@ -50,7 +50,7 @@ def saved_by_autograd(hf, B: int, T: int, steps: int, N: int, half: bool, checkp
 
     def recorded(embeds, feature, positions, k, attend):
         out = step(embeds, feature, positions, k, attend)
-        for t in (embeds, feature, attend.keys[k], attend.values[k], *attend.masks.values()):
+        for t in (embeds, feature, *attend.keys[k], *attend.values[k], *attend.masks.values()):
             keep(t)
         return out
 

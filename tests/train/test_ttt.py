@@ -121,11 +121,19 @@ def test_positions_restart_at_each_document():
     assert positions_in_documents(docs).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
 
 
-@pytest.mark.parametrize("budget", [64, 100], ids=["a-row-each-or-two", "all-in-two-rows"])
-def test_packed_rows_train_exactly_as_the_sequences_unpacked(budget):
+@pytest.mark.parametrize(
+    "budget, device",
+    [(64, "cpu"), (100, "cpu"), pytest.param(100, "cuda", marks=pytest.mark.gpu)],
+    ids=["a-row-each-or-two", "all-in-two-rows", "cuda"],
+)
+def test_packed_rows_train_exactly_as_the_sequences_unpacked(budget, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (scripts/gpu_check.sh runs the gpu tests on one)")
     _, training = setup()
+    training = training.to(device)
+    training._frozen = [t.to(device) for t in training._frozen]
     lengths = [40, 33, 21, 9]
-    ids, attn, mask, taps, final = batch(lengths, seed=1)
+    ids, attn, mask, taps, final = (t.to(device) for t in batch(lengths, seed=1))
     packed = pack(lengths, budget, ids, mask, taps, final)
     assert packed["input_ids"].shape[0] < len(lengths) and packed["input_ids"].shape[1] <= budget
     assert (packed["documents"] >= 0).sum() == sum(lengths)
@@ -134,6 +142,23 @@ def test_packed_rows_train_exactly_as_the_sequences_unpacked(budget):
     rows = loss_and_grads(training, p["input_ids"], p["documents"] >= 0, p["target_mask"], p["taps"],
                           p["final"], documents=p["documents"])  # fmt: skip
     assert_same(unpacked, rows, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_documents_attend_in_groups_of_similar_lengths():
+    """Each document at 0..len-1 of a row of its group (the longest first; a group holds lengths of
+    at least 2/3 of its longest), a row's end a document's end even where the next row's first
+    document has the same id, and back again unchanged."""
+    docs = torch.tensor([[5, 5, 5, 5, 5, 5, 1, 1, 1, 1, -1], [1, 1, 1, 1, 1, 7, 7, 9, 9, 9, 9]])
+    layout = ttt.Documents(docs)
+    assert layout.groups == [(4, 6), (1, 2)]  # lengths 6, 5, 4, 4 | 2
+    x = torch.arange(22.0).view(2, 1, 11, 1).expand(2, 3, 11, 2)  # [R, h, L, d]: each token's flat index
+    parts = layout.split(x)
+    assert [p.shape for p in parts] == [(4, 3, 6, 2), (1, 3, 2, 2)]
+    rows = [[0, 1, 2, 3, 4, 5], [11, 12, 13, 14, 15, 0], [6, 7, 8, 9, 0, 0], [18, 19, 20, 21, 0, 0]]
+    assert parts[0][:, 1, :, 1].tolist() == rows  # (the slots past a document's end copy token 0)
+    assert parts[1][0, 2, :, 0].tolist() == [16, 17]
+    kept = (docs >= 0)[:, None, :, None].expand_as(x)
+    assert torch.equal(layout.join(parts)[kept], x[kept])
 
 
 @pytest.mark.gpu
