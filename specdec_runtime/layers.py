@@ -176,7 +176,10 @@ def queries(
         qkv_out[:, :, :H] = rms_norm(qkv_out[:, :, :H], qkv.norms[0], eps)
         qkv_out[:, :, H : H + Hkv] = rms_norm(qkv_out[:, :, H : H + Hkv], qkv.norms[1], eps)
     apply_rope_(qkv_out[:, :, : H + Hkv], cos, sin)  # q and k heads at once
-    kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
+    if slots.dim() == 1:
+        kv[:, :, slots] = qkv_out[:, :, H:].transpose(1, 2)  # keys and values [B, 2Hkv, T, D], one write
+    else:  # a slot per row and token [B, T] (specdec_runtime.rows)
+        kv[torch.arange(B, device=kv.device)[:, None], :, slots] = qkv_out[:, :, H:]
     return qkv_out[:, :, :H].transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
 
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_runtime import cpu
+from specdec_runtime import cpu, rows
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.graphs import CapturedStep
@@ -301,6 +301,8 @@ class Decoder(nn.Module):
         whole cache), stale ones masked. tree = (depth [T],
         ancestor [T, T]) for a token tree (positions start + depth). fold=False: the mask's rows
         once, not repeated per folded query head (the CPU kernel reads row t for every head)."""
+        if start.dim():  # a slot per row (forward)
+            return AttentionInputs(*rows.attention_inputs(self, start, T, bound, tree))
         slots = start + self.slots[:T]  # [T]
         positions = slots if tree is None else start + tree[0]
         cs = self.rope[positions]  # [T, 2, D]
@@ -378,6 +380,8 @@ class Decoder(nn.Module):
         elsewhere the output is as without it.
         """
         T = x.shape[1]
+        if isinstance(start, Tensor):  # a slot per row [B] (specdec_runtime.batched), eagerly
+            return self._forward(x, start, rows.bound(self, start, T), **self._options(x, **kwargs))
         if self.cache is None or start + T > self.cache.size:
             raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
         opts = self._options(x, **kwargs)
@@ -439,16 +443,8 @@ class Decoder(nn.Module):
             raise ValueError(f"layers: need 0 <= first_layer <= taps <= exit_layer <= {self.config.num_layers}")
         if (first_layer > 0) != x.is_floating_point():
             raise ValueError("pass token ids with first_layer=0, a residual stream [B, T, H] with first_layer > 0")
-        return dict(
-            first_layer=first_layer,
-            last=last,
-            skip=skip,
-            tree=tree,
-            logits_to_keep=logits_to_keep,
-            taps=taps,
-            head=head,
-            argmax_only=argmax_only,
-        )
+        opts = dict(first_layer=first_layer, last=last, skip=skip, tree=tree, logits_to_keep=logits_to_keep)
+        return opts | dict(taps=taps, head=head, argmax_only=argmax_only)
 
     def _forward(
         self,

@@ -76,6 +76,27 @@ def empty_draft(device: torch.device) -> Draft:
     return Draft(torch.empty(0, dtype=torch.long, device=device), None)
 
 
+class RowDrafter(Protocol):
+    """What batched.generate_many asks of a drafter: a draft per row a round (drafters/batched.py)."""
+
+    name: str
+
+    def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
+        """Reset for these prompts (left-padded: row b's tokens begin at slot row_start[b])."""
+
+    def observe_tokens(self, b: int, tokens: list[int]) -> None:
+        """Row b's new tokens (its first token after start(), then each round's)."""
+
+    def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
+        """(tokens [B, g] padded, each row's draft length <= gammas[b], the distributions [B, g, V]
+        they were sampled from or None where the drafts are deterministic)."""
+        raise NotImplementedError
+
+    def alone(self) -> Drafter:
+        """The runtime drafter a batch of one decodes with (generate)."""
+        raise NotImplementedError
+
+
 class DraftExit:
     """When a drafter stops early: right after a draft token whose probability is below `threshold`.
 

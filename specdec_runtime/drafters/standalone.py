@@ -73,17 +73,7 @@ class ModelDrafter(Drafter):
         self.last = None  # the draft exit learns only from rounds this drafter drafted
 
     def _logits(self, logits: Tensor) -> Tensor:
-        """Draft logits [V_target] from the drafter's own [V_drafter] (a draft vocabulary, or a
-        vocabulary of another size, is mapped onto the target's)."""
-        V = self.vocab_size
-        if self.vocab_ids is not None:  # a draft vocabulary: ids outside it get probability 0
-            full = logits.new_full((V,), float("-inf"))
-            return full.index_copy_(0, self.vocab_ids, logits)
-        if logits.shape[-1] > V:  # ids the target does not have can never be proposed
-            logits = logits[:V]
-        elif logits.shape[-1] < V:  # ids the drafter does not have get probability 0
-            logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
-        return logits
+        return in_target_vocab(logits, self.vocab_size, self.vocab_ids)
 
     def _residual_rows(self, n: int) -> Tensor:
         """The buffer [1, n, H] that collects the residual streams handed to verification; the
@@ -141,3 +131,16 @@ class ModelDrafter(Drafter):
         g = len(tokens)
         residual_rows[:, g] = self.model(x, pos, exit_layer=K, taps=(K,), head=False).hidden[:, -1]
         return Draft(drafted, q, residual_rows[:, : g + 1], K)
+
+
+def in_target_vocab(logits: Tensor, V: int, vocab_ids: Tensor | None) -> Tensor:
+    """Draft logits [..., V] over the target's vocabulary from a drafter's own [..., V'] (a draft
+    vocabulary, or a vocabulary of another size, mapped onto the target's)."""
+    if vocab_ids is not None:  # a draft vocabulary: ids outside it get probability 0
+        full = logits.new_full((*logits.shape[:-1], V), float("-inf"))
+        return full.index_copy_(-1, vocab_ids, logits)
+    if logits.shape[-1] > V:  # ids the target does not have can never be proposed
+        return logits[..., :V]
+    if logits.shape[-1] < V:  # ids the drafter does not have get probability 0
+        return torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
+    return logits

@@ -1,0 +1,141 @@
+"""Speculative decoding of a batch of prompts: every row drafts, is verified and accepts its own
+number of tokens each round, in one target forward for the whole batch.
+
+    outs = generate_many(target, prompts, RowLookup(), Sampler(), max_new_tokens=128, gamma=4, stop_ids={2})
+    outs = generate_many(target, prompts, RowModel(draft_decoder), Sampler(0.7, seed=0), gamma=4)  # drafters/batched.py
+    outs[b].tokens, outs[b].stats.tau     # each row as generate() returns it
+
+Each row of the target's cache is one sequence at slots of its own (specdec_runtime.rows): prompts
+are left-padded to one length, and a round writes row b's newest token and draft at the slots
+after its own last accepted token, so rows drift apart as they accept different numbers of tokens
+(ragged acceptance), each at its exact RoPE positions. Drafts shorter than the round's longest
+are padded, and a row accepts no further than its own draft. A round verifies every row (greedy:
+the longest prefix equal to the target's argmax; sampled: speculative sampling, the rule
+generate() uses) and reads the accepted lengths and tokens back in one host sync.
+
+Static batching: a row that stops keeps its place until the batch's last row stops (it runs its
+newest token again, its output dropped); a freed row is not refilled from a queue. Every forward
+runs eagerly (the fast path's captured steps take one start slot). Drafters: prompt lookup
+(RowLookup, on the host) and a stand-alone model (RowModel, batched like the target); the others
+run one prompt at a time (batch_drafter says which). A batch of one is generate() itself.
+"""
+
+import time
+
+import torch
+from torch import Tensor
+
+from specdec_runtime.drafters.protocol import RowDrafter
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.generate import Generation, check_fits, generate, left_padded
+from specdec_runtime.model import Decoder
+from specdec_runtime.sampling import Sampler, argmax
+from specdec_runtime.stats import GenerationStats
+from specdec_runtime.verify import verify_sample
+
+
+@torch.inference_mode()
+def generate_many(
+    target: Decoder,
+    prompts: list[list[int]],
+    drafter: RowDrafter | None = None,
+    sampler: Sampler | None = None,
+    *,
+    max_new_tokens: int = 256,
+    gamma: int = 4,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    pad_id: int = 0,
+) -> list[Generation]:
+    """Each prompt's generation, decoded together (module docstring); greedy rows equal generate()'s
+    for the same prompt, sampled rows follow the target's distribution. The stats of each row count
+    the batch's forwards while it was running; its times are the batch's."""
+    if not prompts or max_new_tokens < 1 or gamma < 0:
+        got = f"{len(prompts)}, {max_new_tokens}, {gamma}"
+        raise SpecdecError(f"need prompts, max_new_tokens >= 1 and gamma >= 0 (got {got})")
+    if min(map(len, prompts)) == 0:
+        raise SpecdecError("a prompt is empty after tokenization")
+    sampler = sampler or Sampler()
+    if len(prompts) == 1:
+        alone = None if drafter is None else drafter.alone()
+        return [generate(target, prompts[0], alone, sampler, max_new_tokens=max_new_tokens, gamma=gamma,
+                         stop_ids=stop_ids)]  # fmt: skip
+    B, device, start = len(prompts), target.device, time.perf_counter()
+    ids, row_start = left_padded(prompts, pad_id)
+    P = ids.shape[1]
+    check_fits(P, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
+    target.setup_cache(B, P + max_new_tokens + gamma)
+    target.left_pad(row_start.to(device))
+    try:
+        first = sampler.next_token(target(ids.to(device), torch.zeros(B, dtype=torch.long, device=device),
+                                          logits_to_keep=1).logits[:, -1])  # fmt: skip
+        out = [[t] for t in first.tolist()]
+        stats = [GenerationStats(calls=1, target_forwards=1) for _ in prompts]
+        if drafter is not None:
+            drafter.start(prompts, row_start, P + max_new_tokens + gamma)
+            for b in range(B):
+                drafter.observe_tokens(b, out[b])
+        slot = [P] * B  # each row's newest token's slot (every prompt ends at P - 1)
+        done = [out[b][0] in stop_ids or max_new_tokens == 1 for b in range(B)]
+        for s in stats:
+            s.prefill_s = time.perf_counter() - start
+        while not all(done):
+            t0 = time.perf_counter()
+            gammas = [0 if done[b] else min(gamma, max_new_tokens - len(out[b]) - 1) for b in range(B)]
+            if drafter is not None and max(gammas) > 0:
+                drafts, lengths, q = drafter.draft(gammas, sampler)
+            else:
+                drafts, lengths, q = torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None
+            t1 = time.perf_counter()
+            g = max(lengths)
+            newest = torch.tensor([o[-1] for o in out], device=device)
+            x = torch.cat([newest[:, None], drafts[:, :g].to(device)], dim=1)  # [B, g + 1]
+            logits = target(x, torch.tensor(slot, device=device)).logits  # [B, g + 1, V]
+            t2 = time.perf_counter()
+            n, token = _verify(x[:, 1:], lengths, q, logits, sampler)
+            host = torch.cat([n, token, x[:, 1:].flatten()]).tolist()  # the one host sync of the round
+            for b in range(B):
+                if done[b]:
+                    continue
+                k = host[b]
+                new = host[2 * B + b * g : 2 * B + b * g + k] + [host[B + b]]
+                for i, t in enumerate(new):
+                    if t in stop_ids:
+                        new, done[b] = new[: i + 1], True
+                        break
+                stats[b].record_round(lengths[b], min(k, len(new)))
+                out[b] += new
+                slot[b] += k + 1
+                done[b] = done[b] or len(out[b]) >= max_new_tokens
+                if drafter is not None:
+                    drafter.observe_tokens(b, new)
+            t3 = time.perf_counter()
+            for s in stats:
+                s.draft_s, s.target_s, s.verify_s = s.draft_s + t1 - t0, s.target_s + t2 - t1, s.verify_s + t3 - t1
+    finally:
+        target.left_pad(None)
+    total = time.perf_counter() - start
+    generations = []
+    for b in range(B):
+        stats[b].new_tokens, stats[b].total_s = len(out[b]), total
+        generations.append(Generation(out[b], stats[b], "stop_token" if out[b][-1] in stop_ids else "length"))
+    return generations
+
+
+def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor, sampler: Sampler):
+    """(accepted lengths [B], the target's own token after them [B]) of every row's chain."""
+    B, g = drafts.shape
+    if sampler.greedy:
+        choice = argmax(logits)  # [B, g + 1]
+        real = torch.arange(g, device=drafts.device) < torch.tensor(lengths, device=drafts.device)[:, None]
+        n = ((choice[:, :g] == drafts) & real).long().cumprod(dim=1).sum(dim=1)
+        return n, choice.gather(1, n[:, None]).squeeze(1)
+    verdicts = [
+        verify_sample(
+            drafts[b, : lengths[b]],
+            None if q is None else q[b, : lengths[b]],
+            sampler.probs(logits[b, : lengths[b] + 1]),
+            sampler,
+        )  # fmt: skip
+        for b in range(B)
+    ]
+    return torch.stack([v.accept_len for v in verdicts]), torch.stack([v.token for v in verdicts])

@@ -1,0 +1,42 @@
+"""A forward whose rows sit at slots of their own (specdec_runtime.batched): `Decoder.forward(x,
+start)` with start [B], row b's T tokens at slots start[b]..start[b] + T - 1.
+
+Each row of the cache is one sequence. Under Decoder.left_pad a row's tokens begin at its
+row_start, and its RoPE positions are its slots less row_start (exact: a row decodes at the
+positions it has alone); the mask lets a token see its own row's slots from row_start to its own.
+Eager only (the fast path's steps have one start slot)."""
+
+import torch
+from torch import Tensor
+
+from specdec_runtime.errors import SpecdecError
+
+
+def bound(decoder, start: Tensor, T: int) -> int:
+    """The slots a forward at per-row `start` [B] attends over (one host read of the starts)."""
+    if decoder.steps is not None:
+        raise SpecdecError("a slot per row runs eagerly: use a Decoder without compile()")
+    end = int(start.max()) + T
+    if decoder.cache is None or end > decoder.cache.size or start.shape[0] != decoder.cache.kv.shape[1]:
+        raise ValueError(f"per-row starts need a cache of {start.shape[0]} rows and {end} slots: call setup_cache")
+    return end
+
+
+def attention_inputs(decoder, start: Tensor, T: int, bound: int, tree) -> tuple:
+    """(cos, sin [B, T, 1, D], slots [B, T], mask [B, 1, group * T, bound], bound) of T new tokens a
+    row at slots start [B] onward."""
+    if tree is not None:
+        raise SpecdecError("a slot per row takes chains, not token trees")
+    slots = start[:, None] + decoder.slots[:T]  # [B, T]
+    row_start = decoder.row_start if decoder.row_start is not None else torch.zeros_like(start)
+    positions = (slots - row_start[:, None]).clamp_(min=0)  # (a left pad's own rows: position 0)
+    cs = decoder.rope[positions]  # [B, T, 2, D]
+    k_slot = decoder.slots[:bound]
+    q = slots[:, :, None]
+    mask = (k_slot <= q) & (k_slot >= row_start[:, None, None])  # [B, T, bound]
+    window = decoder.config.sliding_window
+    if window is not None:
+        mask &= k_slot > q - window
+    mask |= k_slot == q  # a left pad's slots see themselves (no row of -inf only)
+    group = decoder.config.num_heads // decoder.config.num_kv_heads
+    return cs[:, :, None, 0], cs[:, :, None, 1], slots, mask.repeat(1, group, 1)[:, None], bound
