@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdec_runtime.batched import generate_many
-from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
 from specdec_runtime.drafters.batched import RowLookup, RowModel, batch_drafter
+from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
