@@ -48,7 +48,8 @@ def generate_many(
 ) -> list[Generation]:
     """Each prompt's generation, decoded together (module docstring); greedy rows equal generate()'s
     for the same prompt, sampled rows follow the target's distribution. The stats of each row count
-    the batch's forwards while it was running; its times are the batch's."""
+    the batch's forwards while it was running; its times are its 1/B share of the batch's, so that
+    totals over the rows are the batch's (GenerationStats.total: tokens/s of the batch)."""
     if not prompts or max_new_tokens < 1 or gamma < 0:
         got = f"{len(prompts)}, {max_new_tokens}, {gamma}"
         raise SpecdecError(f"need prompts, max_new_tokens >= 1 and gamma >= 0 (got {got})")
@@ -116,7 +117,11 @@ def generate_many(
     total = time.perf_counter() - start
     generations = []
     for b in range(B):
-        stats[b].new_tokens, stats[b].total_s = len(out[b]), total
+        s = stats[b]
+        s.new_tokens, s.total_s = len(out[b]), total / B
+        s.prefill_s, s.draft_s, s.target_s, s.verify_s = (
+            t / B for t in (s.prefill_s, s.draft_s, s.target_s, s.verify_s)
+        )
         generations.append(Generation(out[b], stats[b], "stop_token" if out[b][-1] in stop_ids else "length"))
     return generations
 

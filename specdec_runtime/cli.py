@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompts", type=Path, help="JSON lines: {'prompt': ...} or {'question_id', 'category', 'turns'}")
     src.add_argument("--prompt", help="a single prompt")
+    gen.add_argument(
+        "--batch-size", type=int, default=1, help="prompts decoded together, each accepting its own drafts (eager)"
+    )
     gen.add_argument("--output", type=Path, help="write one JSON line per prompt here")
     gen.add_argument("--baseline", action="store_true", help="also decode autoregressively: speedup and losslessness")
     gen.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up generation")
@@ -119,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time autoregressive decoding again right before each drafter's run of each prompt (twice the "
         "decoding, but ratios a machine whose speed drifts cannot move)",
+    )
+    bench.add_argument(
+        "--batch-sizes",
+        help="e.g. 1,4,16: each drafter at each batch size against autoregressive at the same size (batch.md, "
+        "speedup_vs_batch.png) instead of the per-category bench",
     )
     bench.add_argument("--wandb", action="store_true", help="log to Weights & Biases (WANDB_MODE=offline works)")
     bench.add_argument("--wandb-project", default="specdec")
@@ -160,6 +168,34 @@ def check_args(args: argparse.Namespace) -> None:
         problems.append(f"--threads must be >= 0 (0 = the fastest, timed), got {args.threads}")
     if problems:
         raise SpecdecError("; ".join(problems))
+
+
+def check_batch(args: argparse.Namespace, largest: int) -> None:
+    """Batched decoding's settings (largest: the largest batch size asked for), before anything loads."""
+    if largest < 1:
+        raise SpecdecError(f"batch sizes must be >= 1, got {largest}")
+    if largest == 1:
+        return
+    if args.compile == "on":
+        raise SpecdecError("batches of more than one prompt decode eagerly: drop --compile on")
+    if getattr(args, "typical", False) or args.adaptive_gamma or args.confidence:
+        raise SpecdecError("--typical, --adaptive-gamma and --confidence decode one prompt at a time: --batch-size 1")
+    args.compile = "off"
+
+
+def batched(drafter, spec: str, batch_size: int) -> tuple:
+    """(the drafter as batches decode with it, the batch size it runs at): a kind that decodes a prompt
+    at a time runs at batch size 1, and says so."""
+    from specdec_runtime.drafters.batched import batch_drafter
+
+    if batch_size == 1 or drafter is None:
+        return drafter, batch_size
+    rows = batch_drafter(drafter)
+    if rows is None:
+        print(f"drafter {spec} decodes one prompt at a time (batched: ngram and draft models): batch size 1",
+              file=sys.stderr)  # fmt: skip
+        return drafter, 1
+    return rows, batch_size
 
 
 def load_target(args: argparse.Namespace) -> "LoadedModel":  # noqa: F821
@@ -207,6 +243,7 @@ def run_generate(args: argparse.Namespace) -> None:
     check_args(args)
     if args.typical and not (0 < args.posterior_threshold < 1 and args.posterior_alpha > 0):
         raise SpecdecError("--typical needs 0 < --posterior-threshold < 1 and --posterior-alpha > 0")
+    check_batch(args, args.batch_size)
     if args.prompt is not None:
         if not args.prompt.strip():
             raise SpecdecError("--prompt is empty: give the text to continue")
@@ -219,6 +256,7 @@ def run_generate(args: argparse.Namespace) -> None:
     drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
     if args.gamma is None:
         args.gamma = (drafter.gamma if drafter is not None else None) or 4
+    drafter, batch_size = batched(drafter, args.drafter, args.batch_size)
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
 
@@ -255,6 +293,7 @@ def run_generate(args: argparse.Namespace) -> None:
             max_gamma=args.max_gamma,
             stop_ids=target.stop_ids,
             typical=typical,
+            batch_size=batch_size,
         )
     except KeyboardInterrupt:
         done = output.records if output is not None else 0
@@ -267,6 +306,7 @@ def run_generate(args: argparse.Namespace) -> None:
     if len(prompts) == 1:
         print(target.tokenizer.decode(report.spec[0].tokens, skip_special_tokens=True))
     title = f"target {args.target} · drafter {args.drafter} · T={args.temperature} · gamma {args.gamma}"
+    title += f" · batch {batch_size}" if batch_size > 1 else ""
     if typical:
         title += f" · typical acceptance ({typical[0]}, {typical[1]}): LOSSY"
     print_summary(title, prompts, report)
@@ -320,6 +360,8 @@ def run_bench(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompts or builtin_prompts("prompts-val"))
     if args.per_category > 0:
         prompts = first_per_category(prompts, args.per_category)
+    if args.batch_sizes is not None:
+        return run_batch_sweep(args, prompts, specs, modes)
 
     target = load_target(args)
     encoded = encode_all(target, prompts, args)
@@ -364,6 +406,34 @@ def run_bench(args: argparse.Namespace) -> None:
     failed = sorted({r["drafter"] for r in rows if "error" in r})
     if failed:
         raise SpecdecError(f"{len(failed)} of {len(specs)} drafters failed ({', '.join(failed)}): see the table above")
+
+
+def run_batch_sweep(args: argparse.Namespace, prompts: list, specs: list[str], modes: list[str]) -> None:
+    """bench --batch-sizes (specdec_runtime.bench_batch), its settings checked before the target loads."""
+    from tqdm import tqdm
+
+    from specdec_runtime import bench_batch
+
+    try:
+        sizes = bench_batch.parse_sizes(args.batch_sizes)
+    except ValueError as e:
+        raise SpecdecError(str(e)) from None
+    check_batch(args, max(sizes))
+    args.compile = "off"  # batch 1 eagerly too: like with like
+    target = load_target(args)
+    encoded = encode_all(target, prompts, args)
+    runs = sum(len(modes) * len(sizes) for s in specs if s != "none")
+    bar = tqdm(total=runs, desc="bench --batch-sizes", unit="run", file=sys.stderr)
+    rows = bench_batch.sweep(
+        target, encoded, specs, sizes, modes, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_new_tokens=args.max_new_tokens, gamma=args.gamma, dtype=args.dtype,
+        progress=lambda row: bar.update(),
+    )  # fmt: skip
+    bar.close()
+    title = f"{args.target}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {target.model.device.type}"
+    table, plot = bench_batch.write(args.output_dir, rows, title)
+    print(table)
+    print(f"wrote {args.output_dir}/batch.md, batch.json, {plot.name}", file=sys.stderr)
 
 
 def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa: F821

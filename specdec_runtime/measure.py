@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdec_runtime.batched import generate_many
 from specdec_runtime.drafters.lookup import LookupFirst
 from specdec_runtime.drafters.protocol import Draft, Drafter
 from specdec_runtime.generate import Generation, generate
@@ -61,6 +62,7 @@ def measure(
     warmup: bool = True,
     progress: Callable | None = None,
     on_result: Callable[[int, Generation, Generation | None], None] | None = None,
+    batch_size: int = 1,
     **generate_kwargs,
 ) -> Report:
     """Decode every prompt with the drafter (and autoregressively too, when baseline: first on
@@ -68,7 +70,12 @@ def measure(
 
     on_result(i, spec, baseline_or_None) is called as each prompt finishes (to stream outputs).
     The caches are sized once for the longest prompt, so every call reuses them.
+    batch_size > 1: `drafter` a RowDrafter (drafters/batched.py), the prompts decoded batch_size at a
+    time in their order (batched.generate_many; the baseline: autoregressive at the same batch size).
     """
+    if batch_size > 1:
+        return _measure_batched(target, drafter, prompts, sampler, baseline, warmup, progress, on_result,
+                                batch_size, **generate_kwargs)  # fmt: skip
     longest = max(len(p) for p in prompts) + generate_kwargs.get("max_new_tokens", 256)
     generate_kwargs = {"capacity": longest, **generate_kwargs}
     if warmup:  # first calls pay for allocations, lazy init and compilation: keep them out of the numbers
@@ -83,6 +90,25 @@ def measure(
             runs.append(generate(target, ids, d, sampler(), **generate_kwargs))
         if on_result:
             on_result(i, report.spec[-1], report.baseline[-1] if baseline else None)
+    return report
+
+
+def _measure_batched(target, drafter, prompts, sampler, baseline, warmup, progress, on_result, batch_size,
+                     **kw) -> Report:  # fmt: skip
+    """measure() batch_size prompts at a time (generate_many's keywords: max_new_tokens, gamma, stop_ids)."""
+    kw = {k: v for k, v in kw.items() if k in ("max_new_tokens", "gamma", "stop_ids")}
+    batches = [list(map(list, prompts[i : i + batch_size])) for i in range(0, len(prompts), batch_size)]
+    if warmup:
+        for d in ([None] if baseline else []) + [drafter]:
+            generate_many(target, batches[0], d, sampler(), **(kw | {"max_new_tokens": 8}))
+    report = Report(greedy=sampler().greedy)
+    sides = [(report.baseline, None), (report.spec, drafter)] if baseline else [(report.spec, drafter)]
+    for i, batch in enumerate(progress(batches) if progress else batches):
+        for runs, d in sides if i % 2 == 0 else sides[::-1]:
+            runs += generate_many(target, batch, d, sampler(), **kw)
+        if on_result:
+            for j in range(len(report.spec) - len(batch), len(report.spec)):
+                on_result(j, report.spec[j], report.baseline[j] if baseline else None)
     return report
 
 

@@ -185,6 +185,9 @@ def test_wandb_offline_run_has_the_summary_metrics_and_plots(tiny_dir, tmp_path,
         (["--gamma", "0"], "--gamma must be >= 1"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--per-category", "-1"], "--per-category must be >= 0"),
+        (["--batch-sizes", "1,x"], "give comma-separated integers"),
+        (["--batch-sizes", "0,2"], "every size must be >= 1"),
+        (["--batch-sizes", "1,2", "--compile", "on"], "drop --compile on"),
     ],
 )
 def test_user_errors_stop_before_any_model_loads_or_anything_is_written(tmp_path, capsys, extra, message):
@@ -208,3 +211,18 @@ def test_output_dir_that_is_a_file_and_prompts_that_are_not_utf8_are_refused(tmp
             main(["bench", "--target", "/no/such/model", *extra])
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_batch_sizes_compare_each_drafter_with_autoregressive_at_the_same_size(tiny_dir, tmp_path, capsys):
+    """--batch-sizes 1,3: a row per drafter, mode and size; tokens/s and tau from the same decoding
+    as `generate --batch-size` (greedy outputs all equal the autoregressive ones); a kind that decodes
+    one prompt at a time gets its batch-1 row and says so at 3."""
+    out = tmp_path / "out"
+    main(argv(tiny_dir, tmp_path, out, "none,ngram,truncate:2", "--batch-sizes", "3,1", "--modes", "greedy"))
+    rows = json.loads((out / "batch.json").read_text())
+    assert [(r["drafter"], r["batch"]) for r in rows] == [("ngram", 1), ("ngram", 3), ("truncate:2", 1),
+                                                          ("truncate:2", 3)]  # fmt: skip
+    assert rows[3]["note"] == "decodes one prompt at a time" and "speedup" not in rows[3]
+    for r in rows[:3]:
+        assert r["lossless"] == 1.0 and r["tau"] >= 1.0 and r["speedup"] == pytest.approx(r["tok_s"] / r["ar_tok_s"])
+    assert (out / "speedup_vs_batch.png").stat().st_size > 0 and "| ngram | greedy | 3 |" in capsys.readouterr().out

@@ -103,6 +103,9 @@ def test_single_prompt_prints_its_text(tiny_dir, capsys):
         (["--gamma", "-2"], "--gamma must be >= 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--prompt", " "], "--prompt is empty"),
+        (["--batch-size", "0"], "batch sizes must be >= 1, got 0"),
+        (["--batch-size", "2", "--compile", "on"], "decode eagerly: drop --compile on"),
+        (["--batch-size", "2", "--adaptive-gamma"], "decode one prompt at a time: --batch-size 1"),
     ],
 )
 def test_user_errors_exit_with_a_message_not_a_traceback(tiny_dir, capsys, argv, message):
@@ -208,3 +211,24 @@ def test_generate_decodes_on_the_measured_thread_count_unless_told(tiny_dir, tmp
         assert torch.get_num_threads() == 2 and asked == ["decode"] and "threads:" not in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
+
+
+def test_batched_generation_writes_each_prompts_output_equal_to_autoregressive(tiny_dir, tmp_path, capsys):
+    """--batch-size 2 over 3 prompts (a full batch and one of a single prompt): every output equals
+    the autoregressive one decoded at the same batch size; a kind that decodes a prompt at a time
+    runs at batch size 1 and says so."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "why?", "a b c a b c")))
+    common = ["generate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "16"]
+    outs = {}
+    for drafter in ("none", "ngram", "truncate:1"):
+        out_file = tmp_path / f"{drafter.replace(':', '')}.jsonl"
+        main([*common, "--drafter", drafter, "--batch-size", "2", "--baseline", "--output", str(out_file)])
+        printed = capsys.readouterr()
+        outs[drafter] = [json.loads(line) for line in out_file.read_text().splitlines()]
+        assert "100%" in printed.out and all(r["identical_to_baseline"] for r in outs[drafter])
+        alone = drafter == "truncate:1"
+        assert ("batch 2" in printed.out) != alone and ("decodes one prompt at a time" in printed.err) == alone
+    for records in outs.values():
+        assert [r["output_ids"] for r in records] == [r["output_ids"] for r in outs["none"]]
+        assert [r["id"] for r in records] == ["0", "1", "2"]

@@ -1,0 +1,122 @@
+"""`specdec bench --batch-sizes 1,4,16`: what each drafter buys at each batch size.
+
+Per drafter, mode and batch size, the prompts are decoded that many at a time (in their order),
+speculatively and autoregressively at the same batch size, batch beside batch
+(measure(batch_size=)); a row gives both tokens/s, tau, the speedup and, greedy, how many outputs
+equal the autoregressive ones. A drafter that decodes one prompt at a time (drafters/batched.py
+says which) gets its batch-1 row only, and the table says so. Batches decode eagerly, batch 1
+included, so that the column compares like with like. Writes batch.md, batch.json and
+speedup_vs_batch.png to the output folder.
+"""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdec_runtime.drafters.batched import batch_drafter
+from specdec_runtime.drafters.spec import build_drafter
+from specdec_runtime.loading import LoadedModel
+from specdec_runtime.measure import measure
+from specdec_runtime.sampling import Sampler
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16] (ascending, no repeats); ValueError names what is wrong."""
+    try:
+        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes {text!r}: give comma-separated integers, e.g. 1,4,16") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--batch-sizes {text!r}: every size must be >= 1")
+    return sizes
+
+
+def sweep(
+    target: LoadedModel,
+    encoded: Sequence[list[int]],
+    specs: Sequence[str],
+    sizes: Sequence[int],
+    modes: Sequence[str],
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    max_new_tokens: int,
+    gamma: int | None,
+    dtype: str,
+    progress=None,
+) -> list[dict]:
+    """One row per drafter (autoregressive decoding is every row's baseline), mode and batch size."""
+    rows = []
+    for spec in specs:
+        if spec == "none":
+            continue
+        drafter = build_drafter(spec, target, dtype=dtype)
+        g = gamma or drafter.gamma or 4
+        batched = batch_drafter(drafter)
+        for mode in modes:
+            t = temperature if mode == "sampled" else 0.0
+            for B in sizes:
+                row = {"drafter": spec, "mode": mode, "batch": B, "gamma": g}
+                if B > 1 and batched is None:
+                    rows.append(row | {"note": "decodes one prompt at a time"})
+                    continue
+                report = measure(
+                    target.model, batched if B > 1 else drafter, encoded, baseline=True, batch_size=B,
+                    sampler=lambda t=t: Sampler(t, top_k, top_p, seed=seed), max_new_tokens=max_new_tokens,
+                    gamma=g, stop_ids=target.stop_ids,
+                )  # fmt: skip
+                spec_s, ar = report.total("spec"), report.total("baseline")
+                rows.append(row | {
+                    "tok_s": spec_s.tokens_per_s, "ar_tok_s": ar.tokens_per_s, "tau": spec_s.tau,
+                    "speedup": report.speedup(), "lossless": report.lossless_rate(),
+                })  # fmt: skip
+                if progress is not None:
+                    progress(rows[-1])
+    return rows
+
+
+def markdown(rows: Sequence[dict], title: str) -> str:
+    lines = [f"### {title}", "", "| drafter | mode | batch | AR tok/s | spec tok/s | tau | speedup | lossless |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        if "note" in r:
+            lines.append(f"| {r['drafter']} | {r['mode']} | {r['batch']} | {r['note']} | | | | |")
+            continue
+        lossless = "-" if r["lossless"] is None else f"{r['lossless']:.0%}"
+        lines.append(f"| {r['drafter']} | {r['mode']} | {r['batch']} | {r['ar_tok_s']:.1f} | {r['tok_s']:.1f} | "
+                     f"{r['tau']:.2f} | {r['speedup']:.2f}x | {lossless} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], out: Path) -> Path:
+    """speedup_vs_batch.png: speedup over autoregressive decoding against batch size, a line per
+    drafter and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key in dict.fromkeys((r["drafter"], r["mode"]) for r in rows if "speedup" in r):
+        mine = [r for r in rows if (r["drafter"], r["mode"]) == key and "speedup" in r]
+        ax.plot([r["batch"] for r in mine], [r["speedup"] for r in mine], marker="o", label=f"{key[0]} ({key[1]})")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over autoregressive (same batch)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "speedup_vs_batch.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(out: Path, rows: Sequence[dict], title: str) -> tuple[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows, title)
+    (out / "batch.md").write_text(table)
+    (out / "batch.json").write_text(json.dumps(list(rows), indent=1) + "\n")
+    return table, plot(rows, out)
