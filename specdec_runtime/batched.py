@@ -16,8 +16,9 @@ generate() uses) and reads the accepted lengths and tokens back in one host sync
 Static batching: a row that stops keeps its place until the batch's last row stops (it runs its
 newest token again, its output dropped); a freed row is not refilled from a queue. Every forward
 runs eagerly (the fast path's captured steps take one start slot). Drafters: prompt lookup
-(RowLookup, on the host) and a stand-alone model (RowModel, batched like the target); the others
-run one prompt at a time (batch_drafter says which). A batch of one is generate() itself.
+(RowLookup, on the host), a stand-alone model (RowModel, batched like the target) and EAGLE-3
+chains (RowEagle3, reading the target's features of each row's accepted tokens); the others run one
+prompt at a time (batch_drafter says which). A batch of one is generate() itself.
 """
 
 import time
@@ -67,14 +68,18 @@ def generate_many(
     target.setup_cache(B, P + max_new_tokens + gamma)
     target.left_pad(row_start.to(device))
     try:
-        first = sampler.next_token(target(ids.to(device), torch.zeros(B, dtype=torch.long, device=device),
-                                          logits_to_keep=1).logits[:, -1])  # fmt: skip
+        taps = drafter.hidden_layers if drafter is not None else ()  # the target's residual streams it reads
+        zeros = torch.zeros(B, dtype=torch.long, device=device)
+        prefill = target(ids.to(device), zeros, logits_to_keep=1, taps=taps)
+        first = sampler.next_token(prefill.logits[:, -1])
         out = [[t] for t in first.tolist()]
         stats = [GenerationStats(calls=1, target_forwards=1) for _ in prompts]
         if drafter is not None:
             drafter.start(prompts, row_start, P + max_new_tokens + gamma)
             for b in range(B):
                 drafter.observe_tokens(b, out[b])
+                if taps:
+                    drafter.observe(b, prefill.hidden[b, P - len(prompts[b]) :])
         slot = [P] * B  # each row's newest token's slot (every prompt ends at P - 1)
         done = [out[b][0] in stop_ids or max_new_tokens == 1 for b in range(B)]
         for s in stats:
@@ -90,7 +95,8 @@ def generate_many(
             g = max(lengths)
             newest = torch.tensor([o[-1] for o in out], device=device)
             x = torch.cat([newest[:, None], drafts[:, :g].to(device)], dim=1)  # [B, g + 1]
-            logits = target(x, torch.tensor(slot, device=device)).logits  # [B, g + 1, V]
+            verified = target(x, torch.tensor(slot, device=device), taps=taps)
+            logits = verified.logits  # [B, g + 1, V]
             t2 = time.perf_counter()
             n, token = _verify(x[:, 1:], lengths, q, logits, sampler)
             host = torch.cat([n, token, x[:, 1:].flatten()]).tolist()  # the one host sync of the round
@@ -109,6 +115,8 @@ def generate_many(
                 done[b] = done[b] or len(out[b]) >= max_new_tokens
                 if drafter is not None:
                     drafter.observe_tokens(b, new)
+                    if taps:
+                        drafter.observe(b, verified.hidden[b, : k + 1])
             t3 = time.perf_counter()
             for s in stats:
                 s.draft_s, s.target_s, s.verify_s = s.draft_s + t1 - t0, s.target_s + t2 - t1, s.verify_s + t3 - t1

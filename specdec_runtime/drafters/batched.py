@@ -1,17 +1,19 @@
 """Drafters for batched decoding (specdec_runtime.batched): prompt lookup for every row, on the
-host, and a stand-alone model batched like the target, each row at slots of its own.
+host, a stand-alone model batched like the target, and EAGLE-3 chains, each row at slots of its own.
 
-    rows = batch_drafter(drafter)     # RowLookup, RowModel, or None where a kind decodes a prompt at a time
+    rows = batch_drafter(drafter)     # RowLookup, RowModel, RowEagle3, or None: a kind that decodes a prompt at a time
 """
 
 import torch
 from torch import Tensor
 
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import NgramDrafter
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter, in_target_vocab
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
+from specdec_runtime.layers import linear, mlp, rms_norm, rope_table, self_attention
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler, argmax
 
@@ -104,11 +106,93 @@ class RowModel(RowDrafter):
         return ModelDrafter(self.model, vocab_size=self.vocab_size, name=self.name)
 
 
+class RowEagle3(RowDrafter):
+    """An EAGLE-3 drafter's chains for every row (its fused weights, eagle3.Eagle3Drafter._rows
+    batched): its own cache a row a sequence, row b's position p at slot p. A round first runs each
+    row's accepted positions with the target's features (the catch-up, padded to the longest
+    row's), then drafts max(gammas) tokens for all rows, each reading the previous one's prenorm.
+    Chains only: a tree drafter drafts chains of gamma here."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.d, self.name, self.hidden_layers = drafter, f"{drafter.name} (chains)", drafter.hidden_layers
+
+    def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
+        cfg, target = self.d.model.config.layer, self.d.target
+        shape = (len(prompts), 2 * cfg.num_kv_heads, capacity + 1, cfg.head_dim)
+        self.kv = torch.zeros(shape, device=target.device, dtype=target.dtype)
+        self.rope = rope_table(cfg, capacity + 1, target.device, target.dtype)
+        self.slots = torch.arange(capacity + 1, device=target.device)
+        self.seqs = [list(p) for p in prompts]
+        self.pending: list[list[Tensor]] = [[] for _ in prompts]
+
+    def observe_tokens(self, b: int, tokens: list[int]) -> None:
+        self.seqs[b] += tokens
+
+    def observe(self, b: int, hidden: Tensor) -> None:
+        self.pending[b].append(hidden)
+
+    def _rows(self, tokens: Tensor, feature: Tensor, starts: Tensor) -> Tensor:
+        """Rows tokens [B, T] with features [B, T, H] at slots (= rope positions) starts[b] onward,
+        each seeing its own row's slots up to its own: their prenorm [B, T, H]."""
+        w, cfg, (B, T) = self.d.w, self.d.model.config, tokens.shape
+        eps, group = cfg.layer.rms_norm_eps, cfg.layer.num_heads // cfg.layer.num_kv_heads
+        slots = starts[:, None] + self.slots[:T]
+        bound = int(starts.max()) + T
+        mask = (self.slots[:bound] <= slots[..., None]).repeat(1, group, 1)[:, None]  # [B, 1, group T, bound]
+        h = rms_norm(feature, w.hidden_norm, eps)
+        x = torch.cat([rms_norm(self.d.target.embed_tokens(tokens), w.input_norm, eps), h], dim=-1)
+        residual = h if cfg.norm_before_residual else feature
+        cs = self.rope[slots]  # [B, T, 2, D]
+        out = self_attention(x.view(B * T, -1), residual.reshape(B * T, -1), B, w.qkv, w.o, cs[:, :, None, 0],
+                             cs[:, :, None, 1], self.kv, slots, mask, bound)  # fmt: skip
+        return mlp(out, w.post_norm, w.gate_up, w.down, eps).view(B, T, -1)
+
+    def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
+        d, B, g = self.d, len(self.seqs), max(gammas)
+        w, eps, device = d.w, d.model.config.layer.rms_norm_eps, d.target.device
+        feats = [torch.cat(p) if p else None for p in self.pending]  # rows L-1-k .. L-2 of each sequence
+        self.pending = [[] for _ in range(B)]
+        counts = [1 if f is None else f.shape[0] for f in feats]  # (a stopped row: one row of zeros)
+        m, H3 = max(counts), d.model.config.target_hidden_size * len(self.hidden_layers)
+        features = torch.zeros(B, m, H3, device=device, dtype=w.dtype)
+        tokens = []
+        for b, (f, k, seq) in enumerate(zip(feats, counts, self.seqs, strict=True)):
+            if f is not None:
+                features[b, :k] = f.to(w.dtype)
+            row = seq[len(seq) - k :]  # the tokens after those positions
+            tokens.append(row + row[-1:] * (m - k))
+        starts = torch.tensor([len(seq) - 1 - k for seq, k in zip(self.seqs, counts, strict=True)], device=device)
+        fc = linear(features.view(B * m, -1), w.fc).view(B, m, -1)
+        prenorm = self._rows(torch.tensor(tokens, device=device), fc, starts)
+        last = torch.tensor(counts, device=device) - 1
+        prenorm = prenorm[torch.arange(B, device=device), last][:, None]  # [B, 1, H] each row's newest
+        starts = starts + last + 1  # the first draft's slot
+        drafted, probs = [], []
+        for i in range(g):
+            logits = linear(rms_norm(prenorm[:, 0], w.norm, eps), w.head)  # [B, N]
+            if sampler.greedy:  # draft ids ascend with target ids: the same first maximum
+                token = d.draft_ids[argmax(logits)]
+            else:
+                full = logits.new_full((B, d.target.config.vocab_size), float("-inf"))
+                probs.append(sampler.probs(full.index_copy_(1, d.draft_ids, logits)))
+                token = sampler.sample(probs[-1])
+            drafted.append(token)
+            if i + 1 < g:
+                prenorm = self._rows(token[:, None], prenorm, starts + i)
+        return torch.stack(drafted, 1), list(gammas), torch.stack(probs, 1) if probs else None
+
+    def alone(self) -> Drafter:
+        return self.d
+
+
 def batch_drafter(drafter: Drafter) -> RowDrafter | None:
-    """The batched form of a runtime drafter (prompt lookup, a stand-alone model), or None for the
-    kinds that decode a prompt at a time (EAGLE-3, Medusa, MTP, truncate, layer skip, lookup first)."""
+    """The batched form of a runtime drafter (prompt lookup, a stand-alone model, EAGLE-3 as chains),
+    or None for the kinds that decode a prompt at a time (Medusa, MTP, truncate, layer skip, lookup
+    first, draft exits)."""
     if isinstance(drafter, NgramDrafter):
         return RowLookup(drafter.max_ngram, drafter.min_ngram)
+    if isinstance(drafter, Eagle3Drafter) and drafter.draft_exit is None:
+        return RowEagle3(drafter)
     if isinstance(drafter, ModelDrafter) and not drafter.shares_target_cache and drafter.draft_exit is None:
         return RowModel(drafter.model, drafter.vocab_size, drafter.name)
     return None

@@ -79,13 +79,18 @@ def empty_draft(device: torch.device) -> Draft:
 class RowDrafter(Protocol):
     """What batched.generate_many asks of a drafter: a draft per row a round (drafters/batched.py)."""
 
-    name: str
+    name: str = "drafter"
+    hidden_layers: tuple[int, ...] = ()  # the target's residual streams it reads (see observe)
 
     def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
         """Reset for these prompts (left-padded: row b's tokens begin at slot row_start[b])."""
 
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
         """Row b's new tokens (its first token after start(), then each round's)."""
+
+    def observe(self, b: int, hidden: Tensor) -> None:
+        """Row b's target residual streams after `hidden_layers` layers [k, n * H] at the k positions
+        just accepted (after the prefill: every prompt position), as Drafter.observe."""
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         """(tokens [B, g] padded, each row's draft length <= gammas[b], the distributions [B, g, V]

@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from specdec_runtime.batched import generate_many
-from specdec_runtime.drafters.batched import RowLookup, RowModel, batch_drafter
+from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowModel, batch_drafter
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.sampling import Sampler
 from tests.conftest import assert_sequences_follow, runtime_from_hf, sequence_joint, tiny_decoder, tiny_hf_model
+from tests.runtime.test_eagle3 import tiny as eagle3_tiny
 
 PROMPTS = [[1, 5, 9, 5, 9], [1, 7, 7, 7, 30, 12, 40, 41, 42, 43, 7, 7, 7], [1, 4], [1, 20, 21, 22, 23, 20, 21], [3]]
 
@@ -68,24 +70,52 @@ def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter):
     assert generate(target, PROMPTS[0], max_new_tokens=20).tokens == free[0]  # nothing left behind
 
 
-def test_sampled_rows_follow_the_targets_distribution():
-    """Short prompts beside a long one, a sampling draft model: their first two tokens (the second
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_sampled_rows_follow_the_targets_distribution(kind):
+    """Short prompts beside a long one, a sampling drafter: their first two tokens (the second
     from speculative sampling of a draft) follow the exact joint of the target's warped
     distribution (chi-square over the 9 pairs of top-3 tokens)."""
-    hf = tiny_hf_model(seed=4)
-    target, draft_model = runtime_from_hf(hf), perturbed(runtime_from_hf(hf))
-    short, long = [1, 5, 9], [1, 7, 7, 7, 30, 12, 40, 41, 42, 43]
+    if kind == "model":
+        hf = tiny_hf_model(seed=4)
+        target, rows, short = runtime_from_hf(hf), RowModel(perturbed(runtime_from_hf(hf))), [1, 5, 9]
+    else:  # (a prompt after which its random drafts are accepted at times)
+        hf, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
+        rows, short = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False)), [1, 2, 3, 4]
+    long = [1, 7, 7, 7, 3, 12, 4, 11, 2, 13]
     sampler = Sampler(1.0, top_k=3, seed=0)
-    rows = generate_many(target, [long] + [short] * 799, RowModel(draft_model), sampler, max_new_tokens=3, gamma=2)
-    assert sum(g.stats.drafted for g in rows) >= 799 and 0 < sum(g.stats.accepted for g in rows) < 799
+    out = generate_many(target, [long] + [short] * 799, rows, sampler, max_new_tokens=3, gamma=2)
+    assert sum(g.stats.drafted for g in out) >= 799 and 0 < sum(g.stats.accepted for g in out) < 799
 
     def next_logits(ids):
         with torch.no_grad():
             return hf(torch.tensor([ids])).logits[0, -1]
 
     assert_sequences_follow(
-        [g.tokens[:2] for g in rows[1:]], sequence_joint(next_logits, short, 2, temperature=1.0, top_k=3)
+        [g.tokens[:2] for g in out[1:]], sequence_joint(next_logits, short, 2, temperature=1.0, top_k=3)
     )
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled):
+    """An EAGLE-3 drafter: every row's output equals the target's greedy output, and its
+    drafts were accepted exactly as often, position by position, as the same drafter's chains
+    decoding that prompt alone (the drafts are the same); sampled, the rows are the target's
+    distribution's (the tokens differ from batch 1's: the random draws are the batch's)."""
+    _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)  # a vocabulary small enough for random drafts to hit
+    drafter = Eagle3Drafter(model, target, cpu_bf16=False)
+    prompts = [[t % 16 for t in p] for p in PROMPTS]
+    rows = batch_drafter(drafter)
+    assert isinstance(rows, RowEagle3) and rows.hidden_layers == drafter.hidden_layers
+    if sampled:
+        many = generate_many(target, prompts, rows, Sampler(1.0, seed=0), max_new_tokens=24, gamma=3)
+        assert all(len(g.tokens) == 24 for g in many) and sum(g.stats.accepted for g in many) > 0
+        return
+    many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3)
+    for p, g in zip(prompts, many, strict=True):
+        alone = generate(target, p, drafter, max_new_tokens=24, gamma=3)
+        assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
+        assert g.stats.accepted_at == alone.stats.accepted_at and g.stats.drafted_at == alone.stats.drafted_at
+    assert sum(g.stats.accepted for g in many) > 5
 
 
 def test_drafters_that_decode_a_prompt_at_a_time_say_so():
