@@ -20,17 +20,6 @@ from specdec_runtime.measure import measure
 from specdec_runtime.sampling import Sampler
 
 
-def parse_sizes(text: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16] (ascending, no repeats); ValueError names what is wrong."""
-    try:
-        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
-    except ValueError:
-        raise ValueError(f"--batch-sizes {text!r}: give comma-separated integers, e.g. 1,4,16") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"--batch-sizes {text!r}: every size must be >= 1")
-    return sizes
-
-
 def sweep(
     target: LoadedModel,
     encoded: Sequence[list[int]],

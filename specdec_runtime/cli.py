@@ -131,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--wandb", action="store_true", help="log to Weights & Biases (WANDB_MODE=offline works)")
     bench.add_argument("--wandb-project", default="specdec")
 
+    tune = sub.add_parser(
+        "tune", help="which drafting settings pay at which batch size and temperature: tune.json, with the engines'"
+    )
+    add_model_args(tune)
+    tune.add_argument("--drafter", required=True, help="the drafter to tune (" + DRAFTERS_HELP + ")")
+    tune.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes")
+    tune.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy")
+    tune.add_argument("--gammas", default="1,2,3,4,5", help="chain lengths tried (beside its own tree at batch 1)")
+    tune.add_argument("--top-k", type=int, default=0)
+    tune.add_argument("--top-p", type=float, default=1.0)
+    tune.add_argument("--max-new-tokens", type=int, default=64)
+    tune.add_argument("--prompts", type=Path, help="JSON lines (default: the validation prompts)")
+    tune.add_argument("--per-category", type=int, default=2, help="the first N prompts of each category (0: all)")
+    tune.add_argument("--output", type=Path, default=Path("tune.json"))
+
     prep = sub.add_parser("prepare", help="download or convert models once; print their local folders")
     prep.add_argument("models", nargs="*", default=["smollm2-135m-instruct"])
     check = sub.add_parser(
@@ -178,7 +193,7 @@ def check_batch(args: argparse.Namespace, largest: int) -> None:
         return
     if args.compile == "on":
         raise SpecdecError("batches of more than one prompt decode eagerly: drop --compile on")
-    if getattr(args, "typical", False) or args.adaptive_gamma or args.confidence:
+    if getattr(args, "typical", False) or getattr(args, "adaptive_gamma", False) or getattr(args, "confidence", 0):
         raise SpecdecError("--typical, --adaptive-gamma and --confidence decode one prompt at a time: --batch-size 1")
     args.compile = "off"
 
@@ -414,10 +429,7 @@ def run_batch_sweep(args: argparse.Namespace, prompts: list, specs: list[str], m
 
     from specdec_runtime import bench_batch
 
-    try:
-        sizes = bench_batch.parse_sizes(args.batch_sizes)
-    except ValueError as e:
-        raise SpecdecError(str(e)) from None
+    sizes = numbers(args.batch_sizes, "--batch-sizes", int, 1)
     check_batch(args, max(sizes))
     args.compile = "off"  # batch 1 eagerly too: like with like
     target = load_target(args)
@@ -434,6 +446,55 @@ def run_batch_sweep(args: argparse.Namespace, prompts: list, specs: list[str], m
     table, plot = bench_batch.write(args.output_dir, rows, title)
     print(table)
     print(f"wrote {args.output_dir}/batch.md, batch.json, {plot.name}", file=sys.stderr)
+
+
+def numbers(text: str, flag: str, kind: type, least: float) -> list:
+    """'1,4,16' -> [1, 4, 16] (ascending, no repeats), each >= least, else a SpecdecError naming the flag."""
+    try:
+        values = sorted({kind(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SpecdecError(f"{flag} {text!r}: give comma-separated numbers, e.g. 1,4,16") from None
+    if not values or values[0] < least:
+        raise SpecdecError(f"{flag} {text!r}: every value must be >= {least}")
+    return values
+
+
+def run_tune(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specdec_runtime import tune
+    from specdec_runtime.prompts import builtin_prompts, first_per_category, read_prompts
+    from specdec_runtime.sampling import Sampler
+
+    # Everything a user can get wrong fails here, before a model loads or a file is written.
+    sizes = numbers(args.batch_sizes, "--batch-sizes", int, 1)
+    temperatures = numbers(args.temperatures, "--temperatures", float, 0)
+    gammas = numbers(args.gammas, "--gammas", int, 1)
+    for t in temperatures:
+        Sampler(t, args.top_k, args.top_p)
+    if args.max_new_tokens < 1 or args.per_category < 0:
+        raise SpecdecError("--max-new-tokens must be >= 1 and --per-category >= 0")
+    if args.drafter.strip().lower() in ("", "none", "ar"):
+        raise SpecdecError("--drafter: give the drafter to tune (autoregressive decoding is every setting's baseline)")
+    if args.output.is_dir():
+        raise SpecdecError(f"--output {args.output} is a folder: give a file name (tune.json)")
+    check_batch(args, max(sizes))
+    prompts = read_prompts(args.prompts or builtin_prompts("prompts-val"))
+    if args.per_category > 0:
+        prompts = first_per_category(prompts, args.per_category)
+    target = load_target(args)
+    encoded = encode_all(target, prompts, args)
+    bar = tqdm(desc="tune", unit="run", file=sys.stderr)
+    result = tune.tune(
+        target, args.drafter, encoded, sizes, temperatures, gammas, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_new_tokens=args.max_new_tokens, dtype=args.dtype, progress=lambda *_: bar.update(),
+    )  # fmt: skip
+    bar.close()
+    result = {"target": args.target} | result
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    print(tune.table(result))
+    print(f"wrote {args.output}", file=sys.stderr)
 
 
 def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa: F821
@@ -483,6 +544,8 @@ def main(argv: list[str] | None = None) -> None:
             run_generate(args)
         elif args.command == "bench":
             run_bench(args)
+        elif args.command == "tune":
+            run_tune(args)
         elif args.command == "prepare":
             from specdec_runtime.paths import resolve_model
 

@@ -439,12 +439,13 @@ def export_eagle3(
     read). The verifier is the card's target_id; card.target_config gives its architectures and the
     dtype SGLang runs the drafter in (the target's, else bf16: SGLang runs an fp32 drafter in fp16)."""
     from specdec_runtime.drafters.eagle3_format import save_speculators
+    from specdec_runtime.engines.sglang import eagle_draft_tokens
 
     target_config = card.target_config or {}
     dtype = target_config.get("torch_dtype") or target_config.get("dtype")
     get, folder = _fetch(card, out)
     k, tree = drafting["gamma"], drafting["tree_budget"]
-    topk, draft_tokens = (drafting["top_k"], tree + 1) if tree else (1, k + 1)  # SGLang: a chain is top-k 1
+    topk, draft_tokens = eagle_draft_tokens(k, tree, drafting["top_k"])
     drafts = f"a tree of {tree} nodes up to {k} deep" if tree else f"chains of {k} tokens"
     lookup, first = (LOOKUP, ", prompt lookup and the phrase table first") if phrases is not None else ("", "")
     serve_dir = (

@@ -17,6 +17,13 @@ ENGINE = Engine(
 )
 
 
+def eagle_draft_tokens(gamma: int, tree_budget: int, top_k: int) -> tuple[int, int]:
+    """(--speculative-eagle-topk, --speculative-num-draft-tokens) of drafts gamma deep: SGLang counts
+    the verified root among the draft tokens (a chain of gamma: topk 1, gamma + 1; a tree of n
+    nodes: its top-k, n + 1)."""
+    return (top_k, tree_budget + 1) if tree_budget else (1, gamma + 1)
+
+
 def eagle3(folder: Folder, target: dict[str, Any] | None = None) -> Verdict:
     """SGLang's LlamaForCausalLMEagle3 (llama_eagle3.py): q/k/v are one qkv_proj without a bias,
     o_proj has one where attention_bias or bias is set, the MLP never; unknown tensors are skipped

@@ -185,8 +185,8 @@ def test_wandb_offline_run_has_the_summary_metrics_and_plots(tiny_dir, tmp_path,
         (["--gamma", "0"], "--gamma must be >= 1"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--per-category", "-1"], "--per-category must be >= 0"),
-        (["--batch-sizes", "1,x"], "give comma-separated integers"),
-        (["--batch-sizes", "0,2"], "every size must be >= 1"),
+        (["--batch-sizes", "1,x"], "give comma-separated numbers"),
+        (["--batch-sizes", "0,2"], "every value must be >= 1"),
         (["--batch-sizes", "1,2", "--compile", "on"], "drop --compile on"),
     ],
 )
@@ -226,3 +226,37 @@ def test_batch_sizes_compare_each_drafter_with_autoregressive_at_the_same_size(t
     for r in rows[:3]:
         assert r["lossless"] == 1.0 and r["tau"] >= 1.0 and r["speedup"] == pytest.approx(r["tok_s"] / r["ar_tok_s"])
     assert (out / "speedup_vs_batch.png").stat().st_size > 0 and "| ngram | greedy | 3 |" in capsys.readouterr().out
+
+
+def test_tune_writes_the_best_setting_per_batch_size_and_temperature_with_the_engines(tiny_dir, tmp_path, capsys):
+    """specdec tune over 2 batch sizes x 2 temperatures: every candidate measured (chains of each gamma;
+    at batch 1 also prompt lookup first), the best the fastest, and the engines' settings of a chain
+    as each counts (vLLM: the draft length; SGLang: + the verified root)."""
+    prompts = write_prompt_file(tmp_path / "p.jsonl", 3, stride=5, suffix=" and")
+    out = tmp_path / "tune.json"
+    main(["tune", "--target", str(tiny_dir), "--drafter", "ngram", "--prompts", str(prompts), "--batch-sizes", "2,1",
+          "--temperatures", "0,0.8", "--gammas", "2,3", "--max-new-tokens", "12", "--output", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    keys = [(s["batch_size"], s["temperature"]) for s in result["settings"]]
+    assert keys == [(1, 0.0), (1, 0.8), (2, 0.0), (2, 0.8)] and result["drafter"] == "ngram"
+    for s in result["settings"]:
+        names = [c["name"] for c in s["candidates"]]
+        assert names == ["chain:2", "chain:3"]  # (prompt lookup is the drafter: nothing to put first)
+        best = max(s["candidates"], key=lambda c: c["tok_s"])
+        assert s["best"]["name"] == best["name"] and s["best"]["speedup"] == pytest.approx(
+            best["tok_s"] / s["autoregressive_tok_s"])
+        g = s["best"]["gamma"]
+        assert s["best"]["vllm"] == {"method": "ngram", "num_speculative_tokens": g, "prompt_lookup_max": 3,
+                                     "prompt_lookup_min": 1}  # fmt: skip
+    assert "| 2 | 0.8 |" in capsys.readouterr().out
+
+
+def test_tune_refuses_bad_lists_before_loading(tmp_path, capsys):
+    for extra, message in ((["--gammas", "0,2"], "--gammas '0,2': every value must be >= 1"),
+                           (["--temperatures", "a"], "--temperatures 'a': give comma-separated numbers"),
+                           (["--drafter", "none"], "give the drafter to tune")):  # fmt: skip
+        argv = ["tune", "--target", "/no/such/model", "--drafter", "ngram", "--output", str(tmp_path / "t.json")]
+        with pytest.raises(SystemExit) as e:
+            main(argv + extra)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()

@@ -1,0 +1,141 @@
+"""`specdec tune`: which drafting settings pay at which batch size and temperature, for this target
+and drafter, measured on the runtime, and the same settings as vLLM and SGLang take them.
+
+    specdec tune --drafter runs/eagle3/export --batch-sizes 1,4,16 --temperatures 0,0.7 --gammas 1,2,3,4,5
+
+Per batch size and temperature: autoregressive decoding at that batch size once, then each
+candidate on the same prompts: chains of each gamma; at batch 1 also the drafter's own drafting
+(an EAGLE-3 export's tree, a Medusa tree) and, for model drafters, prompt lookup first
+(SPEC+lookup). The best (tokens/s) is written to tune.json with the speedup it measured, beside
+every candidate's figures and the engines' settings for it (`serving`). The engines count
+differently: vLLM's num_speculative_tokens is the draft length (a chain; vLLM drafts greedily at
+any temperature), SGLang's num_draft_tokens counts the verified root too (a chain of gamma: gamma
++ 1; a tree of n nodes: n + 1) and its eagle-topk is 1 for chains.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowModel, batch_drafter
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
+from specdec_runtime.drafters.medusa import MedusaDrafter
+from specdec_runtime.drafters.spec import LOOKUP, build_drafter
+from specdec_runtime.drafters.standalone import ModelDrafter
+from specdec_runtime.engines.sglang import eagle_draft_tokens
+from specdec_runtime.loading import LoadedModel
+from specdec_runtime.measure import measure
+from specdec_runtime.sampling import Sampler
+
+
+def candidates(spec: str, target: LoadedModel, batch: int, gammas: Sequence[int], dtype: str) -> list[dict]:
+    """The drafting settings tried at a batch size: {"name", "drafter", "gamma", "tree_budget", "top_k",
+    "lookup"} each (a drafter that decodes a prompt at a time has none above batch 1)."""
+    own = build_drafter(spec, target, dtype=dtype)
+    trees = isinstance(own, Eagle3Drafter | MedusaDrafter)
+    chain = build_drafter(spec, target, dtype=dtype, tree="chain") if trees else own
+    runs = chain if batch == 1 else batch_drafter(chain)
+    if runs is None:
+        return []
+    out = [dict(name=f"chain:{g}", drafter=runs, gamma=g, tree_budget=0, top_k=1, lookup=False) for g in gammas]
+    if batch > 1:
+        return out
+    budget, g = getattr(own, "tree_budget", 0), own.gamma or max(gammas)
+    if budget:  # its own tree, at its own depth
+        top_k = getattr(own, "top_k", 0)
+        out.append(dict(name=f"tree:{budget}:{g}", drafter=own, gamma=g, tree_budget=budget, top_k=top_k,
+                        lookup=False))  # fmt: skip
+    if not isinstance(own, NgramDrafter):  # prompt lookup first, then its own drafting
+        out.append(dict(name=("tree" if budget else f"chain:{g}") + LOOKUP, drafter=LookupFirst(own), gamma=g,
+                        tree_budget=budget, top_k=getattr(own, "top_k", 1), lookup=True))  # fmt: skip
+    return out
+
+
+def serving(spec: str, drafter: Any, c: dict) -> dict[str, Any]:
+    """The engines' settings for candidate c of drafter `spec` (None where an engine has no such drafting)."""
+    g, budget, top_k = c["gamma"], c["tree_budget"], c["top_k"]
+    if c["lookup"]:
+        return {"vllm": None, "sglang": None, "note": "prompt lookup first is the runtime's own"}
+    if isinstance(drafter, Eagle3Drafter | RowEagle3):
+        topk, tokens = eagle_draft_tokens(g, budget, top_k)
+        sglang = (f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {spec}/sglang "
+                  f"--speculative-num-steps {g} --speculative-eagle-topk {topk} "
+                  f"--speculative-num-draft-tokens {tokens}")  # fmt: skip
+        return {"vllm": {"method": "eagle3", "model": spec, "num_speculative_tokens": g}, "sglang": sglang}
+    if isinstance(drafter, NgramDrafter | RowLookup):
+        vllm = {"method": "ngram", "num_speculative_tokens": g, "prompt_lookup_max": drafter.max_ngram,
+                "prompt_lookup_min": 1}  # fmt: skip
+        return {"vllm": vllm, "sglang": None}
+    if isinstance(drafter, RowModel) or (isinstance(drafter, ModelDrafter) and not drafter.shares_target_cache):
+        sglang = (f"--speculative-algorithm STANDALONE --speculative-draft-model-path {spec} "
+                  f"--speculative-num-steps {g} --speculative-eagle-topk 1 "
+                  f"--speculative-num-draft-tokens {g + 1}")  # fmt: skip
+        return {"vllm": {"method": "draft_model", "model": spec, "num_speculative_tokens": g}, "sglang": sglang}
+    return {"vllm": None, "sglang": None, "note": "no engine serves this kind of drafter as specdec runs it"}
+
+
+def tune(
+    target: LoadedModel,
+    spec: str,
+    encoded: Sequence[list[int]],
+    sizes: Sequence[int],
+    temperatures: Sequence[float],
+    gammas: Sequence[int],
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+    dtype: str = "auto",
+    progress=None,
+) -> dict[str, Any]:
+    """tune.json's content (module docstring)."""
+    settings = []
+    for B in sizes:
+        for t in temperatures:
+            sampler = lambda t=t: Sampler(t, top_k, top_p, seed=seed)  # noqa: E731
+            kw = dict(sampler=sampler, batch_size=B, max_new_tokens=max_new_tokens, stop_ids=target.stop_ids)
+            ar = measure(target.model, None, encoded, **kw).total().tokens_per_s
+            rows = []
+            for c in candidates(spec, target, B, gammas, dtype):
+                report = measure(target.model, c["drafter"], encoded, gamma=c["gamma"], **kw)
+                s = report.total()
+                row = {k: v for k, v in c.items() if k != "drafter"}
+                rows.append(row | {"tok_s": s.tokens_per_s, "tau": s.tau, "speedup": s.tokens_per_s / ar}
+                            | serving(spec, c["drafter"], c))  # fmt: skip
+                if progress is not None:
+                    progress(B, t, rows[-1])
+            entry = {"batch_size": B, "temperature": t, "autoregressive_tok_s": ar, "candidates": rows}
+            if rows:
+                best = max(rows, key=lambda r: r["tok_s"])
+                entry["best"] = best | {"pays": best["speedup"] > 1.0}
+            else:
+                entry["note"] = "this drafter decodes one prompt at a time: batch 1 only"
+            settings.append(entry)
+    return {
+        "drafter": spec,
+        "device": target.model.device.type,
+        "prompts": len(encoded),
+        "max_new_tokens": max_new_tokens,
+        "settings": settings,
+        "notes": [
+            "vLLM drafts greedily whatever the temperature: its acceptance at T > 0 can be below the runtime's",
+            "SGLang's num_draft_tokens counts the verified root: a chain of g is g + 1, a tree of n nodes n + 1",
+        ],
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """A markdown table of the best setting per batch size and temperature."""
+    lines = ["| batch | temperature | AR tok/s | best | tok/s | tau | speedup | vLLM num_speculative_tokens |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+    for s in result["settings"]:
+        b = s.get("best")
+        if b is None:
+            lines.append(f"| {s['batch_size']} | {s['temperature']} | {s['autoregressive_tok_s']:.1f} | {s['note']} |"
+                         " | | | |")  # fmt: skip
+            continue
+        vllm = b["vllm"]["num_speculative_tokens"] if b.get("vllm") else "-"
+        lines.append(f"| {s['batch_size']} | {s['temperature']} | {s['autoregressive_tok_s']:.1f} | {b['name']} | "
+                     f"{b['tok_s']:.1f} | {b['tau']:.2f} | {b['speedup']:.2f}x | {vllm} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
