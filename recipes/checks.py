@@ -33,6 +33,9 @@ def check_trainer(cfg: DictConfig) -> list[str]:
         problems.append(problem)
     if cfg.validate.max_new_tokens < 1:
         problems.append("validate.max_new_tokens must be >= 1")
+    sizes = list(cfg.validate.get("batch_sizes") or [1])
+    if not all(isinstance(b, int) and b >= 1 for b in sizes):
+        problems.append(f"validate.batch_sizes={sizes}: positive integers, e.g. [1, 4, 16]")
     if cfg.device not in ("auto", "cpu"):
         problems.append(f"device='{cfg.device}': use auto (the launcher's GPUs, else CPU) or cpu")
     if cfg.trainer.max_grad_norm is not None and not cfg.trainer.max_grad_norm > 0:

@@ -289,6 +289,7 @@ class Validation:
                 gamma=cfg.validate.gamma,
                 max_new_tokens=cfg.validate.max_new_tokens,
                 threads=run.threads.get("decode"),
+                batch_sizes=list(cfg.validate.batch_sizes),
             )
             metrics["device"] = str(run.device)
             self.tracker.log({f"val/{k}": v for k, v in metrics.items() if isinstance(v, int | float)}, step)

@@ -366,6 +366,7 @@ class Validation:
                 gamma=cfg.validate.gamma,
                 max_new_tokens=cfg.validate.max_new_tokens,
                 threads=run.threads.get("decode"),
+                batch_sizes=list(cfg.validate.batch_sizes),
             )
             metrics |= {
                 "device": str(run.device),

@@ -15,10 +15,11 @@ generate() uses) and reads the accepted lengths and tokens back in one host sync
 
 Static batching: a row that stops keeps its place until the batch's last row stops (it runs its
 newest token again, its output dropped); a freed row is not refilled from a queue. Every forward
-runs eagerly (the fast path's captured steps take one start slot). Drafters: prompt lookup
-(RowLookup, on the host), a stand-alone model (RowModel, batched like the target) and EAGLE-3
-chains (RowEagle3, reading the target's features of each row's accepted tokens); the others run one
-prompt at a time (batch_drafter says which). A batch of one is generate() itself.
+runs eagerly, on a compiled target too (the fast path's captured steps take one start slot).
+Drafters: prompt lookup (RowLookup, on the host), a stand-alone model (RowModel, batched like the
+target) and EAGLE-3 chains (RowEagle3, reading the target's features of each row's accepted
+tokens); the others run one prompt at a time (batch_drafter says which). A batch of one is
+generate() itself.
 """
 
 import time
@@ -66,7 +67,7 @@ def generate_many(
     P = ids.shape[1]
     check_fits(P, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
     target.setup_cache(B, P + max_new_tokens + gamma)
-    target.left_pad(row_start.to(device))
+    target.left_pad(row_start.to(device), per_row=True)
     try:
         taps = drafter.hidden_layers if drafter is not None else ()  # the target's residual streams it reads
         zeros = torch.zeros(B, dtype=torch.long, device=device)

@@ -97,7 +97,8 @@ def _measure_batched(target, drafter, prompts, sampler, baseline, warmup, progre
                      **kw) -> Report:  # fmt: skip
     """measure() batch_size prompts at a time (generate_many's keywords: max_new_tokens, gamma, stop_ids)."""
     kw = {k: v for k, v in kw.items() if k in ("max_new_tokens", "gamma", "stop_ids")}
-    batches = [list(map(list, prompts[i : i + batch_size])) for i in range(0, len(prompts), batch_size)]
+    batches = [[torch.as_tensor(p).tolist() for p in prompts[i : i + batch_size]]
+               for i in range(0, len(prompts), batch_size)]  # fmt: skip
     if warmup:
         for d in ([None] if baseline else []) + [drafter]:
             generate_many(target, batches[0], d, sampler(), **(kw | {"max_new_tokens": 8}))

@@ -194,12 +194,13 @@ class Decoder(nn.Module):
         self.slots = torch.arange(size, device=self.device)
         self.rope = rope_table(self.config, size, self.device, self.dtype)
 
-    def left_pad(self, row_start: Tensor | None) -> None:
+    def left_pad(self, row_start: Tensor | None, per_row: bool = False) -> None:
         """Rows of a batch that start at different slots (prompts left-padded to one length): row b
         attends to slots row_start[b] and later only; None: every row starts at slot 0. Positions stay
         the slots in every row: attention sees RoPE positions only through their differences, so a
-        row's shift changes nothing but rounding. Eager forwards only (generate.generate_batch)."""
-        if row_start is not None and self.steps is not None:
+        row's shift changes nothing but rounding. Eager forwards only (generate.generate_batch);
+        per_row: for forwards with a start slot per row (specdec_runtime.rows), which run eagerly."""
+        if row_start is not None and self.steps is not None and not per_row:
             raise SpecdecError("left-padded batches run eagerly: use a Decoder without compile()")
         self.row_start = row_start if row_start is not None and bool(row_start.any()) else None
 

@@ -4,7 +4,8 @@ start)` with start [B], row b's T tokens at slots start[b]..start[b] + T - 1.
 Each row of the cache is one sequence. Under Decoder.left_pad a row's tokens begin at its
 row_start, and its RoPE positions are its slots less row_start (exact: a row decodes at the
 positions it has alone); the mask lets a token see its own row's slots from row_start to its own.
-Eager only (the fast path's steps have one start slot)."""
+These forwards run eagerly, on a compiled Decoder too (the fast path's captured steps take one
+start slot; a batch's cache, of another shape, drops them: setup_cache)."""
 
 import torch
 from torch import Tensor
@@ -14,8 +15,6 @@ from specdec_runtime.errors import SpecdecError
 
 def bound(decoder, start: Tensor, T: int) -> int:
     """The slots a forward at per-row `start` [B] attends over (one host read of the starts)."""
-    if decoder.steps is not None:
-        raise SpecdecError("a slot per row runs eagerly: use a Decoder without compile()")
     end = int(start.max()) + T
     if decoder.cache is None or end > decoder.cache.size or start.shape[0] != decoder.cache.kv.shape[1]:
         raise ValueError(f"per-row starts need a cache of {start.shape[0]} rows and {end} slots: call setup_cache")

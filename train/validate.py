@@ -16,6 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec_runtime.config import DecoderConfig
+from specdec_runtime.drafters.batched import batch_drafter
+from specdec_runtime.drafters.lookup import LookupFirst
 from specdec_runtime.drafters.protocol import Drafter
 from specdec_runtime.hardware import resolve_dtype, using_threads
 from specdec_runtime.measure import measure
@@ -56,9 +58,14 @@ def validate(
     max_new_tokens: int,
     progress: bool = True,
     threads: int | None = None,
+    batch_sizes: Sequence[int] = (1,),
 ) -> dict[str, Any]:
     """Greedy speculative vs autoregressive decoding of every prompt; the numbers a model card reports.
-    threads: the CPU threads to decode on (a run's choice for decoding, Run.threads), restored after."""
+    threads: the CPU threads to decode on (a run's choice for decoding, Run.threads), restored after.
+    batch_sizes: beside batch 1, the prompts decoded that many at a time too (batched.generate_many,
+    the autoregressive baseline at the same size; chains of gamma, prompt lookup left out), each
+    size's figures as tau_batch{B}, speedup_batch{B}, ...: what the drafter buys where serving
+    batches requests."""
     bar = (lambda it: tqdm(it, desc="validate", unit="prompt")) if progress else None
     with using_threads(threads) as decoding_threads:
         report = measure(
@@ -94,4 +101,16 @@ def validate(
         per_category[cat] = {"tau": report.total("spec", idx).tau, "speedup": report.speedup(idx)}
     if per_category:
         out["per_category"] = per_category
+    for B in sorted({b for b in batch_sizes if b > 1}):  # flat keys: trackers log numbers, cards list them
+        rows = batch_drafter(drafter.drafter if isinstance(drafter, LookupFirst) else drafter)
+        if rows is None:
+            out[f"batch{B}"] = f"{drafter.name} decodes one prompt at a time"
+            continue
+        with using_threads(threads):
+            batched = measure(target, rows, prompts, sampler=Sampler, baseline=True, batch_size=B, gamma=gamma,
+                              max_new_tokens=max_new_tokens, stop_ids=stop_ids, progress=bar)  # fmt: skip
+        spec, ar = batched.total(), batched.total("baseline")
+        out |= {f"tau_batch{B}": spec.tau, f"speedup_batch{B}": batched.speedup(),
+                f"lossless_batch{B}": batched.lossless_rate(), f"tokens_per_s_batch{B}": spec.tokens_per_s,
+                f"ar_tokens_per_s_batch{B}": ar.tokens_per_s}  # fmt: skip
     return out

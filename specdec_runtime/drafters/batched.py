@@ -55,8 +55,6 @@ class RowModel(RowDrafter):
     max(gammas) tokens for all rows (each row keeps its own gamma's)."""
 
     def __init__(self, model: Decoder, vocab_size: int | None = None, name: str = "model"):
-        if model.compiled:
-            raise SpecdecError("batched drafting runs eagerly: use a drafter model without compile()")
         self.model, self.name = model, name
         self.vocab_size = vocab_size or model.config.vocab_size
         self.vocab_ids = getattr(model, "vocab_ids", None)
@@ -67,7 +65,7 @@ class RowModel(RowDrafter):
             raise SpecdecError(f"drafter '{self.name}' has a context of {context} tokens, shorter than {capacity}")
         device = self.model.device
         self.model.setup_cache(len(prompts), capacity)
-        self.model.left_pad(row_start.to(device))
+        self.model.left_pad(row_start.to(device), per_row=True)
         self.row_start = row_start.tolist()
         self.seqs = [list(p) for p in prompts]
         ids, _ = left_padded(prompts, 0)
