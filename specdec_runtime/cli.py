@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--batch-size", type=int, default=1, help="prompts decoded together, each accepting its own drafts (eager)"
     )
+    gen.add_argument(
+        "--drafts", type=int, default=1, help="SpecTr: sequences sampled a round, verified together (sampling only)"
+    )
     gen.add_argument("--output", type=Path, help="write one JSON line per prompt here")
     gen.add_argument("--baseline", action="store_true", help="also decode autoregressively: speedup and losslessness")
     gen.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up generation")
@@ -127,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-sizes",
         help="e.g. 1,4,16: each drafter at each batch size against autoregressive at the same size (batch.md, "
         "speedup_vs_batch.png) instead of the per-category bench",
+    )
+    bench.add_argument(
+        "--drafts",
+        help="e.g. 1,2,4: SpecTr, that many sampled sequences a round, at temperatures 0.7 and 1.0 against "
+        "autoregressive decoding (drafts.md) instead of the per-category bench",
     )
     bench.add_argument("--wandb", action="store_true", help="log to Weights & Biases (WANDB_MODE=offline works)")
     bench.add_argument("--wandb-project", default="specdec")
@@ -259,6 +267,10 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.typical and not (0 < args.posterior_threshold < 1 and args.posterior_alpha > 0):
         raise SpecdecError("--typical needs 0 < --posterior-threshold < 1 and --posterior-alpha > 0")
     check_batch(args, args.batch_size)
+    if args.drafts < 1:
+        raise SpecdecError(f"--drafts must be >= 1 (sequences sampled a round), got {args.drafts}")
+    if args.drafts > 1 and (args.drafter.strip().lower() in ("none", "ar", "") or args.batch_size > 1 or args.typical):
+        raise SpecdecError("--drafts > 1 needs a drafter, --batch-size 1 and no --typical")
     if args.prompt is not None:
         if not args.prompt.strip():
             raise SpecdecError("--prompt is empty: give the text to continue")
@@ -272,6 +284,12 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.gamma is None:
         args.gamma = (drafter.gamma if drafter is not None else None) or 4
     drafter, batch_size = batched(drafter, args.drafter, args.batch_size)
+    if args.drafts > 1:
+        from specdec_runtime.drafters.multi import MultiDraft
+
+        if drafter.tree_nodes:  # SpecTr draws chains
+            drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree="chain")
+        drafter = MultiDraft(drafter, args.drafts)
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
 
@@ -322,6 +340,7 @@ def run_generate(args: argparse.Namespace) -> None:
         print(target.tokenizer.decode(report.spec[0].tokens, skip_special_tokens=True))
     title = f"target {args.target} · drafter {args.drafter} · T={args.temperature} · gamma {args.gamma}"
     title += f" · batch {batch_size}" if batch_size > 1 else ""
+    title += f" · SpecTr, {args.drafts} drafts" if args.drafts > 1 else ""
     if typical:
         title += f" · typical acceptance ({typical[0]}, {typical[1]}): LOSSY"
     print_summary(title, prompts, report)
@@ -375,8 +394,12 @@ def run_bench(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompts or builtin_prompts("prompts-val"))
     if args.per_category > 0:
         prompts = first_per_category(prompts, args.per_category)
+    if args.batch_sizes is not None and args.drafts is not None:
+        raise SpecdecError("--batch-sizes and --drafts are two sweeps: run them one at a time")
     if args.batch_sizes is not None:
         return run_batch_sweep(args, prompts, specs, modes)
+    if args.drafts is not None:
+        return run_drafts_sweep(args, prompts, specs)
 
     target = load_target(args)
     encoded = encode_all(target, prompts, args)
@@ -424,10 +447,10 @@ def run_bench(args: argparse.Namespace) -> None:
 
 
 def run_batch_sweep(args: argparse.Namespace, prompts: list, specs: list[str], modes: list[str]) -> None:
-    """bench --batch-sizes (specdec_runtime.bench_batch), its settings checked before the target loads."""
+    """bench --batch-sizes (specdec_runtime.sweeps), its settings checked before the target loads."""
     from tqdm import tqdm
 
-    from specdec_runtime import bench_batch
+    from specdec_runtime import sweeps
 
     sizes = numbers(args.batch_sizes, "--batch-sizes", int, 1)
     check_batch(args, max(sizes))
@@ -436,16 +459,44 @@ def run_batch_sweep(args: argparse.Namespace, prompts: list, specs: list[str], m
     encoded = encode_all(target, prompts, args)
     runs = sum(len(modes) * len(sizes) for s in specs if s != "none")
     bar = tqdm(total=runs, desc="bench --batch-sizes", unit="run", file=sys.stderr)
-    rows = bench_batch.sweep(
+    rows = sweeps.sweep(
         target, encoded, specs, sizes, modes, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, gamma=args.gamma, dtype=args.dtype,
         progress=lambda row: bar.update(),
     )  # fmt: skip
     bar.close()
     title = f"{args.target}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {target.model.device.type}"
-    table, plot = bench_batch.write(args.output_dir, rows, title)
+    table, plot = sweeps.write(args.output_dir, rows, title)
     print(table)
     print(f"wrote {args.output_dir}/batch.md, batch.json, {plot.name}", file=sys.stderr)
+
+
+def run_drafts_sweep(args: argparse.Namespace, prompts: list, specs: list[str]) -> None:
+    """bench --drafts (specdec_runtime.sweeps.drafts_sweep)."""
+    from tqdm import tqdm
+
+    from specdec_runtime import sweeps
+
+    ks = numbers(args.drafts, "--drafts", int, 1)
+    target = load_target(args)
+    encoded = encode_all(target, prompts, args)
+    temperatures = (0.7, 1.0)
+    bar = tqdm(total=len(ks) * len(temperatures) * len([s for s in specs if s != "none"]), desc="bench --drafts",
+               unit="run", file=sys.stderr)  # fmt: skip
+    rows = sweeps.drafts_sweep(
+        target, encoded, specs, ks, temperatures, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, gamma=args.gamma, dtype=args.dtype, progress=lambda row: bar.update(),
+    )  # fmt: skip
+    bar.close()
+    title = (
+        f"SpecTr: {args.target}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {target.model.device.type}"
+    )
+    table = sweeps.drafts_markdown(rows, title)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "drafts.md").write_text(table)
+    (args.output_dir / "drafts.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(table)
+    print(f"wrote {args.output_dir}/drafts.md, drafts.json", file=sys.stderr)
 
 
 def numbers(text: str, flag: str, kind: type, least: float) -> list:

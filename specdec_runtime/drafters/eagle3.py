@@ -265,8 +265,12 @@ class Eagle3Drafter(Drafter):
         self.pending = []
         return taps
 
+    def samples(self, ids: Tensor, gamma: int, sampler: Sampler, k: int) -> list[Draft]:
+        """k chains sampled independently after one catch-up (SpecTr's drafts: drafters/multi.py)."""
+        return self._draft(ids, gamma, sampler, 0, sequences=k)
+
     @torch.inference_mode()
-    def _draft(self, ids: Tensor, gamma: int, sampler: Sampler, budget: int) -> Draft:
+    def _draft(self, ids: Tensor, gamma: int, sampler: Sampler, budget: int, sequences: int = 0) -> Any:
         L, taps = ids.shape[0], self._taps()
         k = taps.shape[0]
         # More rows than a kernel call takes (a long prompt's, at its first draft): the leading ones in
@@ -298,6 +302,8 @@ class Eagle3Drafter(Drafter):
         last = prenorm[-1:]  # the newest row drafts the next token; logits [1, N] are its
         if budget:
             return self._tree(last[0], logits[0], L, gamma, budget)
+        if sequences:  # each chain rewrites the rows after L - 2 that it reads
+            return [self._chain(last, logits, L, gamma, sampler) for _ in range(sequences)]
         return self._chain(last, logits, L, gamma, sampler)
 
     def _chain(self, prenorm: Tensor, logits: Tensor, L: int, gamma: int, sampler: Sampler) -> Draft:

@@ -23,6 +23,9 @@ class Draft(NamedTuple):
     # tree attention; the loop keeps the accepted branch's KV entries.
     tree: Tree | DeviceTree | None = None
     lookup: bool = False  # drafted by LookupFirst's prompt lookup, not its model (stats count it apart)
+    # SpecTr (drafters/multi.py): k i.i.d. sequences merged into `tree`, each one's node per depth
+    # [k, g]; sampled verification then selects among them (specdec_runtime.spectr)
+    chains: Tensor | None = None
 
     @property
     def depth(self) -> int:
@@ -52,6 +55,12 @@ class Drafter(Protocol):
         """Propose up to gamma tokens to follow ids [L]. A chain may be longer where it costs nothing
         to draft (LookupFirst's lookups); the loop keeps what fits the tokens left to generate."""
         raise NotImplementedError
+
+    def samples(self, ids: Tensor, gamma: int, sampler: Sampler, k: int) -> list[Draft]:
+        """k chains sampled independently from the same state (SpecTr: drafters/multi.py). By
+        default k calls of draft, for drafters whose draft can be repeated (a stand-alone model
+        drafts again from the sequence's end); a drafter that consumes state in draft overrides it."""
+        return [self.draft(ids, gamma, sampler) for _ in range(k)]
 
     def longest(self, gamma: int) -> int:
         """The longest chain draft asks for gamma tokens can return (warm_up captures up to it)."""

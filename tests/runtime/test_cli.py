@@ -106,6 +106,8 @@ def test_single_prompt_prints_its_text(tiny_dir, capsys):
         (["--batch-size", "0"], "batch sizes must be >= 1, got 0"),
         (["--batch-size", "2", "--compile", "on"], "decode eagerly: drop --compile on"),
         (["--batch-size", "2", "--adaptive-gamma"], "decode one prompt at a time: --batch-size 1"),
+        (["--drafts", "0"], "--drafts must be >= 1"),
+        (["--drafts", "2"], "--drafts > 1 needs a drafter"),
     ],
 )
 def test_user_errors_exit_with_a_message_not_a_traceback(tiny_dir, capsys, argv, message):
@@ -232,3 +234,18 @@ def test_batched_generation_writes_each_prompts_output_equal_to_autoregressive(t
     for records in outs.values():
         assert [r["output_ids"] for r in records] == [r["output_ids"] for r in outs["none"]]
         assert [r["id"] for r in records] == ["0", "1", "2"]
+
+
+def test_spectr_drafts_sampled_sequences_and_leaves_greedy_output_alone(tiny_dir, tmp_path, capsys):
+    """--drafts 3 with a stand-alone drafter: sampled, it drafts and says SpecTr; greedy, the target's
+    own output."""
+    common = ["generate", "--target", str(tiny_dir), "--drafter", str(tiny_dir), "--prompt", "hello", "--gamma", "2",
+              "--max-new-tokens", "16", "--drafts", "3", "--no-warmup"]  # fmt: skip
+    sampled = tmp_path / "s.jsonl"
+    main([*common, "--temperature", "1.0", "--output", str(sampled)])
+    assert "SpecTr, 3 drafts" in capsys.readouterr().out
+    stats = json.loads(sampled.read_text())["stats"]
+    assert stats["drafted_at"][0] > 0
+    greedy = tmp_path / "g.jsonl"
+    main([*common, "--baseline", "--output", str(greedy)])
+    assert json.loads(greedy.read_text())["identical_to_baseline"]

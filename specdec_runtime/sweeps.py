@@ -1,4 +1,5 @@
-"""`specdec bench --batch-sizes 1,4,16`: what each drafter buys at each batch size.
+"""`specdec bench --batch-sizes 1,4,16`: what each drafter buys at each batch size; `specdec bench
+--drafts 1,2,4`: what SpecTr's k sequences a round buy when sampling.
 
 Per drafter, mode and batch size, the prompts are decoded that many at a time (in their order),
 speculatively and autoregressively at the same batch size, batch beside batch
@@ -7,6 +8,10 @@ equal the autoregressive ones. A drafter that decodes one prompt at a time (draf
 says which) gets its batch-1 row only, and the table says so. Batches decode eagerly, batch 1
 included, so that the column compares like with like. Writes batch.md, batch.json and
 speedup_vs_batch.png to the output folder.
+
+Per drafter, temperature (0.7 and 1.0: SpecTr changes nothing greedy) and k, the prompts are
+decoded with k sampled sequences a round (drafters/multi.py) beside autoregressive decoding
+(measure(baseline=True)): drafts.md and drafts.json.
 """
 
 import json
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdec_runtime.drafters.batched import batch_drafter
+from specdec_runtime.drafters.multi import MultiDraft
 from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.loading import LoadedModel
 from specdec_runtime.measure import measure
@@ -109,3 +115,52 @@ def write(out: Path, rows: Sequence[dict], title: str) -> tuple[str, Path]:
     (out / "batch.md").write_text(table)
     (out / "batch.json").write_text(json.dumps(list(rows), indent=1) + "\n")
     return table, plot(rows, out)
+
+
+def drafts_sweep(
+    target: LoadedModel,
+    encoded: Sequence[list[int]],
+    specs: Sequence[str],
+    ks: Sequence[int],
+    temperatures: Sequence[float],
+    *,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    max_new_tokens: int,
+    gamma: int | None,
+    dtype: str,
+    progress=None,
+) -> list[dict]:
+    """One row per drafter, temperature and k (SpecTr's sequences a round; 1: speculative sampling)."""
+    rows = []
+    for spec in specs:
+        if spec == "none":
+            continue
+        drafter = build_drafter(spec, target, dtype=dtype)
+        if drafter.tree_nodes:  # SpecTr draws chains
+            drafter = build_drafter(spec, target, dtype=dtype, tree="chain")
+        g = gamma or drafter.gamma or 4
+        for t in temperatures:
+            for k in ks:
+                report = measure(
+                    target.model, MultiDraft(drafter, k), encoded, baseline=True, gamma=g,
+                    sampler=lambda t=t: Sampler(t, top_k, top_p, seed=seed), max_new_tokens=max_new_tokens,
+                    stop_ids=target.stop_ids,
+                )  # fmt: skip
+                s = report.total("spec")
+                rows.append({"drafter": spec, "temperature": t, "drafts": k, "gamma": g, "tok_s": s.tokens_per_s,
+                             "ar_tok_s": report.total("baseline").tokens_per_s, "tau": s.tau,
+                             "speedup": report.speedup()})  # fmt: skip
+                if progress is not None:
+                    progress(rows[-1])
+    return rows
+
+
+def drafts_markdown(rows: Sequence[dict], title: str) -> str:
+    lines = [f"### {title}", "", "| drafter | temperature | drafts | gamma | AR tok/s | spec tok/s | tau | speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['drafter']} | {r['temperature']} | {r['drafts']} | {r['gamma']} | {r['ar_tok_s']:.1f} | "
+                     f"{r['tok_s']:.1f} | {r['tau']:.2f} | {r['speedup']:.2f}x |")  # fmt: skip
+    return "\n".join(lines) + "\n"
