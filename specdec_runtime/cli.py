@@ -16,7 +16,6 @@ Each output line holds the prompt's id, output_ids, text and stats; a summary ta
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -260,6 +259,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from specdec_runtime.drafters.spec import build_drafter
     from specdec_runtime.measure import measure
     from specdec_runtime.prompts import Prompt, builtin_prompts, read_prompts
+    from specdec_runtime.report import Output, print_summary
     from specdec_runtime.sampling import Sampler
 
     # Everything a user can get wrong fails here, before a model loads or a file is written.
@@ -344,29 +344,6 @@ def run_generate(args: argparse.Namespace) -> None:
     if typical:
         title += f" · typical acceptance ({typical[0]}, {typical[1]}): LOSSY"
     print_summary(title, prompts, report)
-
-
-class Output:
-    """generate's --output: JSON lines streamed to FILE.part as prompts finish, renamed to FILE
-    when the run ends, so an earlier FILE survives a failed or interrupted run."""
-
-    def __init__(self, path: Path, prompts: Path | None):
-        if path.is_dir():
-            raise SpecdecError(f"--output {path} is a folder: give a file name (JSON lines)")
-        if prompts is not None and path.resolve() == prompts.resolve():
-            raise SpecdecError(f"--output {path} is the --prompts file: write the results to another file")
-        self.path, self.partial, self.records = path, path.with_name(path.name + ".part"), 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.partial.open("w", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        self.records += 1
-
-    def finish(self) -> None:
-        self.file.close()
-        os.replace(self.partial, self.path)
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -546,46 +523,6 @@ def run_tune(args: argparse.Namespace) -> None:
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(tune.table(result))
     print(f"wrote {args.output}", file=sys.stderr)
-
-
-def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa: F821
-    """A rich table: one row per category, and a total row when there are several."""
-    from rich.console import Console
-    from rich.table import Table
-
-    groups: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(p.category or "-", []).append(i)
-    rows = sorted(groups.items())
-    if len(rows) > 1:
-        rows.append(("all", list(range(len(prompts)))))
-    table = Table(title=title)
-    cols = ["category", "prompts", "new tokens", "tau", "accept", "accept by position", "tok/s", "draft s", "verify s"]
-    if report.baseline:
-        cols += ["AR tok/s", "speedup"] + (["lossless"] if report.greedy else [])
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("category", "accept by position") else "right")
-    for name, idx in rows:
-        s = report.total("spec", idx)
-        by_pos = " ".join(f"{a:.2f}" for a in s.acceptance_per_position[:8]) or "-"
-        by_pos += f" ({s.lookups})" if s.lookups else ""
-        cells = [
-            name,
-            str(len(idx)),
-            str(s.new_tokens),
-            f"{s.tau:.2f}",
-            f"{s.acceptance_rate:.2f}",
-            by_pos,
-            f"{s.tokens_per_s:.1f}",
-            f"{s.draft_s:.2f}",
-            f"{s.verify_s:.2f}",
-        ]
-        if report.baseline:
-            cells += [f"{report.total('baseline', idx).tokens_per_s:.1f}", f"{report.speedup(idx):.2f}x"]
-            if report.greedy:
-                cells.append(f"{report.lossless_rate(idx):.0%}")
-        table.add_row(*cells)
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def main(argv: list[str] | None = None) -> None:

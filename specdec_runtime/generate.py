@@ -31,6 +31,7 @@ from specdec_runtime.drafters.protocol import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.model import Decoder, DecoderOutput
 from specdec_runtime.sampling import Sampler
+from specdec_runtime.spectr import verify_spectr
 from specdec_runtime.stats import GenerationStats
 from specdec_runtime.tree import DeviceTree
 from specdec_runtime.verify import verify, verify_forced
@@ -217,6 +218,8 @@ def generate(
         else:
             if forced is not None and draft is not None and draft.tokens.numel():
                 v = verify_forced(draft, verified.logits, verified.greedy, accept_rate, forced)
+            elif draft is not None and draft.chains is not None and not sampler.greedy and typical is None:
+                v = verify_spectr(draft, verified.logits, sampler)  # SpecTr's k sequences
             else:
                 v = verify(draft, ids[L - 1], verified.logits, sampler, typical, verified.greedy)
             nodes = ids[L - 1 : L] if draft is None else torch.cat([ids[L - 1 : L], draft.tokens])

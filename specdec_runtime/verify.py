@@ -52,10 +52,6 @@ def verify(
         path = chain_path(0, root.device)
         token = greedy[0] if sampler.greedy and greedy is not None else sampler.next_token(logits[0])
         return Verdict(path, path[0], token)
-    if draft.chains is not None and not sampler.greedy and typical is None:  # SpecTr's k sequences
-        from specdec_runtime.spectr import verify_spectr  # (spectr builds on this module)
-
-        return verify_spectr(draft, logits, sampler)
     tree = draft.tree
     if tree is None and (sampler.greedy or typical is None):
         if sampler.greedy:

@@ -29,7 +29,7 @@ def test_one_level_gives_the_targets_distribution_and_accepts_as_the_closed_form
     assert float(rho) >= float(_needed(beta.view(1), k)[0]) - 1e-9  # the residual is a distribution
     if k == 1:
         assert float(rho) == 1.0 and float(beta) == pytest.approx(float(torch.minimum(P, Q).sum()))
-    tokens, accepted, n = [], 0, 4000
+    tokens, accepted, n = [], 0, 3000
     for _ in range(n):
         draws = torch.multinomial(Q, k, replacement=True, generator=g)
         token, first = k_sequential(P, Q, draws, sampler)

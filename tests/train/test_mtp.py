@@ -389,6 +389,7 @@ def test_heads_on_a_pretrained_model_leave_it_unchanged(tiny, tmp_path):
     assert [k for k, v in heads.items() if not torch.equal(v, start[k.split(".", 2)[2]])]  # trained
 
 
+@pytest.mark.slow  # ~35 s on a 2-core CPU: the default run stays under 10 minutes (DDP runs by default in eagle3's)
 def test_two_processes_match_one_and_deepspeed_is_refused_at_start_up(tiny, tmp_path):
     """accelerate launch with 2 gloo processes on the same global batch: same losses (all heads), same
     exported weights, one run folder, validation on (rank 0 alone) to the export.
