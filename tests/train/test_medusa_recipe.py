@@ -237,8 +237,8 @@ def one_process_run(tiny, tmp_path_factory):
 @pytest.mark.parametrize(
     "launcher",
     [
-        # DDP over 2 processes is covered by default in the distill and eagle3 recipes' tests (the
-        # default run stays under 10 minutes on a slow 2-core day): -m slow runs it here too
+        # DDP over 2 processes is covered by default in the eagle3 recipe's test (the default run
+        # stays under 10 minutes on a slow 2-core day): -m slow runs it here too
         pytest.param("multi_cpu", marks=pytest.mark.slow),
         "deepspeed_zero2",
     ],

@@ -96,7 +96,8 @@ def test_head_loss_targets_are_i_plus_1_ahead():
         assert loss.item() < 1e-6 and correct.item() == 3
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+# one process through accelerate launch (~13 s) is -m slow: the default run keeps the two-process case
+@pytest.mark.parametrize("processes", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_recipe_backward_fn_gradients_match_naive_across_processes(processes, tmp_path):
     """The recipe's backward_fn under accelerate (DDP-wrapped, 2 accumulation micro-batches), with
     1 process or 2 gloo processes, gives rank 0 the naive gradient of the whole global batch:
