@@ -286,10 +286,10 @@ def run_generate(args: argparse.Namespace) -> None:
     drafter, batch_size = batched(drafter, args.drafter, args.batch_size)
     if args.drafts > 1:
         from specdec_runtime.drafters.multi import MultiDraft
+        from specdec_runtime.drafters.spec import as_chains
 
-        if drafter.tree_nodes:  # SpecTr draws chains
-            drafter = build_drafter(args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree="chain")
-        drafter = MultiDraft(drafter, args.drafts)
+        chains = as_chains(drafter, args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
+        drafter = MultiDraft(chains, args.drafts)  # (SpecTr draws chains)
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
 

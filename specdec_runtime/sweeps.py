@@ -15,15 +15,44 @@ decoded with k sampled sequences a round (drafters/multi.py) beside autoregressi
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 from specdec_runtime.drafters.batched import batch_drafter
 from specdec_runtime.drafters.multi import MultiDraft
-from specdec_runtime.drafters.spec import build_drafter
+from specdec_runtime.drafters.spec import as_chains, build_drafter
 from specdec_runtime.loading import LoadedModel
 from specdec_runtime.measure import measure
 from specdec_runtime.sampling import Sampler
+
+
+def _drafters(target: LoadedModel, specs: Sequence[str], gamma: int | None, dtype: str, chains: bool = False):
+    """(spec, drafter, its gamma) of each spec but none (autoregressive decoding is every row's
+    baseline); chains: tree drafters as chains (as_chains)."""
+    for spec in specs:
+        if spec == "none":
+            continue
+        drafter = build_drafter(spec, target, dtype=dtype)
+        if chains:
+            drafter = as_chains(drafter, spec, target, dtype=dtype)
+        yield spec, drafter, gamma or drafter.gamma or 4
+
+
+def _figures(target: LoadedModel, drafter, encoded: Sequence[list[int]], sampler: Callable[[], Sampler], **kw) -> dict:
+    """The prompts decoded with the drafter beside autoregressive decoding (measure(baseline=True)):
+    both tokens/s, tau, the speedup and, greedy, the share of outputs equal to autoregressive ones."""
+    report = measure(target.model, drafter, encoded, baseline=True, sampler=sampler, stop_ids=target.stop_ids, **kw)
+    spec, ar = report.total("spec"), report.total("baseline")
+    return {"tok_s": spec.tokens_per_s, "ar_tok_s": ar.tokens_per_s, "tau": spec.tau, "speedup": report.speedup(),
+            "lossless": report.lossless_rate()}  # fmt: skip
+
+
+def _markdown(title: str, header: Sequence[str], left: int, cells: Sequence[Sequence[str]]) -> str:
+    """A markdown table under a heading, its first `left` columns left-aligned."""
+    rule = ["---"] * left + ["---:"] * (len(header) - left)
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells]) + "\n"
 
 
 def sweep(
@@ -42,47 +71,36 @@ def sweep(
     dtype: str,
     progress=None,
 ) -> list[dict]:
-    """One row per drafter (autoregressive decoding is every row's baseline), mode and batch size."""
+    """One row per drafter, mode and batch size."""
     rows = []
-    for spec in specs:
-        if spec == "none":
-            continue
-        drafter = build_drafter(spec, target, dtype=dtype)
-        g = gamma or drafter.gamma or 4
+    for spec, drafter, g in _drafters(target, specs, gamma, dtype):
         batched = batch_drafter(drafter)
         for mode in modes:
-            t = temperature if mode == "sampled" else 0.0
+            sampler = partial(Sampler, temperature if mode == "sampled" else 0.0, top_k, top_p, seed=seed)
             for B in sizes:
                 row = {"drafter": spec, "mode": mode, "batch": B, "gamma": g}
                 if B > 1 and batched is None:
                     rows.append(row | {"note": "decodes one prompt at a time"})
                     continue
-                report = measure(
-                    target.model, batched if B > 1 else drafter, encoded, baseline=True, batch_size=B,
-                    sampler=lambda t=t: Sampler(t, top_k, top_p, seed=seed), max_new_tokens=max_new_tokens,
-                    gamma=g, stop_ids=target.stop_ids,
-                )  # fmt: skip
-                spec_s, ar = report.total("spec"), report.total("baseline")
-                rows.append(row | {
-                    "tok_s": spec_s.tokens_per_s, "ar_tok_s": ar.tokens_per_s, "tau": spec_s.tau,
-                    "speedup": report.speedup(), "lossless": report.lossless_rate(),
-                })  # fmt: skip
+                rows.append(row | _figures(target, batched if B > 1 else drafter, encoded, sampler, batch_size=B,
+                                           gamma=g, max_new_tokens=max_new_tokens))  # fmt: skip
                 if progress is not None:
                     progress(rows[-1])
     return rows
 
 
 def markdown(rows: Sequence[dict], title: str) -> str:
-    lines = [f"### {title}", "", "| drafter | mode | batch | AR tok/s | spec tok/s | tau | speedup | lossless |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    cells = []
     for r in rows:
+        first = [r["drafter"], r["mode"], str(r["batch"])]
         if "note" in r:
-            lines.append(f"| {r['drafter']} | {r['mode']} | {r['batch']} | {r['note']} | | | | |")
+            cells.append(first + [r["note"], "", "", "", ""])
             continue
         lossless = "-" if r["lossless"] is None else f"{r['lossless']:.0%}"
-        lines.append(f"| {r['drafter']} | {r['mode']} | {r['batch']} | {r['ar_tok_s']:.1f} | {r['tok_s']:.1f} | "
-                     f"{r['tau']:.2f} | {r['speedup']:.2f}x | {lossless} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+        cells.append(first + [f"{r['ar_tok_s']:.1f}", f"{r['tok_s']:.1f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}x",
+                              lossless])  # fmt: skip
+    header = ["drafter", "mode", "batch", "AR tok/s", "spec tok/s", "tau", "speedup", "lossless"]
+    return _markdown(title, header, 2, cells)
 
 
 def plot(rows: Sequence[dict], out: Path) -> Path:
@@ -134,33 +152,20 @@ def drafts_sweep(
 ) -> list[dict]:
     """One row per drafter, temperature and k (SpecTr's sequences a round; 1: speculative sampling)."""
     rows = []
-    for spec in specs:
-        if spec == "none":
-            continue
-        drafter = build_drafter(spec, target, dtype=dtype)
-        if drafter.tree_nodes:  # SpecTr draws chains
-            drafter = build_drafter(spec, target, dtype=dtype, tree="chain")
-        g = gamma or drafter.gamma or 4
+    for spec, drafter, g in _drafters(target, specs, gamma, dtype, chains=True):  # SpecTr draws chains
         for t in temperatures:
             for k in ks:
-                report = measure(
-                    target.model, MultiDraft(drafter, k), encoded, baseline=True, gamma=g,
-                    sampler=lambda t=t: Sampler(t, top_k, top_p, seed=seed), max_new_tokens=max_new_tokens,
-                    stop_ids=target.stop_ids,
-                )  # fmt: skip
-                s = report.total("spec")
-                rows.append({"drafter": spec, "temperature": t, "drafts": k, "gamma": g, "tok_s": s.tokens_per_s,
-                             "ar_tok_s": report.total("baseline").tokens_per_s, "tau": s.tau,
-                             "speedup": report.speedup()})  # fmt: skip
+                row = {"drafter": spec, "temperature": t, "drafts": k, "gamma": g}
+                sampler = partial(Sampler, t, top_k, top_p, seed=seed)
+                rows.append(row | _figures(target, MultiDraft(drafter, k), encoded, sampler, gamma=g,
+                                           max_new_tokens=max_new_tokens))  # fmt: skip
                 if progress is not None:
                     progress(rows[-1])
     return rows
 
 
 def drafts_markdown(rows: Sequence[dict], title: str) -> str:
-    lines = [f"### {title}", "", "| drafter | temperature | drafts | gamma | AR tok/s | spec tok/s | tau | speedup |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in rows:
-        lines.append(f"| {r['drafter']} | {r['temperature']} | {r['drafts']} | {r['gamma']} | {r['ar_tok_s']:.1f} | "
-                     f"{r['tok_s']:.1f} | {r['tau']:.2f} | {r['speedup']:.2f}x |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    cells = [[r["drafter"], str(r["temperature"]), str(r["drafts"]), str(r["gamma"]), f"{r['ar_tok_s']:.1f}",
+              f"{r['tok_s']:.1f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}x"] for r in rows]  # fmt: skip
+    header = ["drafter", "temperature", "drafts", "gamma", "AR tok/s", "spec tok/s", "tau", "speedup"]
+    return _markdown(title, header, 1, cells)

@@ -20,8 +20,7 @@ from typing import Any
 from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowModel, batch_drafter
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
-from specdec_runtime.drafters.medusa import MedusaDrafter
-from specdec_runtime.drafters.spec import LOOKUP, build_drafter
+from specdec_runtime.drafters.spec import LOOKUP, as_chains, build_drafter
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.engines.sglang import eagle_draft_tokens
 from specdec_runtime.loading import LoadedModel
@@ -33,8 +32,7 @@ def candidates(spec: str, target: LoadedModel, batch: int, gammas: Sequence[int]
     """The drafting settings tried at a batch size: {"name", "drafter", "gamma", "tree_budget", "top_k",
     "lookup"} each (a drafter that decodes a prompt at a time has none above batch 1)."""
     own = build_drafter(spec, target, dtype=dtype)
-    trees = isinstance(own, Eagle3Drafter | MedusaDrafter)
-    chain = build_drafter(spec, target, dtype=dtype, tree="chain") if trees else own
+    chain = as_chains(own, spec, target, dtype=dtype)
     runs = chain if batch == 1 else batch_drafter(chain)
     if runs is None:
         return []

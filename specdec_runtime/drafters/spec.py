@@ -97,3 +97,11 @@ def build_drafter(
     if target.model.compiled:  # a compiled target gets a compiled draft model
         drafter.model.compile()
     return ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)
+
+
+def as_chains(drafter: Drafter | None, spec: str, target: LoadedModel, **kw) -> Drafter | None:
+    """`drafter` (build_drafter(spec, target, **kw)) drafting chains, as SpecTr's sequences and batches
+    take them: a tree drafter (an EAGLE-3 export's trees, Medusa's) built again with tree='chain'."""
+    if drafter is None or not drafter.tree_nodes:
+        return drafter
+    return build_drafter(spec, target, **{**kw, "tree": "chain"})
