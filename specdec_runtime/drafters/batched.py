@@ -7,13 +7,13 @@ host, a stand-alone model batched like the target, and EAGLE-3 chains, each row 
 import torch
 from torch import Tensor
 
-from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.eagle3 import Eagle3Drafter, layer_rows
 from specdec_runtime.drafters.lookup import NgramDrafter
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter, in_target_vocab
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
-from specdec_runtime.layers import linear, mlp, rms_norm, rope_table, self_attention
+from specdec_runtime.layers import linear, rms_norm, rope_table
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler, argmax
 
@@ -132,18 +132,16 @@ class RowEagle3(RowDrafter):
     def _rows(self, tokens: Tensor, feature: Tensor, starts: Tensor) -> Tensor:
         """Rows tokens [B, T] with features [B, T, H] at slots (= rope positions) starts[b] onward,
         each seeing its own row's slots up to its own: their prenorm [B, T, H]."""
-        w, cfg, (B, T) = self.d.w, self.d.model.config, tokens.shape
-        eps, group = cfg.layer.rms_norm_eps, cfg.layer.num_heads // cfg.layer.num_kv_heads
+        cfg, (B, T) = self.d.model.config, tokens.shape
+        group = cfg.layer.num_heads // cfg.layer.num_kv_heads
         slots = starts[:, None] + self.slots[:T]
         bound = int(starts.max()) + T
         mask = (self.slots[:bound] <= slots[..., None]).repeat(1, group, 1)[:, None]  # [B, 1, group T, bound]
-        h = rms_norm(feature, w.hidden_norm, eps)
-        x = torch.cat([rms_norm(self.d.target.embed_tokens(tokens), w.input_norm, eps), h], dim=-1)
-        residual = h if cfg.norm_before_residual else feature
+        embeds = self.d.target.embed_tokens(tokens).view(B * T, -1)
         cs = self.rope[slots]  # [B, T, 2, D]
-        out = self_attention(x.view(B * T, -1), residual.reshape(B * T, -1), B, w.qkv, w.o, cs[:, :, None, 0],
-                             cs[:, :, None, 1], self.kv, slots, mask, bound)  # fmt: skip
-        return mlp(out, w.post_norm, w.gate_up, w.down, eps).view(B, T, -1)
+        out = layer_rows(self.d.w, cfg, embeds, feature.reshape(B * T, -1), B, cs[:, :, None, 0], cs[:, :, None, 1],
+                         self.kv, slots, mask, bound)  # fmt: skip
+        return out.view(B, T, -1)
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         d, B, g = self.d, len(self.seqs), max(gammas)

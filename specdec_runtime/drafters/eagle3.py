@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdec_runtime import cpu, graphs
-from specdec_runtime.drafters.eagle3_model import Eagle3Model
+from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from specdec_runtime.drafters.protocol import Draft, Drafter, DraftExit
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layers import Weights, block_state_dict, linear, mlp, rms_norm, rope_table, self_attention
@@ -103,6 +103,19 @@ class FusedLayer(NamedTuple):
         packed = {k: w for k, w in layer._asdict().items() if isinstance(w, Weights) and w.packed is not None}
         copies = cpu.on_huge_pages([w.packed for w in packed.values()])  # side by side, huge pages
         return layer._replace(**{k: w._replace(packed=c) for (k, w), c in zip(packed.items(), copies)})
+
+
+def layer_rows(w: FusedLayer, cfg: Eagle3Config, embeds: Tensor, feature: Tensor, B: int, cos: Tensor, sin: Tensor,
+               kv: Tensor, slots: Tensor, mask: Tensor | None, bound: int) -> Tensor:  # fmt: skip
+    """Eagle3Layer.forward on fused weights over B sequences' rows: the target's embeddings of the
+    next tokens and the features [B*T, H] -> the prenorm [B*T, H], writing K/V into kv at slots and
+    attending under mask (layers.self_attention's shapes; a slot per row where slots is [B, T])."""
+    eps = cfg.layer.rms_norm_eps
+    h = rms_norm(feature, w.hidden_norm, eps)
+    x = torch.cat([rms_norm(embeds, w.input_norm, eps), h], dim=-1)
+    residual = h if cfg.norm_before_residual else feature
+    out = self_attention(x, residual, B, w.qkv, w.o, cos, sin, kv, slots, mask, bound)
+    return mlp(out, w.post_norm, w.gate_up, w.down, eps)
 
 
 class Eagle3Drafter(Drafter):
@@ -201,16 +214,13 @@ class Eagle3Drafter(Drafter):
         """Run rows (tokens [T], features [T, H], rope positions [T]) writing K/V at slots [T],
         each attending to the cache slots < bound that mask [T, bound] allows (None: all of
         them): their prenorm [T, H]. Eagle3Layer.forward on fused weights (FusedLayer)."""
-        w, cfg = self.w, self.model.config
-        eps, group = cfg.layer.rms_norm_eps, cfg.layer.num_heads // cfg.layer.num_kv_heads
+        group = self.model.config.layer.num_heads // self.model.config.layer.num_kv_heads
         if mask is not None and group > 1:
             mask = mask.repeat(group, 1)  # a row per folded query head (layers.self_attention)
-        h = rms_norm(feature, w.hidden_norm, eps)
-        x = torch.cat([rms_norm(self.target.embed_tokens(tokens[None])[0], w.input_norm, eps), h], dim=-1)
         cs = self.rope[positions]  # [T, 2, D]
-        residual = h if cfg.norm_before_residual else feature
-        out = self_attention(x, residual, 1, w.qkv, w.o, cs[:, None, 0], cs[:, None, 1], self.kv, slots, mask, bound)
-        return mlp(out, w.post_norm, w.gate_up, w.down, eps)
+        embeds = self.target.embed_tokens(tokens[None])[0]
+        return layer_rows(self.w, self.model.config, embeds, feature, 1, cs[:, None, 0], cs[:, None, 1], self.kv, slots,
+                          mask, bound)  # fmt: skip
 
     def _head(self, prenorm: Tensor) -> Tensor:
         """Draft logits [T, N] of prenorm [T, H] (Eagle3Model.head)."""
