@@ -73,43 +73,30 @@ def measure(
     batch_size > 1: `drafter` a RowDrafter (drafters/batched.py), the prompts decoded batch_size at a
     time in their order (batched.generate_many; the baseline: autoregressive at the same batch size).
     """
-    if batch_size > 1:
-        return _measure_batched(target, drafter, prompts, sampler, baseline, warmup, progress, on_result,
-                                batch_size, **generate_kwargs)  # fmt: skip
-    longest = max(len(p) for p in prompts) + generate_kwargs.get("max_new_tokens", 256)
-    generate_kwargs = {"capacity": longest, **generate_kwargs}
+    if batch_size > 1:  # generate_many's keywords; its warm-up decodes a few tokens of the first batch
+        kw = {k: v for k, v in generate_kwargs.items() if k in ("max_new_tokens", "gamma", "stop_ids")}
+        units = [[torch.as_tensor(p).tolist() for p in prompts[i : i + batch_size]]
+                 for i in range(0, len(prompts), batch_size)]  # fmt: skip
+        decode = lambda unit, d: generate_many(target, unit, d, sampler(), **kw)  # noqa: E731
+        warm = lambda d: generate_many(target, units[0], d, sampler(), **(kw | {"max_new_tokens": 8}))  # noqa: E731
+    else:
+        longest = max(len(p) for p in prompts) + generate_kwargs.get("max_new_tokens", 256)
+        generate_kwargs = {"capacity": longest, **generate_kwargs}
+        units = [[p] for p in prompts]
+        decode = lambda unit, d: [generate(target, unit[0], d, sampler(), **generate_kwargs)]  # noqa: E731
+        warm = lambda d: warm_up(target, d, prompts[0], sampler, **generate_kwargs)  # noqa: E731
     if warmup:  # first calls pay for allocations, lazy init and compilation: keep them out of the numbers
         for d in ([None] if baseline else []) + [drafter]:
-            warm_up(target, d, prompts[0], sampler, **generate_kwargs)
+            warm(d)
     report = Report(greedy=sampler().greedy)
-    # With a baseline the two runs of a prompt alternate which goes first: whatever the first leaves
-    # behind (warm caches, a drifting clock speed) favours neither side.
+    # With a baseline the two runs of a prompt (a batch) alternate which goes first: whatever the
+    # first leaves behind (warm caches, a drifting clock speed) favours neither side.
     sides = [(report.baseline, None), (report.spec, drafter)] if baseline else [(report.spec, drafter)]
-    for i, ids in enumerate(progress(prompts) if progress else prompts):
+    for i, unit in enumerate(progress(units) if progress else units):
         for runs, d in sides if i % 2 == 0 else sides[::-1]:
-            runs.append(generate(target, ids, d, sampler(), **generate_kwargs))
-        if on_result:
-            on_result(i, report.spec[-1], report.baseline[-1] if baseline else None)
-    return report
-
-
-def _measure_batched(target, drafter, prompts, sampler, baseline, warmup, progress, on_result, batch_size,
-                     **kw) -> Report:  # fmt: skip
-    """measure() batch_size prompts at a time (generate_many's keywords: max_new_tokens, gamma, stop_ids)."""
-    kw = {k: v for k, v in kw.items() if k in ("max_new_tokens", "gamma", "stop_ids")}
-    batches = [[torch.as_tensor(p).tolist() for p in prompts[i : i + batch_size]]
-               for i in range(0, len(prompts), batch_size)]  # fmt: skip
-    if warmup:
-        for d in ([None] if baseline else []) + [drafter]:
-            generate_many(target, batches[0], d, sampler(), **(kw | {"max_new_tokens": 8}))
-    report = Report(greedy=sampler().greedy)
-    sides = [(report.baseline, None), (report.spec, drafter)] if baseline else [(report.spec, drafter)]
-    for i, batch in enumerate(progress(batches) if progress else batches):
-        for runs, d in sides if i % 2 == 0 else sides[::-1]:
-            runs += generate_many(target, batch, d, sampler(), **kw)
-        if on_result:
-            for j in range(len(report.spec) - len(batch), len(report.spec)):
-                on_result(j, report.spec[j], report.baseline[j] if baseline else None)
+            runs += decode(unit, d)
+        for k in range(len(report.spec) - len(unit), len(report.spec)) if on_result else ():
+            on_result(k, report.spec[k], report.baseline[k] if baseline else None)
     return report
 
 
