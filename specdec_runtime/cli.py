@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--drafts", type=int, default=1, help="SpecTr: sequences sampled a round, verified together (sampling only)"
     )
+    gen.add_argument("--adapt-every", type=int, help="online adaptation: update the drafter every N prompts served")
+    gen.add_argument("--adapt-steps", type=int, default=4, help="online adaptation: AdamW steps an update")
+    gen.add_argument("--adapt-lr", type=float, default=3e-4, help="online adaptation: learning rate")
+    gen.add_argument("--adapt-keep", type=int, default=0, help="online adaptation: recent prompts an update trains on")
+    gen.add_argument("--adapt-save", type=Path, help="online adaptation: save the adapted drafter in this new folder")
     gen.add_argument("--output", type=Path, help="write one JSON line per prompt here")
     gen.add_argument("--baseline", action="store_true", help="also decode autoregressively: speedup and losslessness")
     gen.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up generation")
@@ -259,7 +264,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from specdec_runtime.drafters.spec import build_drafter
     from specdec_runtime.measure import measure
     from specdec_runtime.prompts import Prompt, builtin_prompts, read_prompts
-    from specdec_runtime.report import Output, print_summary
+    from specdec_runtime.report import Output, print_summary, print_windows
     from specdec_runtime.sampling import Sampler
 
     # Everything a user can get wrong fails here, before a model loads or a file is written.
@@ -271,6 +276,10 @@ def run_generate(args: argparse.Namespace) -> None:
         raise SpecdecError(f"--drafts must be >= 1 (sequences sampled a round), got {args.drafts}")
     if args.drafts > 1 and (args.drafter.strip().lower() in ("none", "ar", "") or args.batch_size > 1 or args.typical):
         raise SpecdecError("--drafts > 1 needs a drafter, --batch-size 1 and no --typical")
+    if args.adapt_every is not None:
+        from specdec_runtime.online import check_adapting
+
+        check_adapting(args.adapt_every, args.adapt_steps, args.adapt_lr, args.adapt_save, args.batch_size)
     if args.prompt is not None:
         if not args.prompt.strip():
             raise SpecdecError("--prompt is empty: give the text to continue")
@@ -290,11 +299,21 @@ def run_generate(args: argparse.Namespace) -> None:
 
         chains = as_chains(drafter, args.drafter, target, confidence=args.confidence, dtype=args.dtype, tree=args.tree)
         drafter = MultiDraft(chains, args.drafts)  # (SpecTr draws chains)
+    adapter = None
+    if args.adapt_every is not None:  # refuses a drafter that cannot learn, before decoding starts
+        from specdec_runtime.online import OnlineAdapter
+
+        adapter = OnlineAdapter(drafter, target.model, every=args.adapt_every, steps=args.adapt_steps, lr=args.adapt_lr,
+                                keep=args.adapt_keep)  # fmt: skip
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
 
     def write(i: int, g: "Generation", base: "Generation | None") -> None:  # noqa: F821
-        """One JSON line per prompt, written as soon as it is done (an interrupted run keeps them)."""
+        """One JSON line per prompt, written as soon as it is done (an interrupted run keeps them); with
+        online adaptation, the drafter updated after the window's last prompt first."""
+        update = adapter.served(encoded[i], g.tokens) if adapter is not None else None
+        if output is None:
+            return
         p = prompts[i]
         record = {
             "id": p.id,
@@ -308,6 +327,8 @@ def run_generate(args: argparse.Namespace) -> None:
         if base is not None:
             record["baseline_stats"] = base.stats.to_dict()
             record["identical_to_baseline"] = g.tokens == base.tokens
+        if adapter is not None:
+            record["adapt"] = {"window": i // adapter.every} | ({"update": update.to_dict()} if update else {})
         output.write(record)
 
     try:
@@ -319,7 +340,8 @@ def run_generate(args: argparse.Namespace) -> None:
             baseline=args.baseline,
             warmup=not args.no_warmup,
             progress=bar,
-            on_result=write if output is not None else None,
+            on_result=write if output is not None or adapter is not None else None,
+            teacher=adapter.record if adapter is not None else None,
             max_new_tokens=args.max_new_tokens,
             gamma=args.gamma,
             adaptive_gamma=args.adaptive_gamma,
@@ -344,6 +366,10 @@ def run_generate(args: argparse.Namespace) -> None:
     if typical:
         title += f" · typical acceptance ({typical[0]}, {typical[1]}): LOSSY"
     print_summary(title, prompts, report)
+    if adapter is not None:
+        print_windows(adapter.every, adapter.updates, report)
+        if args.adapt_save:
+            print(f"adapted drafter: {adapter.save(args.adapt_save)}")
 
 
 def run_bench(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ through each weight once.
 """
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -141,6 +142,7 @@ def generate(
     capacity: int = 0,
     timed: bool = False,
     accept_rate: float | None = None,
+    teacher: Callable[[int, Tensor], None] | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens after `prompt`, stopping at any of stop_ids.
 
@@ -156,6 +158,10 @@ def generate(
     accept_rate: for measuring the runtime's mechanics only (scripts/bench_gpu.py --accept-rate):
     each drafted token is accepted with this probability whatever its value (a tree's first child
     at each depth), as SGLang's simulated acceptance; the output is then NOT the target's.
+    teacher(position, probs [V]): called at each round whose draft was rejected, with the target's
+    distribution where it rejected it (the sampler's; greedy: the plain softmax), which the token
+    at ids[position] was chosen from: online adaptation's signal (specdec_runtime.online). The
+    target's logits are then kept in greedy rounds too; the output is unchanged.
     """
     if accept_rate is not None and not 0 <= accept_rate <= 1:
         raise SpecdecError(f"accept_rate is a probability in [0, 1] (got {accept_rate})")
@@ -174,7 +180,7 @@ def generate(
     taps = drafter.hidden_layers if drafter is not None else ()
     stats = GenerationStats(calls=1)
     clock = Clock(device, timed)
-    argmax_only = sampler.greedy  # greedy verification reads only the target's argmax
+    argmax_only = sampler.greedy and (teacher is None or drafter is None)  # greedy verification: the argmax only
     on_host = HOST_RULES and device.type == "cpu"  # on a CPU the device is the host: rounds decide there
     forced = None if accept_rate is None else sampler.generator(device)  # the draws: the sampler's seed
     t_start = clock()
@@ -231,6 +237,9 @@ def generate(
             depth = host[1] if device_tree else depth
             ids[L : L + n] = branch[1 : n + 1]
             ids[L + n] = v.token
+        if teacher is not None and n < depth:  # rejected after n accepted: the target's choice at L + n
+            row = verified.logits[path[n]]
+            teacher(L + n, row.float().softmax(-1) if sampler.greedy else sampler.probs(row))
         if draft is not None and draft.tree is not None and n:  # the accepted nodes' K/V move into place
             target.cache.move(torch.as_tensor(path[1 : n + 1], device=device) + (L - 1), L)
         if taps:

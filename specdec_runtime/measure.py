@@ -84,7 +84,8 @@ def measure(
         generate_kwargs = {"capacity": longest, **generate_kwargs}
         units = [[p] for p in prompts]
         decode = lambda unit, d: [generate(target, unit[0], d, sampler(), **generate_kwargs)]  # noqa: E731
-        warm = lambda d: warm_up(target, d, prompts[0], sampler, **generate_kwargs)  # noqa: E731
+        untaught = {k: v for k, v in generate_kwargs.items() if k != "teacher"}  # the warm-up teaches nothing
+        warm = lambda d: warm_up(target, d, prompts[0], sampler, **untaught)  # noqa: E731
     if warmup:  # first calls pay for allocations, lazy init and compilation: keep them out of the numbers
         for d in ([None] if baseline else []) + [drafter]:
             warm(d)

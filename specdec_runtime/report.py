@@ -70,3 +70,22 @@ def print_summary(title: str, prompts: list, report: "Report") -> None:  # noqa:
                 cells.append(f"{report.lossless_rate(idx):.0%}")
         table.add_row(*cells)
     Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def print_windows(every: int, updates: list, report: "Report") -> None:  # noqa: F821
+    """Online adaptation: tau a window of `every` prompts, and the update that followed it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"online adaptation: windows of {every} prompts, the drafter updated after each")
+    for col in ("window", "prompts", "tau", "accept", "tok/s", "update s", "loss before -> after"):
+        table.add_column(col, justify="right")
+    n = len(report.spec)
+    for w, first in enumerate(range(0, n, every)):
+        s = report.total("spec", range(first, min(first + every, n)))
+        u = updates[w] if w < len(updates) else None
+        cells = [str(w), str(min(every, n - first)), f"{s.tau:.2f}", f"{s.acceptance_rate:.2f}"]
+        cells.append(f"{s.tokens_per_s:.1f}")
+        cells += [f"{u.seconds:.2f}", f"{u.before:.3f} -> {u.after:.3f}"] if u else ["-", "-"]
+        table.add_row(*cells)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)

@@ -178,6 +178,7 @@ class Eagle3Drafter(Drafter):
         self.shapes: dict[tuple, tuple[Tree, list[int]]] = {}  # _draft_of's trees by the chosen paths
         layer = cfg.layer  # the kernel's dims: (H, heads, kv heads, head dim, intermediate)
         self.dims = (layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.intermediate_size)
+        self.cpu_bf16 = cpu_bf16
         self.w = FusedLayer.from_model(model, target.device, target.dtype, target.lm_head.cpu_copy, cpu_bf16)
         eps, norm_first = layer.rms_norm_eps, cfg.norm_before_residual
         self.kernel = None  # its steps and tree drafts in the CPU kernel, where it takes them (_run, _draft)
@@ -191,6 +192,7 @@ class Eagle3Drafter(Drafter):
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (layers.rope_table)
         self.slots: Tensor | None = None  # [S] 0, 1, ..., S-1 on the device
+        self.kept: list[Tensor] | None = None  # online adaptation: every observed feature row, in order
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         cfg = self.model.config.layer
@@ -204,9 +206,23 @@ class Eagle3Drafter(Drafter):
             self.rope = rope_table(cfg, size, self.target.device, self.target.dtype)
             self.slots = torch.arange(size, device=self.target.device)
         self.pending = []
+        if self.kept is not None:
+            self.kept = []  # this sequence's features only
 
     def observe(self, hidden: Tensor) -> None:
         self.pending.append(hidden)  # the loop's copies (indexed rows), kept until the next draft
+        if self.kept is not None:
+            self.kept.append(hidden.clone())  # (the prefill's rows may be a step's own buffer)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Read self.model's weights again (online adaptation changed them), into the tensors drafting
+        reads, in place: the CPU kernel's and the captured steps' pointers stay valid."""
+        t = self.target
+        fresh = FusedLayer.from_model(self.model, t.device, t.dtype, t.lm_head.cpu_copy, self.cpu_bf16)
+        flat = lambda w: [x for f in w for x in (f if isinstance(f, tuple) else (f,)) if x is not None]  # noqa: E731
+        for old, new in zip(flat(self.w), flat(fresh), strict=True):
+            old.copy_(new)
 
     def _rows(
         self, tokens: Tensor, feature: Tensor, positions: Tensor, slots: Tensor, mask: Tensor | None, bound: int

@@ -1,6 +1,7 @@
 """The Drafter protocol: what the generate loop asks of a drafter, and the Draft it gets back
 (the package's docstring says how drafters are used; one module per family beside this one)."""
 
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
@@ -42,6 +43,7 @@ class Drafter(Protocol):
     tree_nodes: int = 0  # KV slots a tree draft writes past the sequence (the loop reserves them)
     hidden_layers: tuple[int, ...] = ()  # the target's residual streams it reads (see observe)
     lookup_merge: int = 0  # nodes of its own a lookup round merges by default (LookupFirst: cheap drafters)
+    source: Path | None = None  # the folder it was loaded from, if any (online adaptation saves an adapted copy)
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         """Reset for a new prompt [P]; sequences will not exceed `capacity` tokens."""

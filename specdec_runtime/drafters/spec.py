@@ -85,7 +85,9 @@ def build_drafter(
         if tree not in (None, "chain"):
             raise SpecdecError(f"--tree {tree}: an EAGLE-3 drafter builds its own trees; use --tree chain for chains")
         budget = 0 if tree == "chain" else None
-        return load_eagle3(Path(spec).expanduser(), target, tree_budget=budget, confidence=confidence)
+        eagle3 = load_eagle3(Path(spec).expanduser(), target, tree_budget=budget, confidence=confidence)
+        eagle3.source = Path(spec).expanduser()
+        return eagle3
     if is_medusa_folder(Path(spec).expanduser()):
         return load_medusa(Path(spec).expanduser(), target, tree)
     if tree is not None:
@@ -96,7 +98,9 @@ def build_drafter(
     check_same_vocab(target, drafter)
     if target.model.compiled:  # a compiled target gets a compiled draft model
         drafter.model.compile()
-    return ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)
+    model = ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)
+    model.source = drafter.path
+    return model
 
 
 def as_chains(drafter: Drafter | None, spec: str, target: LoadedModel, **kw) -> Drafter | None:
