@@ -12,6 +12,7 @@ the first 56 of each: --skip 64 serves prompts it never saw).
 
 import argparse
 import copy
+import hashlib
 import json
 import sys
 import time
@@ -69,9 +70,17 @@ def main() -> None:
     prompts = [encode_prompt(target.tokenizer, p.text) for p in stream(args)]
     capacity = max(len(p) for p in prompts) + args.max_new_tokens
     kw = dict(max_new_tokens=args.max_new_tokens, stop_ids=target.stop_ids, capacity=capacity)
-    t0 = time.perf_counter()
-    reference = [generate(target.model, p, None, Sampler(), **kw).tokens for p in prompts]
-    print(f"{len(prompts)} prompts, autoregressive reference in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    # the target's own greedy outputs, kept beside the figures for the next run on the same prompts
+    key = hashlib.sha256(json.dumps([args.target, args.max_new_tokens, prompts]).encode()).hexdigest()[:16]
+    cached = ROOT / "runs" / "online" / f"reference-{key}.json"
+    if cached.is_file():
+        reference = json.loads(cached.read_text())
+    else:
+        t0 = time.perf_counter()
+        reference = [generate(target.model, p, None, Sampler(), **kw).tokens for p in prompts]
+        print(f"{len(prompts)} prompts, autoregressive reference in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(json.dumps(reference))
 
     sides = {}
     for side in ("as trained", "adapting"):

@@ -4,6 +4,7 @@ number of tokens each round, in one target forward for the whole batch.
     outs = generate_many(target, prompts, RowLookup(), Sampler(), max_new_tokens=128, gamma=4, stop_ids={2})
     outs = generate_many(target, prompts, RowModel(draft_decoder), Sampler(0.7, seed=0), gamma=4)  # drafters/batched.py
     outs[b].tokens, outs[b].stats.tau     # each row as generate() returns it
+    outs = generate_many(target, prompts, None, Sampler(), rows=8)   # 8 rows, the other prompts queued
 
 Each row of the target's cache is one sequence at slots of its own (specdec_runtime.rows): prompts
 are left-padded to one length, and a round writes row b's newest token and draft at the slots
@@ -13,8 +14,10 @@ are padded, and a row accepts no further than its own draft. A round verifies ev
 the longest prefix equal to the target's argmax; sampled: speculative sampling, the rule
 generate() uses) and reads the accepted lengths and tokens back in one host sync.
 
-Static batching: a row that stops keeps its place until the batch's last row stops (it runs its
-newest token again, its output dropped); a freed row is not refilled from a queue. Every forward
+With rows < the prompts, the others wait in a queue: the first row whose prompt stops takes the
+next one, prefilled into that row alone at slot 0 (rows.one_row), its drafter row started over
+(RowDrafter.refill). A row with nothing left to take runs its newest token again (its output
+dropped) until the last row stops. Every forward
 runs eagerly, on a compiled target too (the fast path's captured steps take one start slot).
 Drafters: prompt lookup (RowLookup, on the host), a stand-alone model (RowModel, batched like the
 target) and EAGLE-3 chains (RowEagle3, reading the target's features of each row's accepted
@@ -31,6 +34,7 @@ from specdec_runtime.drafters.protocol import RowDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import Generation, check_fits, generate, left_padded
 from specdec_runtime.model import Decoder
+from specdec_runtime.rows import one_row
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.stats import GenerationStats
 from specdec_runtime.verify import verify_sample
@@ -47,91 +51,115 @@ def generate_many(
     gamma: int = 4,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     pad_id: int = 0,
+    rows: int | None = None,
 ) -> list[Generation]:
     """Each prompt's generation, decoded together (module docstring); greedy rows equal generate()'s
-    for the same prompt, sampled rows follow the target's distribution. The stats of each row count
-    the batch's forwards while it was running; its times are its 1/B share of the batch's, so that
-    totals over the rows are the batch's (GenerationStats.total: tokens/s of the batch)."""
-    if not prompts or max_new_tokens < 1 or gamma < 0:
-        got = f"{len(prompts)}, {max_new_tokens}, {gamma}"
-        raise SpecdecError(f"need prompts, max_new_tokens >= 1 and gamma >= 0 (got {got})")
+    for the same prompt, sampled rows follow the target's distribution. rows: the batch size (default:
+    every prompt at once); the prompts past the first `rows` wait in a queue, each taking the first
+    row another prompt leaves. The stats of each prompt count the forwards while it was running; its
+    times are its share of each round's (split among the prompts running then), so that totals over
+    the prompts are the batch's (GenerationStats.total: tokens/s of the batch)."""
+    if not prompts or max_new_tokens < 1 or gamma < 0 or (rows is not None and rows < 1):
+        got = f"{len(prompts)}, {max_new_tokens}, {gamma}, {rows}"
+        raise SpecdecError(f"need prompts, max_new_tokens >= 1, gamma >= 0 and rows >= 1 (got {got})")
     if min(map(len, prompts)) == 0:
         raise SpecdecError("a prompt is empty after tokenization")
     sampler = sampler or Sampler()
-    if len(prompts) == 1:
+    B = min(rows or len(prompts), len(prompts))
+    if B == 1 and len(prompts) == 1:
         alone = None if drafter is None else drafter.alone()
         return [generate(target, prompts[0], alone, sampler, max_new_tokens=max_new_tokens, gamma=gamma,
                          stop_ids=stop_ids)]  # fmt: skip
-    B, device, start = len(prompts), target.device, time.perf_counter()
-    ids, row_start = left_padded(prompts, pad_id)
-    P = ids.shape[1]
-    check_fits(P, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
-    target.setup_cache(B, P + max_new_tokens + gamma)
+    device, start = target.device, time.perf_counter()
+    ids, row_start = left_padded(prompts[:B], pad_id)
+    P, longest = ids.shape[1], max(map(len, prompts))
+    check_fits(longest, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
+    capacity = max(P, longest) + max_new_tokens + gamma  # a prompt from the queue starts its row at slot 0
+    target.setup_cache(B, capacity)
     target.left_pad(row_start.to(device), per_row=True)
     try:
         taps = drafter.hidden_layers if drafter is not None else ()  # the target's residual streams it reads
         zeros = torch.zeros(B, dtype=torch.long, device=device)
         prefill = target(ids.to(device), zeros, logits_to_keep=1, taps=taps)
         first = sampler.next_token(prefill.logits[:, -1])
-        out = [[t] for t in first.tolist()]
+        out = [[t] for t in first.tolist()] + [[] for _ in prompts[B:]]  # each prompt's tokens
         stats = [GenerationStats(calls=1, target_forwards=1) for _ in prompts]
+        row_of = list(range(B))  # the prompt each row decodes
+        queue = list(range(B, len(prompts)))
         if drafter is not None:
-            drafter.start(prompts, row_start, P + max_new_tokens + gamma)
+            drafter.start(prompts[:B], row_start, capacity)
             for b in range(B):
                 drafter.observe_tokens(b, out[b])
                 if taps:
                     drafter.observe(b, prefill.hidden[b, P - len(prompts[b]) :])
         slot = [P] * B  # each row's newest token's slot (every prompt ends at P - 1)
         done = [out[b][0] in stop_ids or max_new_tokens == 1 for b in range(B)]
-        for s in stats:
-            s.prefill_s = time.perf_counter() - start
-        while not all(done):
+        for j in range(B):
+            stats[j].prefill_s = (time.perf_counter() - start) / B
+        while True:
             t0 = time.perf_counter()
-            gammas = [0 if done[b] else min(gamma, max_new_tokens - len(out[b]) - 1) for b in range(B)]
+            for b in range(B):  # a row whose prompt is done takes the next one waiting
+                while done[b] and queue:
+                    j = row_of[b] = queue.pop(0)
+                    with one_row(target, b):
+                        pre = target(torch.tensor([prompts[j]], device=device), zeros[:1], logits_to_keep=1, taps=taps)
+                    out[j] = sampler.next_token(pre.logits[:, -1]).tolist()  # a host sync a prompt
+                    slot[b], done[b] = len(prompts[j]), out[j][0] in stop_ids or max_new_tokens == 1
+                    if drafter is not None:
+                        drafter.refill(b, prompts[j])
+                        drafter.observe_tokens(b, out[j])
+                        if taps:
+                            drafter.observe(b, pre.hidden[0])
+                    stats[j].prefill_s = time.perf_counter() - t0
+            running = [row_of[b] for b in range(B) if not done[b]]
+            if not running:
+                break
+            t1 = time.perf_counter()
+            gammas = [0 if done[b] else min(gamma, max_new_tokens - len(out[row_of[b]]) - 1) for b in range(B)]
             if drafter is not None and max(gammas) > 0:
                 drafts, lengths, q = drafter.draft(gammas, sampler)
             else:
                 drafts, lengths, q = torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None
-            t1 = time.perf_counter()
+            t2 = time.perf_counter()
             g = max(lengths)
-            newest = torch.tensor([o[-1] for o in out], device=device)
+            newest = torch.tensor([out[j][-1] for j in row_of], device=device)
             x = torch.cat([newest[:, None], drafts[:, :g].to(device)], dim=1)  # [B, g + 1]
             verified = target(x, torch.tensor(slot, device=device), taps=taps)
             logits = verified.logits  # [B, g + 1, V]
-            t2 = time.perf_counter()
+            t3 = time.perf_counter()
             n, token = _verify(x[:, 1:], lengths, q, logits, sampler)
             host = torch.cat([n, token, x[:, 1:].flatten()]).tolist()  # the one host sync of the round
             for b in range(B):
                 if done[b]:
                     continue
-                k = host[b]
+                k, j = host[b], row_of[b]
                 new = host[2 * B + b * g : 2 * B + b * g + k] + [host[B + b]]
                 for i, t in enumerate(new):
                     if t in stop_ids:
                         new, done[b] = new[: i + 1], True
                         break
-                stats[b].record_round(lengths[b], min(k, len(new)))
-                out[b] += new
+                stats[j].record_round(lengths[b], min(k, len(new)))
+                out[j] += new
                 slot[b] += k + 1
-                done[b] = done[b] or len(out[b]) >= max_new_tokens
+                done[b] = done[b] or len(out[j]) >= max_new_tokens
                 if drafter is not None:
                     drafter.observe_tokens(b, new)
                     if taps:
                         drafter.observe(b, verified.hidden[b, : k + 1])
-            t3 = time.perf_counter()
-            for s in stats:
-                s.draft_s, s.target_s, s.verify_s = s.draft_s + t1 - t0, s.target_s + t2 - t1, s.verify_s + t3 - t1
+            share = 1 / len(running)  # the round's times, split among the prompts it decoded
+            t4 = time.perf_counter()
+            for j in running:
+                s = stats[j]
+                s.draft_s, s.target_s, s.verify_s = s.draft_s + (t2 - t1) * share, s.target_s + (t3 - t2) * share, \
+                    s.verify_s + (t4 - t2) * share  # fmt: skip
+                s.total_s += (t4 - t1) * share
     finally:
         target.left_pad(None)
-    total = time.perf_counter() - start
     generations = []
-    for b in range(B):
-        s = stats[b]
-        s.new_tokens, s.total_s = len(out[b]), total / B
-        s.prefill_s, s.draft_s, s.target_s, s.verify_s = (
-            t / B for t in (s.prefill_s, s.draft_s, s.target_s, s.verify_s)
-        )
-        generations.append(Generation(out[b], stats[b], "stop_token" if out[b][-1] in stop_ids else "length"))
+    for j, s in enumerate(stats):
+        s.new_tokens = len(out[j])
+        s.total_s += s.prefill_s
+        generations.append(Generation(out[j], s, "stop_token" if out[j][-1] in stop_ids else "length"))
     return generations
 
 

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapt-every", type=int, help="online adaptation: update the drafter every N prompts served")
     gen.add_argument("--adapt-steps", type=int, default=4, help="online adaptation: AdamW steps an update")
     gen.add_argument("--adapt-lr", type=float, default=3e-4, help="online adaptation: learning rate")
-    gen.add_argument("--adapt-keep", type=int, default=0, help="online adaptation: recent prompts an update trains on")
+    gen.add_argument("--adapt-keep", type=int, default=0, help="online adaptation: prompts an update trains on (0: 4N)")
     gen.add_argument("--adapt-save", type=Path, help="online adaptation: save the adapted drafter in this new folder")
     gen.add_argument("--output", type=Path, help="write one JSON line per prompt here")
     gen.add_argument("--baseline", action="store_true", help="also decode autoregressively: speedup and losslessness")

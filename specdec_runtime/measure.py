@@ -70,15 +70,16 @@ def measure(
 
     on_result(i, spec, baseline_or_None) is called as each prompt finishes (to stream outputs).
     The caches are sized once for the longest prompt, so every call reuses them.
-    batch_size > 1: `drafter` a RowDrafter (drafters/batched.py), the prompts decoded batch_size at a
-    time in their order (batched.generate_many; the baseline: autoregressive at the same batch size).
+    batch_size > 1: `drafter` a RowDrafter (drafters/batched.py), the prompts decoded in one stream of
+    batch_size rows, a prompt taking the first row another leaves (batched.generate_many; the
+    baseline: autoregressive decoding the same way).
     """
     if batch_size > 1:  # generate_many's keywords; its warm-up decodes a few tokens of the first batch
         kw = {k: v for k, v in generate_kwargs.items() if k in ("max_new_tokens", "gamma", "stop_ids")}
-        units = [[torch.as_tensor(p).tolist() for p in prompts[i : i + batch_size]]
-                 for i in range(0, len(prompts), batch_size)]  # fmt: skip
-        decode = lambda unit, d: generate_many(target, unit, d, sampler(), **kw)  # noqa: E731
-        warm = lambda d: generate_many(target, units[0], d, sampler(), **(kw | {"max_new_tokens": 8}))  # noqa: E731
+        units = [[torch.as_tensor(p).tolist() for p in prompts]]
+        decode = lambda unit, d: generate_many(target, unit, d, sampler(), rows=batch_size, **kw)  # noqa: E731
+        first = units[0][:batch_size]
+        warm = lambda d: generate_many(target, first, d, sampler(), **(kw | {"max_new_tokens": 8}))  # noqa: E731
     else:
         longest = max(len(p) for p in prompts) + generate_kwargs.get("max_new_tokens", 256)
         generate_kwargs = {"capacity": longest, **generate_kwargs}

@@ -60,7 +60,7 @@ class Served:
 
 @dataclass
 class Update:
-    """One adaptation: after `prompts` served prompts, `steps` steps from loss `before` to `after`."""
+    """One adaptation: `steps` steps on `prompts` kept prompts, the last window's loss from `before` to `after`."""
 
     prompts: int
     steps: int
@@ -236,7 +236,10 @@ class OnlineAdapter:
                 "neither (n-gram lookup, truncate, layer skip, Medusa and MTP heads do not learn online)"
             )
         self.drafter, self.every, self.steps = inner, every, steps
-        self.keep = max(keep, every)  # the most recent prompts an update trains on
+        # the most recent prompts an update trains on (default: 4 windows; the last window alone
+        # measured less: docs/results.md#online-adaptation)
+        self.keep = max(keep or 4 * every, every)
+        self.shuffle = torch.Generator().manual_seed(0)  # the order an update's steps take the kept prompts in
         self.optimizer = torch.optim.AdamW(self.learner.parameters(), lr=lr, weight_decay=0.0)
         self.buffer: list[Served] = []
         self.rejected: list[tuple[int, Tensor, Tensor]] = []  # the prompt being served's records
@@ -259,24 +262,31 @@ class OnlineAdapter:
             self.buffer.append(Served(torch.tensor(list(prompt) + list(output)), len(prompt), rejected, features))
         return self.update() if self.served_prompts % self.every == 0 else None
 
+    def loss(self, batch: list[Served]) -> Tensor:
+        """The loss over a batch of served prompts, normalized by its terms."""
+        parts = [self.learner.loss(seq) for seq in batch]
+        return sum(part for part, _ in parts) / max(sum(n for _, n in parts), 1)
+
     def update(self) -> Update:
-        """`steps` AdamW steps on the buffer (losses normalized by its terms), then drafting reads the new weights."""
-        t0 = time.perf_counter()
-        losses = []
+        """`steps` AdamW steps, each on `every` of the kept prompts (in a shuffled order: a step costs
+        the same whatever `keep`), then drafting reads the new weights. before / after: the loss on
+        the window just served (traffic the drafter had not trained on) before and after them."""
+        t0, window = time.perf_counter(), self.buffer[-self.every :]
+        order = torch.randperm(len(self.buffer), generator=self.shuffle).tolist()
+        batches = [order[i : i + self.every] for i in range(0, len(order), self.every)]
         with torch.inference_mode(False), torch.enable_grad():
-            for _ in range(self.steps if self.buffer else 0):
+            with torch.no_grad():
+                before = float(self.loss(window)) if window else 0.0
+            for step in range(self.steps if self.buffer else 0):
                 self.optimizer.zero_grad(set_to_none=True)
-                parts = [self.learner.loss(seq) for seq in self.buffer]
-                terms = max(sum(n for _, n in parts), 1)
-                loss = sum(part for part, _ in parts) / terms
-                loss.backward()
+                self.loss([self.buffer[i] for i in batches[step % len(batches)]]).backward()
                 torch.nn.utils.clip_grad_norm_(self.learner.parameters(), 1.0)
                 self.optimizer.step()
-                losses.append(float(loss.detach()))
-            if losses:
+            with torch.no_grad():
+                after = float(self.loss(window)) if window else 0.0
+            if self.buffer:
                 self.learner.publish()
-        update = Update(len(self.buffer), len(losses), losses[0] if losses else 0.0, losses[-1] if losses else 0.0,
-                        time.perf_counter() - t0)  # fmt: skip
+        update = Update(len(self.buffer), self.steps if self.buffer else 0, before, after, time.perf_counter() - t0)
         self.buffer = self.buffer[-(self.keep - self.every) :] if self.keep > self.every else []  # replayed next time
         self.updates.append(update)
         return update

@@ -7,6 +7,9 @@ positions it has alone); the mask lets a token see its own row's slots from row_
 These forwards run eagerly, on a compiled Decoder too (the fast path's captured steps take one
 start slot; a batch's cache, of another shape, drops them: setup_cache)."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -16,9 +19,24 @@ from specdec_runtime.errors import SpecdecError
 def bound(decoder, start: Tensor, T: int) -> int:
     """The slots a forward at per-row `start` [B] attends over (one host read of the starts)."""
     end = int(start.max()) + T
-    if decoder.cache is None or end > decoder.cache.size or start.shape[0] != decoder.cache.kv.shape[1]:
+    if decoder.cache is None or end > decoder.cache.size or start.shape[0] != decoder.kv_layers[0].shape[0]:
         raise ValueError(f"per-row starts need a cache of {start.shape[0]} rows and {end} slots: call setup_cache")
     return end
+
+
+@contextmanager
+def one_row(decoder, b: int) -> Iterator[None]:
+    """Forwards (at a start [1]) on row b of a batch's cache alone: a prompt prefilled into a row
+    its sequence left (batched decoding's queue), the other rows untouched. Row b starts at slot 0."""
+    kept = decoder.kv_layers, decoder.row_start
+    if decoder.row_start is not None:
+        decoder.row_start[b] = 0
+    decoder.kv_layers = [kv[b : b + 1] for kv in kept[0]]  # views: the writes land in the batch's cache
+    decoder.row_start = torch.zeros(1, dtype=torch.long, device=decoder.device)  # (never the one-sequence kernel)
+    try:
+        yield
+    finally:
+        decoder.kv_layers, decoder.row_start = kept
 
 
 def attention_inputs(decoder, start: Tensor, T: int, bound: int, tree) -> tuple:

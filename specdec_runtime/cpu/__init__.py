@@ -56,8 +56,8 @@ def matmul(x: Tensor, w, residual: Tensor | None = None) -> Tensor | None:
 
 def attention(x, B, norm, eps, residual, qkv, o, cos, sin, kv, slots, mask, bound) -> Tensor | None:
     """layers.self_attention of rows x [B*T, in] (normalized first where norm is given) in one call,
-    or None where the kernel does not take them (a batch, weights not packed, ...)."""
-    if not kernel.sublayer_usable(x, B, qkv, o):
+    or None where the kernel does not take them (a batch, a slot per row, weights not packed, ...)."""
+    if slots.dim() != 1 or not kernel.sublayer_usable(x, B, qkv, o):  # (slots [B, T]: specdec_runtime.rows)
         return None
     return kernel.attention(x, norm, eps, residual, qkv, o, cos, sin, kv, slots, mask, bound)
 

@@ -15,6 +15,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
 from specdec_runtime.layers import linear, rms_norm, rope_table
 from specdec_runtime.model import Decoder
+from specdec_runtime.rows import one_row
 from specdec_runtime.sampling import Sampler, argmax
 
 
@@ -30,6 +31,10 @@ class RowLookup(RowDrafter):
         self.rows = [NgramDrafter(self.max_ngram, self.min_ngram) for _ in prompts]
         for row, prompt in zip(self.rows, prompts, strict=True):
             row.observe_tokens(prompt)
+
+    def refill(self, b: int, prompt: list[int]) -> None:
+        self.rows[b] = NgramDrafter(self.max_ngram, self.min_ngram)
+        self.rows[b].observe_tokens(prompt)
 
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
         self.rows[b].observe_tokens(tokens)
@@ -71,6 +76,13 @@ class RowModel(RowDrafter):
         ids, _ = left_padded(prompts, 0)
         self.model(ids.to(device), torch.zeros(len(prompts), dtype=torch.long, device=device), logits_to_keep=1)
         self.seen = [len(p) for p in prompts]  # each row's tokens in the drafter's cache
+
+    def refill(self, b: int, prompt: list[int]) -> None:
+        """The prompt prefilled into row b alone (at slot 0)."""
+        with one_row(self.model, b):
+            self.model(torch.tensor([prompt], device=self.model.device), torch.zeros(1, dtype=torch.long,
+                       device=self.model.device), logits_to_keep=1)  # fmt: skip
+        self.row_start[b], self.seqs[b], self.seen[b] = 0, list(prompt), len(prompt)
 
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
         self.seqs[b] += tokens
@@ -123,16 +135,21 @@ class RowEagle3(RowDrafter):
         self.seqs = [list(p) for p in prompts]
         self.pending: list[list[Tensor]] = [[] for _ in prompts]
 
+    def refill(self, b: int, prompt: list[int]) -> None:
+        self.seqs[b], self.pending[b] = list(prompt), []
+
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
         self.seqs[b] += tokens
 
     def observe(self, b: int, hidden: Tensor) -> None:
         self.pending[b].append(hidden)
 
-    def _rows(self, tokens: Tensor, feature: Tensor, starts: Tensor) -> Tensor:
+    def _rows(self, tokens: Tensor, feature: Tensor, starts: Tensor, row: int | None = None) -> Tensor:
         """Rows tokens [B, T] with features [B, T, H] at slots (= rope positions) starts[b] onward,
-        each seeing its own row's slots up to its own: their prenorm [B, T, H]."""
+        each seeing its own row's slots up to its own: their prenorm [B, T, H]. row: the cache's row b
+        alone (B = 1)."""
         cfg, (B, T) = self.d.model.config, tokens.shape
+        kv = self.kv if row is None else self.kv[row : row + 1]
         group = cfg.layer.num_heads // cfg.layer.num_kv_heads
         slots = starts[:, None] + self.slots[:T]
         bound = int(starts.max()) + T
@@ -140,7 +157,7 @@ class RowEagle3(RowDrafter):
         embeds = self.d.target.embed_tokens(tokens).view(B * T, -1)
         cs = self.rope[slots]  # [B, T, 2, D]
         out = layer_rows(self.d.w, cfg, embeds, feature.reshape(B * T, -1), B, cs[:, :, None, 0], cs[:, :, None, 1],
-                         self.kv, slots, mask, bound)  # fmt: skip
+                         kv, slots, mask, bound)  # fmt: skip
         return out.view(B, T, -1)
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
@@ -148,6 +165,13 @@ class RowEagle3(RowDrafter):
         w, eps, device = d.w, d.model.config.layer.rms_norm_eps, d.target.device
         feats = [torch.cat(p) if p else None for p in self.pending]  # rows L-1-k .. L-2 of each sequence
         self.pending = [[] for _ in range(B)]
+        for b, f in enumerate(feats):  # a prompt just taken from the queue: its rows alone, all but the last
+            if f is not None and f.shape[0] > g + 1:
+                seq, k = self.seqs[b], f.shape[0]
+                tokens = torch.tensor([seq[len(seq) - k : len(seq) - 1]], device=device)
+                start = torch.tensor([len(seq) - 1 - k], device=device)
+                self._rows(tokens, linear(f[:-1].to(w.dtype), w.fc)[None], start, row=b)
+                feats[b] = f[-1:]
         counts = [1 if f is None else f.shape[0] for f in feats]  # (a stopped row: one row of zeros)
         m, H3 = max(counts), d.model.config.target_hidden_size * len(self.hidden_layers)
         features = torch.zeros(B, m, H3, device=device, dtype=w.dtype)

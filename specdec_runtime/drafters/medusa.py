@@ -288,6 +288,17 @@ class MedusaDrafter(Drafter):
         topk_ids = logits.topk(max(tree.top_k), dim=-1).indices  # [depth, k]
         return Draft(tree.candidates(ids[-1], topk_ids)[1:], None, tree=tree)
 
+    @torch.inference_mode()
+    def samples(self, ids: Tensor, gamma: int, sampler: Sampler, k: int) -> list[Draft]:
+        """k paths sampled from the heads (SpecTr's drafts: drafters/multi.py): head i's distribution
+        at the newest token is what the path's token i is drawn from, whatever the path before it."""
+        if self.hidden is None:
+            raise RuntimeError("MedusaDrafter.samples before observe(): the generate loop feeds it hidden states")
+        depth = min(gamma, self.heads.num_heads)
+        q = sampler.probs(self.heads(self.hidden[None, :], self.target.lm_head)[:depth, 0])  # [depth, V]
+        paths = sampler.sample(q[None].expand(k, -1, -1))  # [k, depth], k draws of every head
+        return [Draft(path, q) for path in paths]
+
 
 def is_medusa_folder(folder: Path) -> bool:
     cfg = Path(folder) / "config.json"

@@ -22,12 +22,13 @@ class MultiDraft(Drafter):
     def __init__(self, drafter: Drafter, k: int):
         if k < 1:
             raise SpecdecError(f"--drafts must be >= 1 (sequences drafted a round), got {k}")
-        if drafter.tree_nodes:
+        if drafter.tree_nodes and type(drafter).samples is Drafter.samples:
             raise SpecdecError(f"--drafts {k}: '{drafter.name}' drafts trees; SpecTr draws chains (--tree chain)")
         self.drafter, self.k = drafter, k
         self.name, self.gamma = f"{drafter.name} x{k}", drafter.gamma
         self.hidden_layers = drafter.hidden_layers
-        self.tree_nodes = k * MAX_DEPTH if k > 1 else 0  # the sequences' nodes, written past the sequence
+        # the sequences' nodes, written past the sequence (or the drafter's own tree: Medusa's)
+        self.tree_nodes = max(k * MAX_DEPTH if k > 1 else 0, drafter.tree_nodes)
 
     def start(self, prompt: Tensor, capacity: int) -> None:
         self.drafter.start(prompt, capacity)

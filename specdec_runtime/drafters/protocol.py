@@ -96,8 +96,12 @@ class RowDrafter(Protocol):
     def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
         """Reset for these prompts (left-padded: row b's tokens begin at slot row_start[b])."""
 
+    def refill(self, b: int, prompt: list[int]) -> None:
+        """Row b starts over with this prompt, at slot 0 (batched decoding's queue): its first token
+        and the target's features of the prompt follow, as after start()."""
+
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
-        """Row b's new tokens (its first token after start(), then each round's)."""
+        """Row b's new tokens (its first token after start() or refill(), then each round's)."""
 
     def observe(self, b: int, hidden: Tensor) -> None:
         """Row b's target residual streams after `hidden_layers` layers [k, n * H] at the k positions

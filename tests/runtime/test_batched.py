@@ -54,15 +54,18 @@ def test_a_row_at_slots_of_its_own_computes_what_it_computes_alone():
     ids=["llama", "qwen3", "mistral-window"],
 )
 @pytest.mark.parametrize("drafter", ["none", "lookup", "model"])
-def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter):
+@pytest.mark.parametrize("rows", [None, 2], ids=["one-batch", "queue"])
+def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter, rows):
+    """Every prompt at once, or two rows at a time, each prompt from the queue taking the row the
+    first to stop leaves (rows = 2: three prompts wait, one of them longer than the first two)."""
     target = tiny_decoder(kind, seed=3, **overrides)
     draft_model = perturbed(tiny_decoder(kind, seed=3, **overrides))
     free = [generate(target, p, max_new_tokens=20).tokens for p in PROMPTS]
     stop = free[1][6]  # row 1 stops at its 7th token (maybe others too)
     alone = [generate(target, p, max_new_tokens=20, stop_ids={stop}).tokens for p in PROMPTS]
     assert len(alone[1]) <= 7 and any(len(a) == 20 for a in alone)
-    rows = {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter]
-    many = generate_many(target, PROMPTS, rows, max_new_tokens=20, gamma=3, stop_ids={stop})
+    row_drafter = {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter]
+    many = generate_many(target, PROMPTS, row_drafter, max_new_tokens=20, gamma=3, stop_ids={stop}, rows=rows)
     assert [g.tokens for g in many] == alone
     assert [g.stop_reason for g in many] == ["stop_token" if a[-1] == stop else "length" for a in alone]
     if drafter == "model":  # drafts accepted, more in some rows than in others
@@ -74,7 +77,8 @@ def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter):
 def test_sampled_rows_follow_the_targets_distribution(kind):
     """Short prompts beside a long one, a sampling drafter: their first two tokens (the second
     from speculative sampling of a draft) follow the exact joint of the target's warped
-    distribution (chi-square over the 9 pairs of top-3 tokens)."""
+    distribution (chi-square over the 9 pairs of top-3 tokens). 700 rows: the last 100 prompts
+    wait in the queue for a row."""
     if kind == "model":
         hf = tiny_hf_model(seed=4)
         target, rows, short = runtime_from_hf(hf), RowModel(perturbed(runtime_from_hf(hf))), [1, 5, 9]
@@ -83,7 +87,7 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
         rows, short = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False)), [1, 2, 3, 4]
     long = [1, 7, 7, 7, 3, 12, 4, 11, 2, 13]
     sampler = Sampler(1.0, top_k=3, seed=0)
-    out = generate_many(target, [long] + [short] * 799, rows, sampler, max_new_tokens=3, gamma=2)
+    out = generate_many(target, [long] + [short] * 799, rows, sampler, max_new_tokens=3, gamma=2, rows=700)
     assert sum(g.stats.drafted for g in out) >= 799 and 0 < sum(g.stats.accepted for g in out) < 799
 
     def next_logits(ids):
@@ -96,7 +100,8 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled):
+@pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
+def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled, batch):
     """An EAGLE-3 drafter: every row's output equals the target's greedy output, and its
     drafts were accepted exactly as often, position by position, as the same drafter's chains
     decoding that prompt alone (the drafts are the same); sampled, the rows are the target's
@@ -107,10 +112,10 @@ def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled):
     rows = batch_drafter(drafter)
     assert isinstance(rows, RowEagle3) and rows.hidden_layers == drafter.hidden_layers
     if sampled:
-        many = generate_many(target, prompts, rows, Sampler(1.0, seed=0), max_new_tokens=24, gamma=3)
+        many = generate_many(target, prompts, rows, Sampler(1.0, seed=0), max_new_tokens=24, gamma=3, rows=batch)
         assert all(len(g.tokens) == 24 for g in many) and sum(g.stats.accepted for g in many) > 0
         return
-    many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3)
+    many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3, rows=batch)
     for p, g in zip(prompts, many, strict=True):
         alone = generate(target, p, drafter, max_new_tokens=24, gamma=3)
         assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens

@@ -8,14 +8,17 @@ import pytest
 import torch
 
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
+from specdec_runtime.drafters.medusa import MedusaDrafter
 from specdec_runtime.drafters.multi import MultiDraft, merge_sequences
 from specdec_runtime.drafters.protocol import Draft
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.generate import generate
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.spectr import _needed, k_sequential, selection_rate
+from specdec_runtime.tree import Tree
 from tests.conftest import assert_follows, assert_not_follows, assert_sequences_follow, sequence_joint, tiny_decoder
 from tests.runtime.test_eagle3 import tiny as eagle3_tiny
+from tests.runtime.test_medusa import PATHS, random_heads
 
 P = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05, 0.0])
 Q = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.2, 0.1])  # the drafter's: far from p, and proposes a token p never takes
@@ -57,7 +60,7 @@ def test_sequences_merge_into_one_tree_with_each_ones_nodes():
     assert torch.equal(d.probs, q[d.tokens])  # each node's own draw distribution (here: one-hot of its token)
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa"])
 def test_decoding_with_k_sequences_follows_the_targets_distribution(kind):
     """Three tokens after a prompt, 4 sampled sequences of 2 a round: the exact joint of the target's
     warped distribution over the 27 sequences of top-3 tokens (chi-square), greedy output unchanged."""
@@ -65,9 +68,12 @@ def test_decoding_with_k_sequences_follows_the_targets_distribution(kind):
         hf_target = None
         target, draft_model = tiny_decoder(seed=4, vocab_size=16), tiny_decoder(seed=5, vocab_size=16)
         drafter = MultiDraft(ModelDrafter(draft_model), 4)
-    else:
+    elif kind == "eagle3":
         hf_target, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
         drafter = MultiDraft(Eagle3Drafter(model, target, cpu_bf16=False), 4)
+    else:  # the heads' sampled paths
+        target = tiny_decoder(seed=4, vocab_size=16)
+        drafter = MultiDraft(MedusaDrafter(random_heads(64, 16), target, Tree.from_paths(PATHS)), 4)
     prompt = [1, 2, 3, 4]
     runs = [generate(target, prompt, drafter, Sampler(1.0, top_k=3, seed=i), max_new_tokens=3, gamma=2)
             for i in range(600)]  # fmt: skip
