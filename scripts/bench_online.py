@@ -1,5 +1,5 @@
 """Online adaptation on a shifted stream: tau per window of a drafter served as it is and the same
-drafter adapting (specdec_runtime.online), side by side, each output checked against the target's
+drafter adapting (specdec_runtime.drafters.online), side by side, each output checked against the target's
 own greedy output, and the wall-clock cost of the updates. Prints a markdown table.
 
     python scripts/make_prompts.py ...   # or any JSON-lines prompt file of one kind of prompt
@@ -57,10 +57,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
+    from specdec_runtime.drafters.online import OnlineAdapter
     from specdec_runtime.drafters.spec import build_drafter
     from specdec_runtime.generate import generate
     from specdec_runtime.loading import load_model
-    from specdec_runtime.online import OnlineAdapter
     from specdec_runtime.prompts import encode_prompt
     from specdec_runtime.sampling import Sampler
     from specdec_runtime.stats import GenerationStats

@@ -277,7 +277,7 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.drafts > 1 and (args.drafter.strip().lower() in ("none", "ar", "") or args.batch_size > 1 or args.typical):
         raise SpecdecError("--drafts > 1 needs a drafter, --batch-size 1 and no --typical")
     if args.adapt_every is not None:
-        from specdec_runtime.online import check_adapting
+        from specdec_runtime.drafters.online import check_adapting
 
         check_adapting(args.adapt_every, args.adapt_steps, args.adapt_lr, args.adapt_save, args.batch_size)
     if args.prompt is not None:
@@ -301,7 +301,7 @@ def run_generate(args: argparse.Namespace) -> None:
         drafter = MultiDraft(chains, args.drafts)  # (SpecTr draws chains)
     adapter = None
     if args.adapt_every is not None:  # refuses a drafter that cannot learn, before decoding starts
-        from specdec_runtime.online import OnlineAdapter
+        from specdec_runtime.drafters.online import OnlineAdapter
 
         adapter = OnlineAdapter(drafter, target.model, every=args.adapt_every, steps=args.adapt_steps, lr=args.adapt_lr,
                                 keep=args.adapt_keep)  # fmt: skip

@@ -160,7 +160,7 @@ def generate(
     at each depth), as SGLang's simulated acceptance; the output is then NOT the target's.
     teacher(position, probs [V]): called at each round whose draft was rejected, with the target's
     distribution where it rejected it (the sampler's; greedy: the plain softmax), which the token
-    at ids[position] was chosen from: online adaptation's signal (specdec_runtime.online). The
+    at ids[position] was chosen from: online adaptation's signal (specdec_runtime.drafters.online). The
     target's logits are then kept in greedy rounds too; the output is unchanged.
     """
     if accept_rate is not None and not 0 <= accept_rate <= 1:

@@ -1,4 +1,4 @@
-"""Online adaptation (specdec_runtime.online) against its oracles: the teacher is the target's own
+"""Online adaptation (specdec_runtime.drafters.online) against its oracles: the teacher is the target's own
 distribution where it rejected a draft; the EAGLE-3 learner's rows are the runtime drafter's first
 draft step; adapting raises acceptance on the stream it serves while every output stays the
 target's greedy output; the adapted drafter saves as a folder the runtime loads with those weights;
@@ -12,11 +12,11 @@ import torch
 from specdec_runtime.cli import main
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.eagle3_format import load_eagle3, save_speculators
+from specdec_runtime.drafters.online import OnlineAdapter, check_adapting
 from specdec_runtime.drafters.spec import build_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
-from specdec_runtime.online import OnlineAdapter, check_adapting
 from specdec_runtime.sampling import Sampler
 from tests.conftest import save_tiny_model
 from tests.runtime.test_eagle3 import tiny as eagle3_tiny
