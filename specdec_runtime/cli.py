@@ -266,6 +266,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from specdec_runtime.prompts import Prompt, builtin_prompts, read_prompts
     from specdec_runtime.report import Output, print_summary, print_windows
     from specdec_runtime.sampling import Sampler
+    from specdec_runtime.stats import GenerationStats
 
     # Everything a user can get wrong fails here, before a model loads or a file is written.
     check_args(args)
@@ -308,9 +309,12 @@ def run_generate(args: argparse.Namespace) -> None:
     typical = (args.posterior_threshold, args.posterior_alpha) if args.typical and args.temperature > 0 else None
     bar = lambda xs: tqdm(xs, desc=f"generate ({args.drafter})", unit="prompt", file=sys.stderr)  # noqa: E731
 
+    served = []  # the generations so far, in prompt order
+
     def write(i: int, g: "Generation", base: "Generation | None") -> None:  # noqa: F821
         """One JSON line per prompt, written as soon as it is done (an interrupted run keeps them); with
         online adaptation, the drafter updated after the window's last prompt first."""
+        served.append(g)
         update = adapter.served(encoded[i], g.tokens) if adapter is not None else None
         if output is None:
             return
@@ -327,8 +331,11 @@ def run_generate(args: argparse.Namespace) -> None:
         if base is not None:
             record["baseline_stats"] = base.stats.to_dict()
             record["identical_to_baseline"] = g.tokens == base.tokens
-        if adapter is not None:
-            record["adapt"] = {"window": i // adapter.every} | ({"update": update.to_dict()} if update else {})
+        if adapter is not None:  # the window's tau so far: its last prompt's record has the window's
+            w = i // adapter.every
+            window = [r.stats for r in served[w * adapter.every :]]
+            record["adapt"] = {"window": w, "window_tau": round(GenerationStats.total(window).tau, 4)}
+            record["adapt"] |= {"update": update.to_dict()} if update else {}
         output.write(record)
 
     try:

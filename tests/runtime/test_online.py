@@ -18,6 +18,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.loading import load_model
 from specdec_runtime.sampling import Sampler
+from specdec_runtime.stats import GenerationStats
 from tests.conftest import save_tiny_model
 from tests.runtime.test_eagle3 import tiny as eagle3_tiny
 
@@ -180,6 +181,9 @@ def test_generate_adapts_and_reports_windows_and_refuses_what_cannot_learn(pair,
     assert "online adaptation: windows of 2 prompts" in text and "100%" in text
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["adapt"]["window"] for r in records] == [0, 0, 1, 1]
+    for a, b in (records[0:2], records[2:4]):  # a window's last record: the window's tau
+        s = GenerationStats.total([GenerationStats.from_dict(r["stats"]) for r in (a, b)])
+        assert b["adapt"]["window_tau"] == pytest.approx(s.tau, abs=1e-4)
     assert [("update" in r["adapt"]) for r in records] == [False, True, False, True]
     assert all(r["identical_to_baseline"] for r in records)
     for argv, message in [
