@@ -9,20 +9,19 @@
 
 Verification computes the target's distribution at every drafted position, so the teacher is free:
 at each round whose draft it rejected, generate hands the adapter the target's distribution there
-(its 64 likeliest tokens, renormalized). Every `every` prompts the drafter takes `steps` AdamW steps
-on the buffer of those prompts, then drafts with the new weights; the buffer is emptied. The loss
-over each served sequence's generated positions is the cross-entropy of the drafter's prediction
-against the token served there (a draw from the target's distribution, whatever was accepted:
-verification is lossless) plus the cross-entropy against the recorded distribution at the rejected
-positions (the paper's emphasis on where the drafter was wrong). Both are smallest where the
-drafter's distribution is the target's. Verification is unchanged, so the output is the target's
-whatever the drafter learns.
+(its 64 likeliest tokens, renormalized). Every `every` prompts the drafter takes `steps` AdamW steps,
+each on `every` of the last `keep` prompts served (default 4 windows), then drafts with the new
+weights. The loss over each served sequence's generated positions is the cross-entropy of the
+drafter's prediction against the token served there (a draw from the target's distribution,
+whatever was accepted: verification is lossless) plus the cross-entropy against the recorded
+distribution at the rejected positions (the paper's emphasis on where the drafter was wrong).
+Both are smallest where the drafter's distribution is the target's. Verification is unchanged,
+so the output is the target's whatever the drafter learns.
 
 Drafters that learn: a stand-alone draft model (all its weights, as transformers' model of its
-folder) and EAGLE-3 (its fc, layer and head; the first draft step, on the target's features that the
-loop already hands it, as EAGLE's training's first step: the unrolled steps of the training-time
-test are the training recipe's). Weights train in fp32 on the target's device and are copied into
-what drafting reads, in place.
+folder) and EAGLE-3 (its fc, layer and head, on the target's features that the loop already hands
+it, with UNROLLED_STEPS draft steps unrolled as the runtime drafts them: the training-time test).
+Weights train in fp32 on the target's device and are copied into what drafting reads, in place.
 """
 
 import copy
@@ -102,7 +101,7 @@ def stacked(rejected: list[tuple[int, Tensor, Tensor]], offset: int, device: tor
 
 
 class Eagle3Learner:
-    """Trains an Eagle3Drafter's model on the target's features of what it served (first draft step)."""
+    """Trains an Eagle3Drafter's model on the target's features of what it served."""
 
     def __init__(self, drafter: Eagle3Drafter, target: Decoder):
         self.drafter, self.target = drafter, target
