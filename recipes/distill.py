@@ -131,7 +131,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # ---------------------------------------------------------------- export
     model = validation.trained()
     if run.main:
-        export = write_export(cfg, run, model, vocab_ids, metrics, len(examples), launch, horizon.steps)
+        # The export's engine checks build models (on the meta device) on rank 0 alone: under ZeRO-3,
+        # transformers would partition them with a broadcast the other rank never joins (a hang)
+        with unpartitioned(run.accelerator):
+            export = write_export(cfg, run, model, vocab_ids, metrics, len(examples), launch, horizon.steps)
         cmd = f"specdec generate --target {cfg.model.name} --drafter {export} --gamma {cfg.validate.gamma} --baseline"
         finish(cfg, run, result, export, cmd, tracker, "distill")
     tracker.finish()
