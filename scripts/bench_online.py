@@ -11,14 +11,11 @@ the first 56 of each: --skip 64 serves prompts it never saw).
 """
 
 import argparse
-import copy
 import hashlib
 import json
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,7 +62,6 @@ def main() -> None:
     from specdec_runtime.sampling import Sampler
     from specdec_runtime.stats import GenerationStats
 
-    torch.set_num_threads(torch.get_num_threads())
     target = load_model(args.target, device="cpu", dtype="float32")
     prompts = [encode_prompt(target.tokenizer, p.text) for p in stream(args)]
     capacity = max(len(p) for p in prompts) + args.max_new_tokens
@@ -124,7 +120,7 @@ def main() -> None:
     print(f"updates: {len(adapting['updates'])}, {update_s:.1f} s in all "
           f"({update_s / adapting['wall_s']:.0%} of the adapting run's {adapting['wall_s']:.0f} s)")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(dict(args=copy.copy(vars(args)) | {"json": None, "prompts": str(args.prompts)},
+        args.json.write_text(json.dumps(dict(args=vars(args) | {"json": None, "prompts": str(args.prompts)},
                                              sides=sides), indent=1) + "\n")  # fmt: skip
 
 

@@ -71,6 +71,7 @@ def generate_many(
         return [generate(target, prompts[0], alone, sampler, max_new_tokens=max_new_tokens, gamma=gamma,
                          stop_ids=stop_ids)]  # fmt: skip
     device, start = target.device, time.perf_counter()
+    finished = lambda tokens: tokens[-1] in stop_ids or len(tokens) >= max_new_tokens  # noqa: E731
     ids, row_start = left_padded(prompts[:B], pad_id)
     P, longest = ids.shape[1], max(map(len, prompts))
     check_fits(longest, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
@@ -93,7 +94,7 @@ def generate_many(
                 if taps:
                     drafter.observe(b, prefill.hidden[b, P - len(prompts[b]) :])
         slot = [P] * B  # each row's newest token's slot (every prompt ends at P - 1)
-        done = [out[b][0] in stop_ids or max_new_tokens == 1 for b in range(B)]
+        done = [finished(out[b]) for b in range(B)]
         for j in range(B):
             stats[j].prefill_s = (time.perf_counter() - start) / B
         while True:
@@ -104,7 +105,7 @@ def generate_many(
                     with one_row(target, b):
                         pre = target(torch.tensor([prompts[j]], device=device), zeros[:1], logits_to_keep=1, taps=taps)
                     out[j] = sampler.next_token(pre.logits[:, -1]).tolist()  # a host sync a prompt
-                    slot[b], done[b] = len(prompts[j]), out[j][0] in stop_ids or max_new_tokens == 1
+                    slot[b], done[b] = len(prompts[j]), finished(out[j])
                     if drafter is not None:
                         drafter.refill(b, prompts[j])
                         drafter.observe_tokens(b, out[j])
@@ -136,22 +137,22 @@ def generate_many(
                 new = host[2 * B + b * g : 2 * B + b * g + k] + [host[B + b]]
                 for i, t in enumerate(new):
                     if t in stop_ids:
-                        new, done[b] = new[: i + 1], True
+                        new = new[: i + 1]
                         break
                 stats[j].record_round(lengths[b], min(k, len(new)))
                 out[j] += new
                 slot[b] += k + 1
-                done[b] = done[b] or len(out[j]) >= max_new_tokens
+                done[b] = finished(out[j])
                 if drafter is not None:
                     drafter.observe_tokens(b, new)
                     if taps:
                         drafter.observe(b, verified.hidden[b, : k + 1])
             share = 1 / len(running)  # the round's times, split among the prompts it decoded
             t4 = time.perf_counter()
-            for j in running:
-                s = stats[j]
-                s.draft_s, s.target_s, s.verify_s = s.draft_s + (t2 - t1) * share, s.target_s + (t3 - t2) * share, \
-                    s.verify_s + (t4 - t2) * share  # fmt: skip
+            for s in (stats[j] for j in running):
+                s.draft_s += (t2 - t1) * share
+                s.target_s += (t3 - t2) * share
+                s.verify_s += (t4 - t2) * share
                 s.total_s += (t4 - t1) * share
     finally:
         target.left_pad(None)
