@@ -240,7 +240,8 @@ def test_steps_attend_over_the_span_that_holds_the_live_slots():
     _, fresh, _ = pair(max_position_embeddings=1024)
     want = generate(eager, prompt, None, max_new_tokens=60, capacity=1024)
     assert generate(fresh, prompt, None, max_new_tokens=60, capacity=1024).tokens == want.tokens
-    torch.testing.assert_close(fresh.cache.kv[..., :539, :], eager.cache.kv[..., :539, :], atol=1e-5, rtol=1e-5)
+    # (1e-4 as above: 60 steps of the CPU kernel's sums against torch's; a slot not put back is off by O(1))
+    torch.testing.assert_close(fresh.cache.kv[..., :539, :], eager.cache.kv[..., :539, :], atol=1e-4, rtol=1e-4)
     before = graphs.compile_counts()
     short = generate(fresh, prompt[:100], None, max_new_tokens=20, capacity=1024).tokens
     assert short == generate(eager, prompt[:100], None, max_new_tokens=20).tokens
