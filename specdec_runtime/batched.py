@@ -17,12 +17,13 @@ generate() uses) and reads the accepted lengths and tokens back in one host sync
 With rows < the prompts, the others wait in a queue: the first row whose prompt stops takes the
 next one, prefilled into that row alone at slot 0 (rows.one_row), its drafter row started over
 (RowDrafter.refill). A row with nothing left to take runs its newest token again (its output
-dropped) until the last row stops. Every forward
-runs eagerly, on a compiled target too (the fast path's captured steps take one start slot).
-Drafters: prompt lookup (RowLookup, on the host), a stand-alone model (RowModel, batched like the
-target) and EAGLE-3 chains (RowEagle3, reading the target's features of each row's accepted
-tokens); the others run one prompt at a time (batch_drafter says which). A batch of one is
-generate() itself.
+dropped) until the last row stops. On a compiled target a round's forward is a captured step of
+a fixed batch size (rows.captured_rows); the prefills run eagerly. A round reads the device once,
+for its accepted lengths and tokens; what goes to the device is copied from host lists without
+waiting for it. Drafters: prompt lookup (RowLookup, on the host), a stand-alone model (RowModel,
+batched like the target) and EAGLE-3 chains (RowEagle3, reading the target's features of each
+row's accepted tokens); the others run one prompt at a time (batch_drafter says which). A batch
+of one is generate() itself.
 """
 
 import time
@@ -35,6 +36,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import Generation, check_fits, generate, left_padded
 from specdec_runtime.model import Decoder
 from specdec_runtime.rows import one_row
+from specdec_runtime.rows import prefill as prefill_rows
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.stats import GenerationStats
 from specdec_runtime.verify import verify_sample
@@ -52,13 +54,15 @@ def generate_many(
     stop_ids: set[int] | frozenset[int] = frozenset(),
     pad_id: int = 0,
     rows: int | None = None,
+    capacity: int = 0,
 ) -> list[Generation]:
     """Each prompt's generation, decoded together (module docstring); greedy rows equal generate()'s
     for the same prompt, sampled rows follow the target's distribution. rows: the batch size (default:
     every prompt at once); the prompts past the first `rows` wait in a queue, each taking the first
     row another prompt leaves. The stats of each prompt count the forwards while it was running; its
     times are its share of each round's (split among the prompts running then), so that totals over
-    the prompts are the batch's (GenerationStats.total: tokens/s of the batch)."""
+    the prompts are the batch's (GenerationStats.total: tokens/s of the batch). capacity: KV slots to
+    make room for, as generate's: the largest over several calls keeps their caches (and graphs)."""
     if not prompts or max_new_tokens < 1 or gamma < 0 or (rows is not None and rows < 1):
         got = f"{len(prompts)}, {max_new_tokens}, {gamma}, {rows}"
         raise SpecdecError(f"need prompts, max_new_tokens >= 1, gamma >= 0 and rows >= 1 (got {got})")
@@ -72,16 +76,16 @@ def generate_many(
                          stop_ids=stop_ids)]  # fmt: skip
     device, start = target.device, time.perf_counter()
     finished = lambda tokens: tokens[-1] in stop_ids or len(tokens) >= max_new_tokens  # noqa: E731
-    ids, row_start = left_padded(prompts[:B], pad_id)
+    ids, _ = left_padded(prompts[:B], pad_id)
     P, longest = ids.shape[1], max(map(len, prompts))
+    row_start = [P - len(p) for p in prompts[:B]]  # each row's first prompt slot
     check_fits(longest, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
-    capacity = max(P, longest) + max_new_tokens + gamma  # a prompt from the queue starts its row at slot 0
+    capacity = max(capacity, longest + max_new_tokens + gamma)  # a prompt from the queue starts its row at slot 0
     target.setup_cache(B, capacity)
-    target.left_pad(row_start.to(device), per_row=True)
+    target.left_pad(torch.tensor(row_start).to(device, non_blocking=True), per_row=True)
     try:
         taps = drafter.hidden_layers if drafter is not None else ()  # the target's residual streams it reads
-        zeros = torch.zeros(B, dtype=torch.long, device=device)
-        prefill = target(ids.to(device), zeros, logits_to_keep=1, taps=taps)
+        prefill = prefill_rows(target, ids.to(device, non_blocking=True), logits_to_keep=1, taps=taps)
         first = sampler.next_token(prefill.logits[:, -1])
         out = [[t] for t in first.tolist()] + [[] for _ in prompts[B:]]  # each prompt's tokens
         stats = [GenerationStats(calls=1, target_forwards=1) for _ in prompts]
@@ -103,7 +107,8 @@ def generate_many(
                 while done[b] and queue:
                     j = row_of[b] = queue.pop(0)
                     with one_row(target, b):
-                        pre = target(torch.tensor([prompts[j]], device=device), zeros[:1], logits_to_keep=1, taps=taps)
+                        prompt = torch.tensor([prompts[j]]).to(device, non_blocking=True)
+                        pre = prefill_rows(target, prompt, logits_to_keep=1, taps=taps)
                     out[j] = sampler.next_token(pre.logits[:, -1]).tolist()  # a host sync a prompt
                     slot[b], done[b] = len(prompts[j]), finished(out[j])
                     if drafter is not None:
@@ -123,10 +128,12 @@ def generate_many(
                 drafts, lengths, q = torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None
             t2 = time.perf_counter()
             g = max(lengths)
-            newest = torch.tensor([out[j][-1] for j in row_of], device=device)
-            x = torch.cat([newest[:, None], drafts[:, :g].to(device)], dim=1)  # [B, g + 1]
-            verified = target(x, torch.tensor(slot, device=device), taps=taps)
+            newest = torch.tensor([out[j][-1] for j in row_of]).to(device, non_blocking=True)
+            x = torch.cat([newest[:, None], drafts[:, :g].to(device, non_blocking=True)], dim=1)  # [B, g + 1]
+            verified = target(x, slot, taps=taps)
             logits = verified.logits  # [B, g + 1, V]
+            # (a captured step's buffer: the drafter keeps its rows past the step's next run)
+            hidden = verified.hidden.clone() if taps else None
             t3 = time.perf_counter()
             n, token = _verify(x[:, 1:], lengths, q, logits, sampler)
             host = torch.cat([n, token, x[:, 1:].flatten()]).tolist()  # the one host sync of the round
@@ -146,7 +153,7 @@ def generate_many(
                 if drafter is not None:
                     drafter.observe_tokens(b, new)
                     if taps:
-                        drafter.observe(b, verified.hidden[b, : k + 1])
+                        drafter.observe(b, hidden[b, : k + 1])
             share = 1 / len(running)  # the round's times, split among the prompts it decoded
             t4 = time.perf_counter()
             for s in (stats[j] for j in running):
@@ -169,7 +176,8 @@ def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor
     B, g = drafts.shape
     if sampler.greedy:
         choice = argmax(logits)  # [B, g + 1]
-        real = torch.arange(g, device=drafts.device) < torch.tensor(lengths, device=drafts.device)[:, None]
+        lengths = torch.tensor(lengths).to(drafts.device, non_blocking=True)
+        real = torch.arange(g, device=drafts.device) < lengths[:, None]
         n = ((choice[:, :g] == drafts) & real).long().cumprod(dim=1).sum(dim=1)
         return n, choice.gather(1, n[:, None]).squeeze(1)
     verdicts = [

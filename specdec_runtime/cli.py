@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", type=Path, help="JSON lines: {'prompt': ...} or {'question_id', 'category', 'turns'}")
     src.add_argument("--prompt", help="a single prompt")
     gen.add_argument(
-        "--batch-size", type=int, default=1, help="prompts decoded together, each accepting its own drafts (eager)"
+        "--batch-size", type=int, default=1, help="prompts decoded together, each accepting its own drafts"
     )
     gen.add_argument(
         "--drafts", type=int, default=1, help="SpecTr: sequences sampled a round, verified together (sampling only)"
@@ -203,11 +203,8 @@ def check_batch(args: argparse.Namespace, largest: int) -> None:
         raise SpecdecError(f"batch sizes must be >= 1, got {largest}")
     if largest == 1:
         return
-    if args.compile == "on":
-        raise SpecdecError("batches of more than one prompt decode eagerly: drop --compile on")
     if getattr(args, "typical", False) or getattr(args, "adaptive_gamma", False) or getattr(args, "confidence", 0):
         raise SpecdecError("--typical, --adaptive-gamma and --confidence decode one prompt at a time: --batch-size 1")
-    args.compile = "off"
 
 
 def batched(drafter, spec: str, batch_size: int) -> tuple:
@@ -464,7 +461,6 @@ def run_batch_sweep(args: argparse.Namespace, prompts: list, specs: list[str], m
 
     sizes = numbers(args.batch_sizes, "--batch-sizes", int, 1)
     check_batch(args, max(sizes))
-    args.compile = "off"  # batch 1 eagerly too: like with like
     target = load_target(args)
     encoded = encode_all(target, prompts, args)
     runs = sum(len(modes) * len(sizes) for s in specs if s != "none")

@@ -106,11 +106,14 @@ class CapturedStep:
             self.outputs = _clone(fn(**self.inputs))
         captures += 1
 
-    def __call__(self, **inputs: Tensor | int) -> Any:
-        """Copy the inputs in, run the step, return its static outputs."""
+    def __call__(self, **inputs: Tensor | int | list[int]) -> Any:
+        """Copy the inputs in (a list of host ints: from the host, without waiting for the device),
+        run the step, return its static outputs."""
         for name, value in inputs.items():
             if isinstance(value, int):
                 self.inputs[name].fill_(value)
+            elif isinstance(value, list):
+                self.inputs[name].copy_(torch.tensor(value), non_blocking=True)
             else:
                 self.inputs[name].copy_(value)
         if self.graph is not None:

@@ -4,6 +4,7 @@
                      max_new_tokens=128, gamma=4, stop_ids=target.stop_ids)
     report.total().tau, report.speedup(), report.lossless_rate()
     warm_up(target, drafter, ids, sampler=Sampler, gamma=4)   # what a timed run would first pay, paid before it
+    warm_up_rows(target, row_drafter, prompts[:8], sampler=Sampler, gamma=4)   # the same for batches of 8
     divergences(bf16_target, fp32_target, [(prompt, ar_tokens, spec_tokens), ...])   # near-ties or bugs
 
 With baseline=True each prompt is decoded autoregressively right beside the speculative run, so
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from specdec_runtime.batched import generate_many
 from specdec_runtime.drafters.lookup import LookupFirst
-from specdec_runtime.drafters.protocol import Draft, Drafter
+from specdec_runtime.drafters.protocol import Draft, Drafter, RowDrafter
 from specdec_runtime.generate import Generation, generate
 from specdec_runtime.model import Decoder
 from specdec_runtime.sampling import Sampler
@@ -74,12 +75,12 @@ def measure(
     batch_size rows, a prompt taking the first row another leaves (batched.generate_many; the
     baseline: autoregressive decoding the same way).
     """
-    if batch_size > 1:  # generate_many's keywords; its warm-up decodes a few tokens of the first batch
+    if batch_size > 1:  # generate_many's keywords, its caches sized once for every call
         kw = {k: v for k, v in generate_kwargs.items() if k in ("max_new_tokens", "gamma", "stop_ids")}
         units = [[torch.as_tensor(p).tolist() for p in prompts]]
+        kw["capacity"] = max(map(len, units[0])) + kw.get("max_new_tokens", 256) + kw.get("gamma", 4)
         decode = lambda unit, d: generate_many(target, unit, d, sampler(), rows=batch_size, **kw)  # noqa: E731
-        first = units[0][:batch_size]
-        warm = lambda d: generate_many(target, first, d, sampler(), **(kw | {"max_new_tokens": 8}))  # noqa: E731
+        warm = lambda d: warm_up_rows(target, d, units[0][:batch_size], sampler, **kw)  # noqa: E731
     else:
         longest = max(len(p) for p in prompts) + generate_kwargs.get("max_new_tokens", 256)
         generate_kwargs = {"capacity": longest, **generate_kwargs}
@@ -185,6 +186,49 @@ def warm_up(
             generate(target, prompt, drafter.drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
         if g <= merged:  # merged trees of g nodes (the shape of a chain's tree: a step's key is its rows)
             generate(target, prompt, _Chains(drafter, tree=True), sampler(), max_new_tokens=short, gamma=g, **kw)
+
+
+def warm_up_rows(
+    target: Decoder,
+    drafter: RowDrafter | None,
+    prompts: list[list[int]],
+    sampler: Callable[[], Sampler],
+    *,
+    max_new_tokens: int = 256,
+    gamma: int = 4,
+    **many_kwargs,
+) -> None:
+    """warm_up for batches (generate_many(prompts, **the same arguments): the same batch size and
+    capacity): a few tokens; on the fast path every draft length up to gamma, the drafter's own and
+    a chain of each length for every row (_RowChains: the verify steps whatever the drafter finds)."""
+    lengths = range(1, gamma + 1) if drafter is not None and target.compiled else [gamma]
+    for g in lengths:
+        short = min(max_new_tokens, max(8, g + 2))
+        for d in [drafter] + ([_RowChains(drafter)] if drafter is not None and target.compiled else []):
+            generate_many(target, prompts, d, sampler(), max_new_tokens=short, gamma=g, **many_kwargs)
+
+
+class _RowChains(RowDrafter):
+    """Drafts gamma copies of each row's newest token, reading what `drafter` reads from the target
+    (warm_up_rows: a verify step of every length)."""
+
+    name = "warm-up chains"
+
+    def __init__(self, drafter: RowDrafter):
+        self.hidden_layers = drafter.hidden_layers
+
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
+        self.newest = [p[-1] for p in prompts]
+
+    def refill(self, b: int, prompt: list[int]) -> None:
+        self.newest[b] = prompt[-1]
+
+    def observe_tokens(self, b: int, tokens: list[int]) -> None:
+        self.newest[b] = tokens[-1]
+
+    def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], None]:
+        tokens = torch.tensor([[t] * max(gammas) for t in self.newest], dtype=torch.long)
+        return tokens, list(gammas), None
 
 
 class _Chains(Drafter):

@@ -180,9 +180,10 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def setup_cache(self, batch: int, size: int) -> None:
         """Make room for `size` slots: the cache is allocated once and only ever grows (on the fast
-        path in steps of 256 slots, dropping the captured steps, which point at the old cache).
-        New sequences start at slot 0 in every row (left_pad(None))."""
+        path in steps of 256 slots, and for rows.captured_rows(batch) rows, dropping the captured
+        steps, which point at the old cache). New sequences start at slot 0 in every row (left_pad(None))."""
         self.row_start = None
+        batch = rows.captured_rows(batch) if self.steps is not None else batch
         if self.cache is not None and self.cache.size >= size and self.cache.kv.shape[1] == batch:
             return
         if self.steps is not None:
@@ -199,10 +200,12 @@ class Decoder(nn.Module):
         attends to slots row_start[b] and later only; None: every row starts at slot 0. Positions stay
         the slots in every row: attention sees RoPE positions only through their differences, so a
         row's shift changes nothing but rounding. Eager forwards only (generate.generate_batch);
-        per_row: for forwards with a start slot per row (specdec_runtime.rows), which run eagerly."""
+        per_row: for forwards with a start slot per row (specdec_runtime.rows), captured too."""
         if row_start is not None and self.steps is not None and not per_row:
             raise SpecdecError("left-padded batches run eagerly: use a Decoder without compile()")
-        self.row_start = row_start if row_start is not None and bool(row_start.any()) else None
+        if row_start is not None and not per_row and not bool(row_start.any()):
+            row_start = None  # (a slot per row reads its rows' first slots whatever they are: no host read)
+        self.row_start = row_start
 
     def compile(self, backend: str = "inductor") -> None:
         """Turn on the fast path (module docstring): captured steps, with the layers' attention and
@@ -296,14 +299,16 @@ class Decoder(nn.Module):
         tree: tuple[Tensor, Tensor] | None = None,
         fold: bool = True,
         span: int | None = None,
+        row_start: Tensor | None = None,
     ) -> AttentionInputs:
         """Rope rows, slots and mask of T new tokens at slot `start` (0-dim). bound: the live slots
         (start + T, known on the host) or None for the first `span` slots (the fast path; None: the
-        whole cache), stale ones masked. tree = (depth [T],
-        ancestor [T, T]) for a token tree (positions start + depth). fold=False: the mask's rows
-        once, not repeated per folded query head (the CPU kernel reads row t for every head)."""
-        if start.dim():  # a slot per row (forward)
-            return AttentionInputs(*rows.attention_inputs(self, start, T, bound, tree))
+        whole cache), stale ones masked. tree = (depth [T], ancestor [T, T]) for a token tree
+        (positions start + depth). fold=False: the mask's rows once, not repeated per folded query
+        head (the CPU kernel reads row t for every head). A slot per row (start [B]):
+        rows.attention_inputs, row b's first slot row_start[b] (default: left_pad's)."""
+        if start.dim():
+            return AttentionInputs(*rows.attention_inputs(self, start, T, bound or span, tree, row_start))
         slots = start + self.slots[:T]  # [T]
         positions = slots if tree is None else start + tree[0]
         cs = self.rope[positions]  # [T, 2, D]
@@ -367,8 +372,9 @@ class Decoder(nn.Module):
         return self.native() if B == 1 and self.row_start is None else None
 
     @torch.inference_mode()  # inference only: training uses the transformers model
-    def forward(self, x: Tensor, start: int, **kwargs) -> DecoderOutput:
-        """Run x at cache slots start..start+T-1; on the fast path as a captured step.
+    def forward(self, x: Tensor, start: int | list[int], **kwargs) -> DecoderOutput:
+        """Run x at cache slots start..start+T-1; on the fast path as a captured step. start a list of
+        B host ints: row b at slots start[b] onward (specdec_runtime.rows).
 
         x: token ids [B, T], or with first_layer=k the residual stream [B, T, H] after k layers.
         tree: (depth [T], ancestor [T, T] bool) of a token tree: rope positions start + depth, and
@@ -380,9 +386,9 @@ class Decoder(nn.Module):
         head, it finds it exactly from the head's screen (cpu.DecoderKernel.screen) and the logits are None;
         elsewhere the output is as without it.
         """
+        if isinstance(start, list):  # a slot per row (specdec_runtime.rows)
+            return rows.forward(self, x, start, **kwargs)
         T = x.shape[1]
-        if isinstance(start, Tensor):  # a slot per row [B] (specdec_runtime.batched), eagerly
-            return self._forward(x, start, rows.bound(self, start, T), **self._options(x, **kwargs))
         if self.cache is None or start + T > self.cache.size:
             raise ValueError(f"KV cache too small for slots up to {start + T}: call setup_cache first")
         opts = self._options(x, **kwargs)
@@ -392,37 +398,34 @@ class Decoder(nn.Module):
         opts.pop("argmax_only")  # the captured step's head is torch's: its logits are computed anyway
         key = (tuple(x.shape), x.dtype, tree is not None, *opts.values())
         inputs = {"x": x} | ({"depth": tree[0], "ancestor": tree[1]} if tree is not None else {})
+        return self._replay(key, opts, inputs, T, start)
+
+    def _replay(self, key: tuple, opts: dict, inputs: dict[str, Tensor], T: int, start: int | list[int]):
+        """Step `key` over the span holding its slots, on inputs at `start` (a slot, or one per row); first
+        seen, captured for every span at once, so none is captured inside a timed prompt (rows.capture)."""
         spans = cache_spans(self.cache.size, self.live_spans)
-        span = next(s for s in spans if s >= start + T)
-        step = self.steps.get(key + (span,))
-        if step is None:  # every span at once, so that none is captured inside a timed prompt
+        starts = start if isinstance(start, list) else [start]
+        span = next(s for s in spans if s >= max(starts) + T)
+        if key + (span,) not in self.steps:
             for s in spans:
                 if key + (s,) not in self.steps:
-                    self.steps[key + (s,)] = self._capture(partial(self._step, span=s, **opts), inputs, start, T, s)
-            step = self.steps[key + (span,)]
-        return step(start=start, **inputs)
-
-    def _capture(self, fn, inputs: dict[str, Tensor], start: int, T: int, span: int) -> CapturedStep:
-        """fn captured at a start slot its span holds: `start`, or for a span that ends before start
-        + T, its last T slots, whose K/V the capture's runs overwrite and which are put back after
-        (a replay reads its start from its input buffer, whatever the capture's)."""
-        at = min(start, span - T)
-        kept = self.cache.kv[..., at : at + T, :].clone() if at != start else None
-        step = CapturedStep(fn, inputs | {"start": self.slots[at]})
-        if kept is not None:
-            self.cache.kv[..., at : at + T, :] = kept
-        return step
+                    fn = partial(self._step, span=s, **opts)
+                    self.steps[key + (s,)] = rows.capture(self, fn, inputs, starts, T, s, isinstance(start, list))
+        return self.steps[key + (span,)](start=start, **inputs)
 
     def spans(self) -> list[int]:
         """The cache spans a fast-path step attends over (module docstring): 256, 512, ... below the
         cache's size, and the size (live_spans False: the whole cache only)."""
         return list(cache_spans(self.cache.size, self.live_spans))
 
-    def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None, *,
-              span: int, **opts):  # fmt: skip
-        """A captured step's body: the forward over the first `span` slots, with the compiled layers."""
+    def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None,
+              row_start: Tensor | None = None, *, span: int, **opts):  # fmt: skip
+        """A captured step's body: the forward over the first `span` slots, with the compiled layers
+        (row_start: a step of a slot per row's, rows._captured)."""
         tree = None if depth is None else (depth, ancestor)
-        return self._forward(x, start, None, tree=tree, layer_fns=self.layer_fns, span=span, **opts)
+        return self._forward(
+            x, start, None, tree=tree, layer_fns=self.layer_fns, span=span, row_start=row_start, **opts
+        )
 
     def _options(
         self,
@@ -463,14 +466,15 @@ class Decoder(nn.Module):
         argmax_only: bool = False,
         layer_fns: tuple = (attention, mlp),
         span: int | None = None,
+        row_start: Tensor | None = None,
     ) -> DecoderOutput:
-        """The forward itself, at 0-dim slot `start` (bound, span: see attention_inputs)."""
+        """The forward itself, at 0-dim slot `start` or a slot per row [B] (bound, span, row_start: see there)."""
         B, T = x.shape[:2]
         native = self._native_for(B) if layer_fns == (attention, mlp) else None
         in_kernel = native is not None and native.takes(B * T)
         if first_layer == 0 and not in_kernel:
             x = self.embed_tokens(x)
-        a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel, span=span)
+        a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel, span=span, row_start=row_start)
         if span is not None and a.mask is not None:  # the fast path: an additive mask, made once a step
             # (the SDPA converts a boolean one in every layer, outside the compiled code: docs/log/gpu.md)
             additive = torch.zeros(a.mask.shape, dtype=self.dtype, device=a.mask.device)

@@ -1,11 +1,24 @@
-"""A forward whose rows sit at slots of their own (specdec_runtime.batched): `Decoder.forward(x,
-start)` with start [B], row b's T tokens at slots start[b]..start[b] + T - 1.
+"""Forwards whose rows sit at slots of their own (specdec_runtime.batched): `Decoder.forward(x,
+starts)` with starts a list of B host ints, row b's T tokens at slots starts[b]..starts[b] + T - 1.
+
+    target.setup_cache(B, capacity); target.left_pad(row_start, per_row=True)
+    out = rows.prefill(target, ids, logits_to_keep=1)      # every row at slot 0, eagerly
+    out = target(x, [17, 12, 30])                          # row b at slots starts[b] onward
+    with rows.one_row(target, b):                          # a prompt from the queue into row b alone
+        rows.prefill(target, ids_b[None])
 
 Each row of the cache is one sequence. Under Decoder.left_pad a row's tokens begin at its
 row_start, and its RoPE positions are its slots less row_start (exact: a row decodes at the
 positions it has alone); the mask lets a token see its own row's slots from row_start to its own.
-These forwards run eagerly, on a compiled Decoder too (the fast path's captured steps take one
-start slot; a batch's cache, of another shape, drops them: setup_cache)."""
+The starts are the caller's host ints, so nothing is read back to size a forward.
+
+On the fast path (Decoder.compile) a forward is a captured step of a fixed batch size, as the
+engines capture theirs: the cache holds captured_rows(B) rows (1, 2, 4, then multiples of 8 up to
+256, then of 16: vLLM's default capture sizes), a batch of fewer rows runs padded with rows that
+write only the cache rows nobody reads, and the step takes x, the starts and the rows' first
+slots as inputs. As for one sequence, a step is captured once per cache span (model.py), every
+span at once; the prefills run eagerly (prompts of any length).
+"""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,19 +27,90 @@ import torch
 from torch import Tensor
 
 from specdec_runtime.errors import SpecdecError
+from specdec_runtime.graphs import CapturedStep
 
 
-def bound(decoder, start: Tensor, T: int) -> int:
-    """The slots a forward at per-row `start` [B] attends over (one host read of the starts)."""
-    end = int(start.max()) + T
-    if decoder.cache is None or end > decoder.cache.size or start.shape[0] != decoder.kv_layers[0].shape[0]:
-        raise ValueError(f"per-row starts need a cache of {start.shape[0]} rows and {end} slots: call setup_cache")
-    return end
+def captured_rows(B: int) -> int:
+    """The batch size a captured step of B rows runs at (the module docstring's fixed set)."""
+    if B <= 4:
+        return 1 << (B - 1).bit_length()
+    step = 8 if B <= 256 else 16
+    return -(-B // step) * step
+
+
+@torch.inference_mode()
+def forward(decoder, x: Tensor, starts: list[int], eager: bool = False, **kwargs):
+    """decoder's forward (its keyword options) of x [B, T] (ids, or a residual stream [B, T, H] with
+    first_layer) with row b at slots starts[b] onward: a captured step on the fast path, unless
+    eager."""
+    B, T = x.shape[:2]
+    opts, cache = decoder._options(x, **kwargs), decoder.cache
+    end = max(starts) + T
+    if cache is None or len(starts) != B or end > cache.size or B > decoder.kv_layers[0].shape[0]:
+        raise ValueError(f"a slot per row needs {B} starts and a cache of {B} rows and {end} slots: call setup_cache")
+    if opts["tree"] is not None:
+        raise SpecdecError("a slot per row takes chains, not token trees")
+    if eager or decoder.steps is None:
+        start = torch.tensor(starts).to(decoder.device, non_blocking=True)  # (from the host: nothing waits)
+        with _first_rows(decoder, B):
+            return decoder._forward(x, start, end, **opts)
+    return _captured(decoder, x, starts, opts)
+
+
+def prefill(decoder, ids: Tensor, **kwargs):
+    """Every row's prompt (left-padded ids [B, T]) at slot 0, eagerly (prompts of any length)."""
+    return forward(decoder, ids, [0] * ids.shape[0], eager=True, **kwargs)
+
+
+@contextmanager
+def _first_rows(decoder, B: int) -> Iterator[None]:
+    """Eager forwards on the cache's first B rows (a captured batch size's cache holds more)."""
+    if B == decoder.kv_layers[0].shape[0]:
+        yield
+        return
+    kept = decoder.kv_layers
+    decoder.kv_layers = [kv[:B] for kv in kept]  # views: the writes land in the batch's cache
+    try:
+        yield
+    finally:
+        decoder.kv_layers = kept
+
+
+def _captured(decoder, x: Tensor, starts: list[int], opts: dict):
+    """The forward as the captured step of the cache's rows (padded rows at slot 0), its outputs
+    the step's buffers' first B rows (valid until that step runs again)."""
+    from specdec_runtime.model import DecoderOutput
+
+    B, T = x.shape[:2]
+    R = decoder.cache.kv.shape[1]  # captured_rows(B): setup_cache sized it so
+    row_start = decoder.row_start if decoder.row_start is not None else torch.zeros_like(decoder.slots[:B])
+    if R > B:
+        x = torch.cat([x, x.new_zeros(R - B, *x.shape[1:])])
+        row_start = torch.cat([row_start, row_start.new_zeros(R - B)])
+    opts.pop("tree"), opts.pop("argmax_only")  # (the step's head is torch's: its logits are computed anyway)
+    key = ("rows", tuple(x.shape), x.dtype, *opts.values())
+    out = decoder._replay(key, opts, {"x": x, "row_start": row_start}, T, starts + [0] * (R - B))
+    return out if R == B else DecoderOutput(*(None if t is None else t[:B] for t in out))
+
+
+def capture(decoder, fn, inputs: dict[str, Tensor], starts: list[int], T: int, span: int, per_row: bool):
+    """fn captured as decoder's step over `span` slots, each row at a start the span holds: its own,
+    or for a row whose slots end past the span, the span's last T slots, whose K/V the capture's
+    runs overwrite and which are put back after (a replay reads its start from its input buffer).
+    per_row: the step's start is a slot per row [B], else one slot (0-dim)."""
+    at = [max(0, min(s, span - T)) for s in starts]
+    kv = decoder.cache.kv  # [layers, B, 2 Hkv, S, D]
+    kept = [(b, a, kv[:, b, :, a : a + T].clone()) for b, (a, s) in enumerate(zip(at, starts)) if a != s]
+    start = torch.tensor(at, device=decoder.device) if per_row else decoder.slots[at[0]]
+    step = CapturedStep(fn, inputs | {"start": start})
+    for b, a, values in kept:
+        kv[:, b, :, a : a + T] = values
+    return step
 
 
 @contextmanager
 def one_row(decoder, b: int) -> Iterator[None]:
-    """Forwards (at a start [1]) on row b of a batch's cache alone: a prompt prefilled into a row
+    """Forwards (at starts [0]) on row b of a batch's cache alone: a prompt prefilled into a row
     its sequence left (batched decoding's queue), the other rows untouched. Row b starts at slot 0."""
     kept = decoder.kv_layers, decoder.row_start
     if decoder.row_start is not None:
@@ -39,13 +123,14 @@ def one_row(decoder, b: int) -> Iterator[None]:
         decoder.kv_layers, decoder.row_start = kept
 
 
-def attention_inputs(decoder, start: Tensor, T: int, bound: int, tree) -> tuple:
+def attention_inputs(decoder, start: Tensor, T: int, bound: int, tree, row_start: Tensor | None) -> tuple:
     """(cos, sin [B, T, 1, D], slots [B, T], mask [B, 1, group * T, bound], bound) of T new tokens a
-    row at slots start [B] onward."""
+    row at slots start [B] onward, row b's first slot row_start[b] (None: left_pad's, else 0)."""
     if tree is not None:
         raise SpecdecError("a slot per row takes chains, not token trees")
     slots = start[:, None] + decoder.slots[:T]  # [B, T]
-    row_start = decoder.row_start if decoder.row_start is not None else torch.zeros_like(start)
+    if row_start is None:
+        row_start = decoder.row_start if decoder.row_start is not None else torch.zeros_like(start)
     positions = (slots - row_start[:, None]).clamp_(min=0)  # (a left pad's own rows: position 0)
     cs = decoder.rope[positions]  # [B, T, 2, D]
     k_slot = decoder.slots[:bound]

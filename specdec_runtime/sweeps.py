@@ -5,9 +5,10 @@ Per drafter, mode and batch size, the prompts are decoded that many at a time (i
 speculatively and autoregressively at the same batch size, batch beside batch
 (measure(batch_size=)); a row gives both tokens/s, tau, the speedup and, greedy, how many outputs
 equal the autoregressive ones. A drafter that decodes one prompt at a time (drafters/batched.py
-says which) gets its batch-1 row only, and the table says so. Batches decode eagerly, batch 1
-included, so that the column compares like with like. Writes batch.md, batch.json and
-speedup_vs_batch.png to the output folder.
+says which) gets its batch-1 row only, and the table says so. Every size decodes the same way,
+batch 1 included (on a compiled target, CUDA's default, in captured steps: rows.captured_rows), so
+that the column compares like with like. Writes batch.md, batch.json and speedup_vs_batch.png to
+the output folder.
 
 Per drafter, temperature (0.7 and 1.0: SpecTr changes nothing greedy) and k, the prompts are
 decoded with k sampled sequences a round (drafters/multi.py) beside autoregressive decoding

@@ -4,18 +4,23 @@ host, a stand-alone model batched like the target, and EAGLE-3 chains, each row 
     rows = batch_drafter(drafter)     # RowLookup, RowModel, RowEagle3, or None: a kind that decodes a prompt at a time
 """
 
-import torch
-from torch import Tensor
+from functools import partial
 
-from specdec_runtime.drafters.eagle3 import Eagle3Drafter, layer_rows
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, Eagle3Drafter, layer_rows
 from specdec_runtime.drafters.lookup import NgramDrafter
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter, in_target_vocab
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
+from specdec_runtime.graphs import CapturedStep
 from specdec_runtime.layers import linear, rms_norm, rope_table
-from specdec_runtime.model import Decoder
-from specdec_runtime.rows import one_row
+from specdec_runtime.model import Decoder, cache_spans
+from specdec_runtime.rows import captured_rows, one_row, prefill
 from specdec_runtime.sampling import Sampler, argmax
 
 
@@ -27,7 +32,7 @@ class RowLookup(RowDrafter):
         self.name = f"ngram:{max_ngram}"
         self.rows: list[NgramDrafter] = []
 
-    def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
         self.rows = [NgramDrafter(self.max_ngram, self.min_ngram) for _ in prompts]
         for row, prompt in zip(self.rows, prompts, strict=True):
             row.observe_tokens(prompt)
@@ -40,15 +45,10 @@ class RowLookup(RowDrafter):
         self.rows[b].observe_tokens(tokens)
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], None]:
-        drafts = []
-        for row, g in zip(self.rows, gammas, strict=True):
-            found = row.draft(torch.tensor(row.seq), g, sampler).tokens.tolist() if g else []
-            drafts.append(found[:g])
+        drafts = [row.continuation(g) if g else [] for row, g in zip(self.rows, gammas, strict=True)]
         lengths = [len(d) for d in drafts]
-        tokens = torch.zeros(len(drafts), max(lengths), dtype=torch.long)
-        for b, d in enumerate(drafts):
-            tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        return tokens.to(self.device, non_blocking=True), lengths, None
+        tokens = torch.tensor([d + [0] * (max(lengths) - len(d)) for d in drafts], dtype=torch.long)
+        return tokens.view(len(drafts), -1).to(self.device, non_blocking=True), lengths, None
 
     def alone(self) -> Drafter:
         return NgramDrafter(self.max_ngram, self.min_ngram)
@@ -64,24 +64,23 @@ class RowModel(RowDrafter):
         self.vocab_size = vocab_size or model.config.vocab_size
         self.vocab_ids = getattr(model, "vocab_ids", None)
 
-    def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
         context = self.model.config.max_position_embeddings
         if capacity > context:
             raise SpecdecError(f"drafter '{self.name}' has a context of {context} tokens, shorter than {capacity}")
         device = self.model.device
         self.model.setup_cache(len(prompts), capacity)
-        self.model.left_pad(row_start.to(device), per_row=True)
-        self.row_start = row_start.tolist()
+        self.model.left_pad(torch.tensor(row_start).to(device, non_blocking=True), per_row=True)
+        self.row_start = list(row_start)
         self.seqs = [list(p) for p in prompts]
         ids, _ = left_padded(prompts, 0)
-        self.model(ids.to(device), torch.zeros(len(prompts), dtype=torch.long, device=device), logits_to_keep=1)
+        prefill(self.model, ids.to(device, non_blocking=True), logits_to_keep=1)
         self.seen = [len(p) for p in prompts]  # each row's tokens in the drafter's cache
 
     def refill(self, b: int, prompt: list[int]) -> None:
         """The prompt prefilled into row b alone (at slot 0)."""
         with one_row(self.model, b):
-            self.model(torch.tensor([prompt], device=self.model.device), torch.zeros(1, dtype=torch.long,
-                       device=self.model.device), logits_to_keep=1)  # fmt: skip
+            prefill(self.model, torch.tensor([prompt]).to(self.model.device, non_blocking=True), logits_to_keep=1)
         self.row_start[b], self.seqs[b], self.seen[b] = 0, list(prompt), len(prompt)
 
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
@@ -92,12 +91,18 @@ class RowModel(RowDrafter):
         seen = [min(s, len(seq) - 1) for s, seq in zip(self.seen, self.seqs, strict=True)]  # past a rejection: stale
         unseen = [seq[s:] for s, seq in zip(seen, self.seqs, strict=True)]
         width = max(map(len, unseen))
-        x = torch.tensor([u + u[-1:] * (width - len(u)) for u in unseen], device=device)  # padded with copies
-        starts = torch.tensor([r + s for r, s in zip(self.row_start, seen, strict=True)], device=device)
-        last = torch.tensor([len(u) - 1 for u in unseen], device=device)
-        logits = self.model(x, starts, logits_to_keep=0).logits  # [B, width, V']
-        logits = logits[torch.arange(B, device=device), last]  # each row's after its newest token
-        starts = starts + last + 1
+        starts = [r + s for r, s in zip(self.row_start, seen, strict=True)]
+        last = [len(u) - 1 for u in unseen]
+        if self.model.compiled:  # a token a step, as one sequence's drafter catches up: one step shape (T = 1)
+            for j in range(width):
+                at = [min(j, k) for k in last]  # (a row with fewer runs its newest again: the same K/V)
+                x = torch.tensor([[u[a]] for u, a in zip(unseen, at, strict=True)]).to(device, non_blocking=True)
+                logits = self.model(x, [s + a for s, a in zip(starts, at, strict=True)], logits_to_keep=1).logits[:, -1]
+        else:
+            x = torch.tensor([u + u[-1:] * (width - len(u)) for u in unseen]).to(device, non_blocking=True)  # padded
+            logits = self.model(x, starts, logits_to_keep=0).logits  # [B, width, V']
+            logits = logits[torch.arange(B, device=device), torch.tensor(last).to(device, non_blocking=True)]  # newest
+        starts = [s + k + 1 for s, k in zip(starts, last, strict=True)]
         tokens, probs = [], []
         for i in range(g):
             logits = in_target_vocab(logits, self.vocab_size, self.vocab_ids)
@@ -108,7 +113,7 @@ class RowModel(RowDrafter):
                 token = sampler.sample(probs[-1])
             tokens.append(token)
             if i + 1 < g:
-                logits = self.model(token[:, None], starts + i, logits_to_keep=1).logits[:, -1]
+                logits = self.model(token[:, None], [s + i for s in starts], logits_to_keep=1).logits[:, -1]
         self.seen = [len(seq) + g - 1 for seq in self.seqs]  # the drafts but the last are cached
         return torch.stack(tokens, 1), list(gammas), torch.stack(probs, 1) if probs else None
 
@@ -121,17 +126,32 @@ class RowEagle3(RowDrafter):
     batched): its own cache a row a sequence, row b's position p at slot p. A round first runs each
     row's accepted positions with the target's features (the catch-up, padded to the longest
     row's), then drafts max(gammas) tokens for all rows, each reading the previous one's prenorm.
-    Chains only: a tree drafter drafts chains of gamma here."""
+    Chains only: a tree drafter drafts chains of gamma here.
+
+    Where the drafter drafts on the device (Eagle3Drafter.on_device: a GPU's default), a greedy
+    round is two captured steps that read nothing back, as one sequence's is: the catch-up, its rows
+    padded to one of CATCH_UP_ROWS, and the whole chain; the batch padded to a captured batch size
+    (rows.captured_rows). Each is captured once per span of the cache (the target's rule, model.py),
+    every span and catch-up size at once. A prompt just taken from the queue runs its rows eagerly
+    first."""
 
     def __init__(self, drafter: Eagle3Drafter):
         self.d, self.name, self.hidden_layers = drafter, f"{drafter.name} (chains)", drafter.hidden_layers
+        self.steps: dict[tuple, CapturedStep] = {}  # on_device: by (kind, size, span); they point at self.kv
+        self.kv: Tensor | None = None  # [rows, 2 h_kv, S, D] the drafter's cache, kept across calls
 
-    def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
-        cfg, target = self.d.model.config.layer, self.d.target
-        shape = (len(prompts), 2 * cfg.num_kv_heads, capacity + 1, cfg.head_dim)
-        self.kv = torch.zeros(shape, device=target.device, dtype=target.dtype)
-        self.rope = rope_table(cfg, capacity + 1, target.device, target.dtype)
-        self.slots = torch.arange(capacity + 1, device=target.device)
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
+        cfg, target, B = self.d.model.config.layer, self.d.target, len(prompts)
+        rows, size = B, capacity + 1
+        if self.d.on_device:  # (+ a catch-up's padding; in steps of 256 slots, as the target's cache)
+            rows, size = captured_rows(B), -(-(size + CATCH_UP_ROWS[-1]) // 256) * 256
+        if self.kv is None or self.kv.shape[0] != rows or self.kv.shape[2] < size:  # (stale slots are masked)
+            self.steps.clear()
+            self.kv = None  # free the old one first
+            shape = (rows, 2 * cfg.num_kv_heads, size, cfg.head_dim)
+            self.kv = torch.zeros(shape, device=target.device, dtype=target.dtype)
+            self.rope = rope_table(cfg, size, target.device, target.dtype)
+            self.slots = torch.arange(size, device=target.device)
         self.seqs = [list(p) for p in prompts]
         self.pending: list[list[Tensor]] = [[] for _ in prompts]
 
@@ -144,21 +164,24 @@ class RowEagle3(RowDrafter):
     def observe(self, b: int, hidden: Tensor) -> None:
         self.pending[b].append(hidden)
 
-    def _rows(self, tokens: Tensor, feature: Tensor, starts: Tensor, row: int | None = None) -> Tensor:
-        """Rows tokens [B, T] with features [B, T, H] at slots (= rope positions) starts[b] onward,
-        each seeing its own row's slots up to its own: their prenorm [B, T, H]. row: the cache's row b
-        alone (B = 1)."""
+    def _layer(self, tokens: Tensor, feature: Tensor, start: Tensor, bound: int, kv: Tensor) -> Tensor:
+        """Rows tokens [B, T] with features [B, T, H] at slots (= rope positions) start[b] onward,
+        each seeing its own row's slots up to its own among the first `bound`: their prenorm [B, T, H]."""
         cfg, (B, T) = self.d.model.config, tokens.shape
-        kv = self.kv if row is None else self.kv[row : row + 1]
         group = cfg.layer.num_heads // cfg.layer.num_kv_heads
-        slots = starts[:, None] + self.slots[:T]
-        bound = int(starts.max()) + T
+        slots = start[:, None] + self.slots[:T]
         mask = (self.slots[:bound] <= slots[..., None]).repeat(1, group, 1)[:, None]  # [B, 1, group T, bound]
         embeds = self.d.target.embed_tokens(tokens).view(B * T, -1)
         cs = self.rope[slots]  # [B, T, 2, D]
         out = layer_rows(self.d.w, cfg, embeds, feature.reshape(B * T, -1), B, cs[:, :, None, 0], cs[:, :, None, 1],
                          kv, slots, mask, bound)  # fmt: skip
         return out.view(B, T, -1)
+
+    def _rows(self, tokens: Tensor, feature: Tensor, starts: list[int], row: int | None = None) -> Tensor:
+        """_layer eagerly at host starts, on the cache's first B rows or its row `row` alone (B = 1)."""
+        kv = self.kv[: tokens.shape[0]] if row is None else self.kv[row : row + 1]
+        start = torch.tensor(starts).to(self.slots.device, non_blocking=True)
+        return self._layer(tokens, feature, start, max(starts) + tokens.shape[1], kv)
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         d, B, g = self.d, len(self.seqs), max(gammas)
@@ -168,25 +191,20 @@ class RowEagle3(RowDrafter):
         for b, f in enumerate(feats):  # a prompt just taken from the queue: its rows alone, all but the last
             if f is not None and f.shape[0] > g + 1:
                 seq, k = self.seqs[b], f.shape[0]
-                tokens = torch.tensor([seq[len(seq) - k : len(seq) - 1]], device=device)
-                start = torch.tensor([len(seq) - 1 - k], device=device)
-                self._rows(tokens, linear(f[:-1].to(w.dtype), w.fc)[None], start, row=b)
+                tokens = torch.tensor([seq[len(seq) - k : len(seq) - 1]]).to(device, non_blocking=True)
+                self._rows(tokens, linear(f[:-1].to(w.dtype), w.fc)[None], [len(seq) - 1 - k], row=b)
                 feats[b] = f[-1:]
         counts = [1 if f is None else f.shape[0] for f in feats]  # (a stopped row: one row of zeros)
-        m, H3 = max(counts), d.model.config.target_hidden_size * len(self.hidden_layers)
-        features = torch.zeros(B, m, H3, device=device, dtype=w.dtype)
-        tokens = []
-        for b, (f, k, seq) in enumerate(zip(feats, counts, self.seqs, strict=True)):
-            if f is not None:
-                features[b, :k] = f.to(w.dtype)
-            row = seq[len(seq) - k :]  # the tokens after those positions
-            tokens.append(row + row[-1:] * (m - k))
-        starts = torch.tensor([len(seq) - 1 - k for seq, k in zip(self.seqs, counts, strict=True)], device=device)
+        starts = [len(seq) - 1 - k for seq, k in zip(self.seqs, counts, strict=True)]  # the catch-ups' first slots
+        if d.on_device and sampler.greedy and max(counts) <= CATCH_UP_ROWS[-1]:
+            return self._draft_captured(feats, counts, starts, g), list(gammas), None
+        m = max(counts)
+        tokens, features = self._catch_up_inputs(feats, counts, B, m)
         fc = linear(features.view(B * m, -1), w.fc).view(B, m, -1)
-        prenorm = self._rows(torch.tensor(tokens, device=device), fc, starts)
-        last = torch.tensor(counts, device=device) - 1
+        prenorm = self._rows(tokens, fc, starts)
+        last = torch.tensor(counts).to(device, non_blocking=True) - 1
         prenorm = prenorm[torch.arange(B, device=device), last][:, None]  # [B, 1, H] each row's newest
-        starts = starts + last + 1  # the first draft's slot
+        starts = [s + k for s, k in zip(starts, counts, strict=True)]  # the first draft's slot
         drafted, probs = [], []
         for i in range(g):
             logits = linear(rms_norm(prenorm[:, 0], w.norm, eps), w.head)  # [B, N]
@@ -198,8 +216,76 @@ class RowEagle3(RowDrafter):
                 token = sampler.sample(probs[-1])
             drafted.append(token)
             if i + 1 < g:
-                prenorm = self._rows(token[:, None], prenorm, starts + i)
+                prenorm = self._rows(token[:, None], prenorm, [s + i for s in starts])
         return torch.stack(drafted, 1), list(gammas), torch.stack(probs, 1) if probs else None
+
+    def _catch_up_inputs(self, feats: list[Tensor | None], counts: list[int], rows: int, m: int):
+        """(tokens [rows, m], features [rows, m, 3 H_t]) of each row's catch-up: its k features and the
+        tokens after those positions, padded with copies of its last token and zero features (a
+        stopped row: one zero row; rows past the batch: all padding)."""
+        H3 = self.d.model.config.target_hidden_size * len(self.hidden_layers)
+        zero = torch.zeros(1, H3, device=self.d.target.device, dtype=self.d.w.dtype)
+        padded = [zero if f is None else f.to(zero.dtype) for f in feats] + [zero] * (rows - len(feats))
+        features = pad_sequence(padded + [zero.expand(m, -1)], batch_first=True)[:-1]  # [rows, m, H3]
+        tokens = [seq[len(seq) - k :] for seq, k in zip(self.seqs, counts, strict=True)]
+        tokens = [t + t[-1:] * (m - k) for t, k in zip(tokens, counts, strict=True)] + [[0] * m] * (rows - len(feats))
+        return torch.tensor(tokens).to(zero.device, non_blocking=True), features
+
+    def _draft_captured(self, feats: list[Tensor | None], counts: list[int], starts: list[int], g: int) -> Tensor:
+        """The greedy chains [B, g] of the catch-up and chain steps (the class docstring)."""
+        B, rows = len(feats), self.kv.shape[0]
+        m = next(r for r in CATCH_UP_ROWS if r >= max(counts))
+        tokens, features = self._catch_up_inputs(feats, counts, rows, m)
+        pad = [0] * (rows - B)
+        newest = [s + k for s, k in zip(starts, counts, strict=True)]  # each row's first draft's slot
+        inputs = dict(tokens=tokens, features=features, start=starts + pad, last=[k - 1 for k in counts] + pad)
+        prenorm, logits = self._replay(("catch-up", m), self._catch_up, inputs, max(newest))
+        inputs = dict(prenorm=prenorm, logits=logits, start=newest + pad)
+        return self._replay(("chain", g), partial(self._chain, gamma=g), inputs, max(newest) + g - 1)[:B]
+
+    def _replay(self, key: tuple, fn, inputs: dict, end: int):
+        """Step `key` over the span of the cache that holds slots up to `end` (its queries'), run on
+        inputs (host lists copied in); first seen, captured for every span at once, and a catch-up
+        for every size (its rows past the inputs' padded, its rows' `last` within them)."""
+        spans = cache_spans(self.kv.shape[2], True)
+        span = next(s for s in spans if s >= end)
+        if key + (span,) not in self.steps:
+            device = self.kv.device
+            tensors = {k: torch.tensor(v, device=device) if isinstance(v, list) else v for k, v in inputs.items()}
+            sizes = CATCH_UP_ROWS if key[0] == "catch-up" else (key[1],)
+            for size in sizes:
+                shaped = tensors
+                if key[0] == "catch-up":  # (a capture runs the step: rows past the inputs' write stale slots only)
+                    R = tensors["tokens"].shape[1]
+                    tokens, features = tensors["tokens"][:, :size], tensors["features"][:, :size]
+                    shaped = tensors | dict(tokens=F.pad(tokens, (0, size - tokens.shape[1])),
+                                            features=F.pad(features, (0, 0, 0, size - features.shape[1])),
+                                            last=tensors["last"].clamp(max=min(size, R) - 1))  # fmt: skip
+                for s in spans:
+                    if (key[0], size, s) not in self.steps:
+                        step = CapturedStep(partial(fn, span=s), shaped, host_reads=False)
+                        self.steps[(key[0], size, s)] = step
+        return self.steps[key + (span,)](**inputs)
+
+    def _catch_up(self, tokens: Tensor, features: Tensor, start: Tensor, last: Tensor, *, span: int):
+        """A captured catch-up: rows tokens [B, R] with the target's features [B, R, 3 H_t] at slots
+        start[b] onward -> the prenorm [B, H] and draft logits [B, N] of each row's row `last`."""
+        B, R = tokens.shape
+        fc = linear(features.view(B * R, -1), self.d.w.fc).view(B, R, -1)
+        prenorm = self._layer(tokens, fc, start, span, self.kv)
+        prenorm = prenorm[torch.arange(B, device=prenorm.device), last]  # [B, H] each row's newest
+        return prenorm, self.d._head(prenorm)
+
+    def _chain(self, prenorm: Tensor, logits: Tensor, start: Tensor, *, gamma: int, span: int) -> Tensor:
+        """A captured greedy chain [B, gamma] (target ids): token i from the previous row's logits, its
+        row (the token, the previous prenorm) at slot start[b] + i."""
+        tokens = []
+        for i in range(gamma):
+            tokens.append(self.d.draft_ids[logits.argmax(-1)])  # [B]
+            if i + 1 < gamma:
+                prenorm = self._layer(tokens[-1][:, None], prenorm[:, None], start + i, span, self.kv)[:, 0]
+                logits = self.d._head(prenorm)
+        return torch.stack(tokens, 1)
 
     def alone(self) -> Drafter:
         return self.d

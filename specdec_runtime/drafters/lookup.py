@@ -56,6 +56,16 @@ class NgramDrafter(Drafter):
 
     def draft(self, ids: Tensor, gamma: int, sampler: Sampler) -> Draft:
         self._index(ids)
+        begin = self._match(gamma)
+        return empty_draft(ids.device) if begin is None else Draft(ids[begin : begin + gamma], None)
+
+    def continuation(self, gamma: int) -> list[int]:
+        """The draft of up to gamma tokens after the tokens observed so far, as host ids (RowLookup)."""
+        begin = self._match(gamma)
+        return [] if begin is None else self.seq[begin : begin + gamma]
+
+    def _match(self, gamma: int) -> int | None:
+        """Where the draft begins in the sequence (None: no earlier occurrence of its suffix)."""
         L, seq = len(self.seq), self.seq
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             begins = self.ends.get(tuple(seq[L - n :]), ())
@@ -63,9 +73,8 @@ class NgramDrafter(Drafter):
             if earlier > 0:
                 # The latest match that still has gamma tokens after it, else the earliest one.
                 full = bisect.bisect_right(begins, L - gamma, 0, earlier)
-                begin = begins[full - 1] if full else begins[0]
-                return Draft(ids[begin : begin + gamma], None)
-        return empty_draft(ids.device)
+                return begins[full - 1] if full else begins[0]
+        return None
 
 
 class LookupFirst(Drafter):

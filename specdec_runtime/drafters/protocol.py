@@ -93,7 +93,7 @@ class RowDrafter(Protocol):
     name: str = "drafter"
     hidden_layers: tuple[int, ...] = ()  # the target's residual streams it reads (see observe)
 
-    def start(self, prompts: list[list[int]], row_start: Tensor, capacity: int) -> None:
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
         """Reset for these prompts (left-padded: row b's tokens begin at slot row_start[b])."""
 
     def refill(self, b: int, prompt: list[int]) -> None:

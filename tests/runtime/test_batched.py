@@ -6,13 +6,16 @@ distribution (chi-square); the per-row forward equals a row decoded alone."""
 import pytest
 import torch
 
+from specdec_runtime import graphs, rows
 from specdec_runtime.batched import generate_many
 from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowModel, batch_drafter
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
+from specdec_runtime.drafters.protocol import RowDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
+from specdec_runtime.measure import measure
 from specdec_runtime.sampling import Sampler
 from tests.conftest import assert_sequences_follow, runtime_from_hf, sequence_joint, tiny_decoder, tiny_hf_model
 from tests.runtime.test_eagle3 import tiny as eagle3_tiny
@@ -41,8 +44,8 @@ def test_a_row_at_slots_of_its_own_computes_what_it_computes_alone():
     target.setup_cache(2, 16)
     target.left_pad(torch.tensor([0, 2]))
     ids = torch.tensor([[1, 5, 9, 11], [0, 0, 2, 3]])
-    first = target(ids, torch.zeros(2, dtype=torch.long)).logits
-    step = target(torch.tensor([[4, 6, 8], [4, 6, 8]]), torch.tensor([4, 4])).logits
+    first = rows.prefill(target, ids).logits
+    step = target(torch.tensor([[4, 6, 8], [4, 6, 8]]), [4, 4]).logits
     for b, (f, s) in enumerate(alone):
         torch.testing.assert_close(first[b, 4 - len(prompts[b]) :], f, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(step[b], s, rtol=1e-5, atol=1e-5)
@@ -131,3 +134,137 @@ def test_drafters_that_decode_a_prompt_at_a_time_say_so():
     assert batch_drafter(ModelDrafter(target, exit_layer=1, shares_target_cache=True)) is None
     with pytest.raises(SpecdecError, match="empty"):
         generate_many(target, [[1, 2], []])
+
+
+# ---------------------------------------------------------------- the fast path (captured steps)
+
+
+def test_a_batch_runs_at_a_captured_batch_size_as_vllm_captures_them():
+    """vLLM's default capture sizes ([1, 2, 4] + multiples of 8 below 256 + multiples of 16 from
+    256): a batch of B rows runs at the smallest one that holds it."""
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 1025, 16))
+    for B in range(1, 1025):
+        assert rows.captured_rows(B) == next(s for s in sizes if s >= B), B
+
+
+class LongLater(RowDrafter):
+    """Drafts nothing until a row's sequence is past 20 tokens, then max(gammas) copies of its
+    newest (as lookups do where a long prompt repeats itself): the warm-up's first prompts never
+    draft, so only measure's chains of every length (measure._RowChains) capture those verify steps."""
+
+    name = "long later"
+
+    def start(self, prompts, row_start, capacity):
+        self.seqs = [list(p) for p in prompts]
+
+    def refill(self, b, prompt):
+        self.seqs[b] = list(prompt)
+
+    def observe_tokens(self, b, tokens):
+        self.seqs[b] += tokens
+
+    def draft(self, gammas, sampler):
+        lengths = [g if len(s) > 20 else 0 for s, g in zip(self.seqs, gammas)]
+        return torch.tensor([[s[-1]] * max(lengths) for s in self.seqs], dtype=torch.long), lengths, None
+
+
+def fast_target(drafter: str, device: str = "cpu"):
+    """(eager target, compiled target, their row drafter, prompts): on a CPU, emulated captured steps."""
+    compile_ = lambda m: m.to(device).compile(backend={"cpu": "aot_eager"}.get(device, "inductor")) or m  # noqa: E731
+    if drafter == "eagle3":  # a vocabulary small enough for random drafts to hit
+        (_, eager, model), (_, fast, _) = eagle3_tiny(vocab=16, draft_vocab=12), eagle3_tiny(vocab=16, draft_vocab=12)
+        prompts = [[t % 16 for t in p] for p in PROMPTS]
+        fast = compile_(fast)
+        drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True)
+        return eager.to(device), fast, RowEagle3(drafter), prompts
+    eager, fast = tiny_decoder("qwen3", seed=3).to(device), compile_(tiny_decoder("qwen3", seed=3))
+    if drafter == "long later":  # the warm-up's 3 prompts are short, those that wait for a row long
+        return eager, fast, LongLater(), PROMPTS[:3] + [list(range(1, 30)), list(range(40, 70))]
+    draft_model = compile_(perturbed(tiny_decoder("qwen3", seed=3)))
+    return eager, fast, {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter], PROMPTS
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", "long later"])
+def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothing_after_warm_up(drafter):
+    """A compiled target: 5 prompts streamed through 3 rows (a captured batch size of 4, one row of
+    padding), each round a captured step. After measure's warm-up nothing is compiled or captured,
+    and every output is the target's own greedy output (the eager target decoding the prompt alone)."""
+    eager, target, row_drafter, prompts = fast_target(drafter)
+    timed_from = []
+
+    def progress(units):  # measure() iterates this once its warm-up is done
+        timed_from.append(graphs.compile_counts())
+        yield from units
+
+    report = measure(target, row_drafter, prompts, sampler=Sampler, baseline=True, batch_size=3, gamma=3,
+                     max_new_tokens=20, progress=progress)  # fmt: skip
+    assert graphs.compile_counts() == timed_from[0]
+    assert {key[1][0] for key in target.steps} == {4} and target.cache.kv.shape[1] == 4
+    alone = [generate(eager, p, max_new_tokens=20).tokens for p in prompts]
+    assert [g.tokens for g in report.spec] == [g.tokens for g in report.baseline] == alone
+    if drafter in ("model", "eagle3"):
+        assert sum(g.stats.accepted for g in report.spec) > 5
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
+    """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
+    tokens, a refill's, then one a round), for every batched drafter (EAGLE-3 on the device where
+    the target is compiled)."""
+    eager, fast, row_drafter, prompts = fast_target(drafter)
+    target = fast if compiled else eager
+    if drafter == "eagle3" and not compiled:
+        row_drafter = RowEagle3(Eagle3Drafter(row_drafter.d.model, eager, cpu_bf16=False))
+    generate_many(target, prompts, row_drafter, max_new_tokens=20, gamma=3, rows=3)  # warm-up
+    count, forwards, forward = {"n": 0}, {"n": 0}, rows.forward
+
+    def counted_forward(decoder, *args, **kwargs):
+        forwards["n"] += decoder is target
+        return forward(decoder, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(rows, "forward", counted_forward)
+        for sync in SYNCS:
+            original = getattr(torch.Tensor, sync)
+
+            def counted(self, *args, _original=original, **kwargs):
+                count["n"] += 1
+                return _original(self, *args, **kwargs)
+
+            patched.setattr(torch.Tensor, sync, counted)
+        generate_many(target, prompts, row_drafter, max_new_tokens=20, gamma=3, rows=3)
+    assert count["n"] == forwards["n"] > len(prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3"])
+def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_forward(monkeypatch, drafter):
+    """Real CUDA graphs in fp32 (3 rows in a captured batch size of 4): every output is the target's
+    own greedy output, every round's step is a graph, and the host waits for the device at most
+    once per target forward (CUDA's sync debug mode)."""
+    import warnings
+
+    eager, target, row_drafter, prompts = fast_target(drafter, "cuda")
+    alone = [generate(eager, p, max_new_tokens=20).tokens for p in prompts]
+    assert [g.tokens for g in generate_many(target, prompts, row_drafter, max_new_tokens=20, gamma=3, rows=3)] == alone
+    assert target.steps and all(s.graph is not None for s in target.steps.values())
+    forwards, forward = {"n": 0}, rows.forward
+
+    def counted_forward(decoder, *args, **kwargs):
+        forwards["n"] += decoder is target
+        return forward(decoder, *args, **kwargs)
+
+    monkeypatch.setattr(rows, "forward", counted_forward)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            generate_many(target, prompts, row_drafter, max_new_tokens=20, gamma=3, rows=3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= forwards["n"], sorted(set(syncs))

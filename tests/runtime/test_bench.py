@@ -187,7 +187,6 @@ def test_wandb_offline_run_has_the_summary_metrics_and_plots(tiny_dir, tmp_path,
         (["--per-category", "-1"], "--per-category must be >= 0"),
         (["--batch-sizes", "1,x"], "give comma-separated numbers"),
         (["--batch-sizes", "0,2"], "every value must be >= 1"),
-        (["--batch-sizes", "1,2", "--compile", "on"], "drop --compile on"),
     ],
 )
 def test_user_errors_stop_before_any_model_loads_or_anything_is_written(tmp_path, capsys, extra, message):

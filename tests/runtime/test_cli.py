@@ -104,7 +104,6 @@ def test_single_prompt_prints_its_text(tiny_dir, capsys):
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--prompt", " "], "--prompt is empty"),
         (["--batch-size", "0"], "batch sizes must be >= 1, got 0"),
-        (["--batch-size", "2", "--compile", "on"], "decode eagerly: drop --compile on"),
         (["--batch-size", "2", "--adaptive-gamma"], "decode one prompt at a time: --batch-size 1"),
         (["--drafts", "0"], "--drafts must be >= 1"),
         (["--drafts", "2"], "--drafts > 1 needs a drafter"),
