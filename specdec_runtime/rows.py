@@ -79,8 +79,6 @@ def _first_rows(decoder, B: int) -> Iterator[None]:
 def _captured(decoder, x: Tensor, starts: list[int], opts: dict):
     """The forward as the captured step of the cache's rows (padded rows at slot 0), its outputs
     the step's buffers' first B rows (valid until that step runs again)."""
-    from specdec_runtime.model import DecoderOutput
-
     B, T = x.shape[:2]
     R = decoder.cache.kv.shape[1]  # captured_rows(B): setup_cache sized it so
     row_start = decoder.row_start if decoder.row_start is not None else torch.zeros_like(decoder.slots[:B])
@@ -90,7 +88,7 @@ def _captured(decoder, x: Tensor, starts: list[int], opts: dict):
     opts.pop("tree"), opts.pop("argmax_only")  # (the step's head is torch's: its logits are computed anyway)
     key = ("rows", tuple(x.shape), x.dtype, *opts.values())
     out = decoder._replay(key, opts, {"x": x, "row_start": row_start}, T, starts + [0] * (R - B))
-    return out if R == B else DecoderOutput(*(None if t is None else t[:B] for t in out))
+    return out if R == B else type(out)(*(None if t is None else t[:B] for t in out))  # (a DecoderOutput)
 
 
 def capture(decoder, fn, inputs: dict[str, Tensor], starts: list[int], T: int, span: int, per_row: bool):
