@@ -16,6 +16,8 @@
 #   ./scripts/gpu_check.sh            # gpu tests + both bench shapes
 #   ./scripts/gpu_check.sh --profile  # the same, with a torch.profiler trace of a few 8B rounds in $OUT/profile
 #   ./scripts/gpu_check.sh --tests    # the gpu tests only
+#   ./scripts/gpu_check.sh --batch    # batched decoding alone: its gpu tests, then scripts/bench_gpu_batch.py
+#                                     # (8B shape, EAGLE-3 chains at forced acceptance, batch 1-64)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0"
@@ -42,6 +44,16 @@ print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, tr
 EOF
 status=0
 SECONDS=0
+if [ "${1:-}" = "--batch" ]; then
+  $PY -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_batched.py 2>&1 | tee "$OUT/gpu_tests_batched.log" \
+    || status=1
+  echo "gpu_check: batched gpu tests took ${SECONDS}s"
+  SECONDS=0
+  $PY scripts/bench_gpu_batch.py --shape 8b --batch-sizes 1,4,16,64 --accept-rate 0.8 --gamma 4 --prompts-per-row 2 \
+    --max-new-tokens 128 --output-dir "$OUT/8b_batch" 2>&1 | tee "$OUT/bench_8b_batch.log" || status=1
+  echo "gpu_check: 8B batch bench took ${SECONDS}s"
+  exit $status
+fi
 $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 echo "gpu_check: gpu tests took ${SECONDS}s"
 if [ "${1:-}" != "--tests" ]; then

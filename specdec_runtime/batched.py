@@ -55,6 +55,7 @@ def generate_many(
     pad_id: int = 0,
     rows: int | None = None,
     capacity: int = 0,
+    accept_rate: float | None = None,
 ) -> list[Generation]:
     """Each prompt's generation, decoded together (module docstring); greedy rows equal generate()'s
     for the same prompt, sampled rows follow the target's distribution. rows: the batch size (default:
@@ -62,19 +63,24 @@ def generate_many(
     row another prompt leaves. The stats of each prompt count the forwards while it was running; its
     times are its share of each round's (split among the prompts running then), so that totals over
     the prompts are the batch's (GenerationStats.total: tokens/s of the batch). capacity: KV slots to
-    make room for, as generate's: the largest over several calls keeps their caches (and graphs)."""
+    make room for, as generate's: the largest over several calls keeps their caches (and graphs).
+    accept_rate: generate's, for measuring the mechanics only (each drafted token accepted with this
+    probability whatever its value, the target's argmax after them): the output is NOT the target's."""
     if not prompts or max_new_tokens < 1 or gamma < 0 or (rows is not None and rows < 1):
         got = f"{len(prompts)}, {max_new_tokens}, {gamma}, {rows}"
         raise SpecdecError(f"need prompts, max_new_tokens >= 1, gamma >= 0 and rows >= 1 (got {got})")
     if min(map(len, prompts)) == 0:
         raise SpecdecError("a prompt is empty after tokenization")
+    if accept_rate is not None and not 0 <= accept_rate <= 1:
+        raise SpecdecError(f"accept_rate is a probability in [0, 1] (got {accept_rate})")
     sampler = sampler or Sampler()
     B = min(rows or len(prompts), len(prompts))
     if B == 1 and len(prompts) == 1:
         alone = None if drafter is None else drafter.alone()
         return [generate(target, prompts[0], alone, sampler, max_new_tokens=max_new_tokens, gamma=gamma,
-                         stop_ids=stop_ids)]  # fmt: skip
+                         stop_ids=stop_ids, capacity=capacity, accept_rate=accept_rate)]  # fmt: skip
     device, start = target.device, time.perf_counter()
+    forced = None if accept_rate is None else (accept_rate, sampler.generator(device))  # the draws: the sampler's seed
     finished = lambda tokens: tokens[-1] in stop_ids or len(tokens) >= max_new_tokens  # noqa: E731
     ids, _ = left_padded(prompts[:B], pad_id)
     P, longest = ids.shape[1], max(map(len, prompts))
@@ -135,7 +141,7 @@ def generate_many(
             # (a captured step's buffer: the drafter keeps its rows past the step's next run)
             hidden = verified.hidden.clone() if taps else None
             t3 = time.perf_counter()
-            n, token = _verify(x[:, 1:], lengths, q, logits, sampler)
+            n, token = _verify(x[:, 1:], lengths, q, logits, sampler, forced)
             host = torch.cat([n, token, x[:, 1:].flatten()]).tolist()  # the one host sync of the round
             for b in range(B):
                 if done[b]:
@@ -171,14 +177,19 @@ def generate_many(
     return generations
 
 
-def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor, sampler: Sampler):
-    """(accepted lengths [B], the target's own token after them [B]) of every row's chain."""
+def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor, sampler: Sampler, forced=None):
+    """(accepted lengths [B], the target's own token after them [B]) of every row's chain. forced:
+    (rate, generator) of accept_rate (generate_many), each drafted token a draw."""
     B, g = drafts.shape
-    if sampler.greedy:
+    if sampler.greedy or forced is not None:
         choice = argmax(logits)  # [B, g + 1]
         lengths = torch.tensor(lengths).to(drafts.device, non_blocking=True)
         real = torch.arange(g, device=drafts.device) < lengths[:, None]
-        n = ((choice[:, :g] == drafts) & real).long().cumprod(dim=1).sum(dim=1)
+        if forced is None:
+            accepted = choice[:, :g] == drafts
+        else:
+            accepted = torch.rand(B, g, device=drafts.device, generator=forced[1]) < forced[0]
+        n = (accepted & real).long().cumprod(dim=1).sum(dim=1)
         return n, choice.gather(1, n[:, None]).squeeze(1)
     verdicts = [
         verify_sample(

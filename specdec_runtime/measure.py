@@ -76,7 +76,7 @@ def measure(
     baseline: autoregressive decoding the same way).
     """
     if batch_size > 1:  # generate_many's keywords, its caches sized once for every call
-        kw = {k: v for k, v in generate_kwargs.items() if k in ("max_new_tokens", "gamma", "stop_ids")}
+        kw = {k: v for k, v in generate_kwargs.items() if k in ("max_new_tokens", "gamma", "stop_ids", "accept_rate")}
         units = [[torch.as_tensor(p).tolist() for p in prompts]]
         kw["capacity"] = max(map(len, units[0])) + kw.get("max_new_tokens", 256) + kw.get("gamma", 4)
         decode = lambda unit, d: generate_many(target, unit, d, sampler(), rows=batch_size, **kw)  # noqa: E731
@@ -200,8 +200,9 @@ def warm_up_rows(
 ) -> None:
     """warm_up for batches (generate_many(prompts, **the same arguments): the same batch size and
     capacity): a few tokens; on the fast path every draft length up to gamma, the drafter's own and
-    a chain of each length for every row (_RowChains: the verify steps whatever the drafter finds)."""
-    lengths = range(1, gamma + 1) if drafter is not None and target.compiled else [gamma]
+    a chain of each length for every row (_RowChains: the verify steps whatever the drafter finds),
+    and none (a round where every row is one token from its budget verifies its newest alone)."""
+    lengths = range(0, gamma + 1) if drafter is not None and target.compiled else [gamma]
     for g in lengths:
         short = min(max_new_tokens, max(8, g + 2))
         for d in [drafter] + ([_RowChains(drafter)] if drafter is not None and target.compiled else []):

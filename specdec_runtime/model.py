@@ -213,9 +213,9 @@ class Decoder(nn.Module):
         the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager')."""
         if not self.can_compile:
             raise SpecdecError("the fast path captures no mixture-of-experts layers yet: --compile off")
-        for name in ("recompile_limit", "cache_size_limit"):  # one entry per step shape and model
+        for name in ("recompile_limit", "cache_size_limit"):  # one entry per step shape (rows x T) and model
             if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
         halves = torch.compile(normed_queries, **opts), torch.compile(projected, **opts)
         self.layer_fns = (partial(split_attention, *halves), torch.compile(mlp, **opts))

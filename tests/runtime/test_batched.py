@@ -147,12 +147,14 @@ def test_a_batch_runs_at_a_captured_batch_size_as_vllm_captures_them():
         assert rows.captured_rows(B) == next(s for s in sizes if s >= B), B
 
 
-class LongLater(RowDrafter):
-    """Drafts nothing until a row's sequence is past 20 tokens, then max(gammas) copies of its
-    newest (as lookups do where a long prompt repeats itself): the warm-up's first prompts never
-    draft, so only measure's chains of every length (measure._RowChains) capture those verify steps."""
+class Copies(RowDrafter):
+    """Drafts nothing until a row's sequence is past `after` tokens, then max(gammas) copies of its
+    newest (as lookups do where a long prompt repeats itself)."""
 
-    name = "long later"
+    name = "copies"
+
+    def __init__(self, after: int = 0, taps: tuple[int, ...] = ()):
+        self.after, self.hidden_layers = after, taps
 
     def start(self, prompts, row_start, capacity):
         self.seqs = [list(p) for p in prompts]
@@ -164,13 +166,15 @@ class LongLater(RowDrafter):
         self.seqs[b] += tokens
 
     def draft(self, gammas, sampler):
-        lengths = [g if len(s) > 20 else 0 for s, g in zip(self.seqs, gammas)]
+        lengths = [g if len(s) > self.after else 0 for s, g in zip(self.seqs, gammas)]
         return torch.tensor([[s[-1]] * max(lengths) for s in self.seqs], dtype=torch.long), lengths, None
 
 
 def fast_target(drafter: str, device: str = "cpu"):
-    """(eager target, compiled target, their row drafter, prompts): on a CPU, emulated captured steps."""
-    compile_ = lambda m: m.to(device).compile(backend={"cpu": "aot_eager"}.get(device, "inductor")) or m  # noqa: E731
+    """(eager target, compiled target, their row drafter, prompts): on a CPU, emulated captured steps.
+    The layers are traced by aot_eager on CUDA too: real CUDA graphs, without inductor's minutes of
+    compiling a dozen shapes in gpu_check (scripts/bench_gpu_batch.py runs inductor's batches)."""
+    compile_ = lambda m: m.to(device).compile(backend="aot_eager") or m  # noqa: E731
     if drafter == "eagle3":  # a vocabulary small enough for random drafts to hit
         (_, eager, model), (_, fast, _) = eagle3_tiny(vocab=16, draft_vocab=12), eagle3_tiny(vocab=16, draft_vocab=12)
         prompts = [[t % 16 for t in p] for p in PROMPTS]
@@ -178,8 +182,9 @@ def fast_target(drafter: str, device: str = "cpu"):
         drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True)
         return eager.to(device), fast, RowEagle3(drafter), prompts
     eager, fast = tiny_decoder("qwen3", seed=3).to(device), compile_(tiny_decoder("qwen3", seed=3))
-    if drafter == "long later":  # the warm-up's 3 prompts are short, those that wait for a row long
-        return eager, fast, LongLater(), PROMPTS[:3] + [list(range(1, 30)), list(range(40, 70))]
+    if drafter == "long later":  # the warm-up's 3 prompts never draft (so only measure's chains of every
+        # length, measure._RowChains, capture those verify steps), the long ones that wait for a row do
+        return eager, fast, Copies(after=20), PROMPTS[:3] + [list(range(1, 30)), list(range(40, 70))]
     draft_model = compile_(perturbed(tiny_decoder("qwen3", seed=3)))
     return eager, fast, {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter], PROMPTS
 
@@ -204,6 +209,24 @@ def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothin
     assert [g.tokens for g in report.spec] == [g.tokens for g in report.baseline] == alone
     if drafter in ("model", "eagle3"):
         assert sum(g.stats.accepted for g in report.spec) > 5
+
+
+def test_a_stream_at_forced_acceptance_captures_nothing_after_warm_up():
+    """scripts/bench_gpu_batch.py's runs: rows accept at random (accept_rate 0.7), so the last rows of
+    the stream can reach their budgets together, and that round drafts for none of them: a verify of
+    the newest tokens alone with the drafter's taps, which measure's warm-up captures too (a draft
+    length of 0; here its own rows end apart)."""
+    _, target, _, _ = fast_target("none")
+    timed_from = []
+
+    def progress(units):
+        timed_from.append(graphs.compile_counts())
+        yield from units
+
+    report = measure(target, Copies(taps=(1,)), [[1, 2, 3]] * 6, sampler=lambda: Sampler(seed=2), baseline=True,
+                     batch_size=3, gamma=3, max_new_tokens=24, accept_rate=0.7, progress=progress)  # fmt: skip
+    assert graphs.compile_counts() == timed_from[0]
+    assert 1 < report.total().tau < 4
 
 
 SYNCS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
@@ -268,3 +291,22 @@ def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_for
         torch.cuda.set_sync_debug_mode(0)
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= forwards["n"], sorted(set(syncs))
+
+
+def test_forced_acceptance_accepts_each_position_with_the_rate_given_in_every_row():
+    """generate_many(accept_rate=P), for measuring mechanics (scripts/bench_gpu_batch.py): P = 0
+    accepts nothing, P = 1 every row's whole chain, and in between a chain of 2 accepts P + P^2
+    tokens a round on average (~1500 rounds over 8 rows); a rate outside [0, 1] is refused."""
+    target, rows_drafter = tiny_decoder(seed=3), Copies()
+    prompts = [[1, 5, 9, 5, 9], [3, 4], [7, 7, 8, 9, 10, 11], [2]] * 2
+    none = generate_many(target, prompts, rows_drafter, max_new_tokens=16, gamma=3, accept_rate=0.0)
+    assert all(g.stats.accepted == 0 and g.stats.drafted > 0 for g in none)
+    full = generate_many(target, prompts, rows_drafter, max_new_tokens=17, gamma=4, accept_rate=1.0)
+    assert all(g.stats.accepted_at == g.stats.drafted_at == [3] * 4 for g in full)  # 3 rounds of 4 + 1 each
+    runs = [generate_many(target, prompts, rows_drafter, Sampler(seed=s), max_new_tokens=61, gamma=2,
+                          accept_rate=0.6) for s in range(8)]  # fmt: skip
+    stats = [g.stats for run in runs for g in run]
+    mean = sum(sum(s.accepted_at) for s in stats) / sum(s.rounds_with_draft for s in stats)
+    assert abs(mean - (0.6 + 0.6**2)) < 0.07  # 0.96; the standard error is ~0.02
+    with pytest.raises(SpecdecError, match="accept_rate"):
+        generate_many(target, prompts, rows_drafter, max_new_tokens=4, accept_rate=-0.1)
