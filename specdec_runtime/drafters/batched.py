@@ -239,33 +239,25 @@ class RowEagle3(RowDrafter):
         pad = [0] * (rows - B)
         newest = [s + k for s, k in zip(starts, counts, strict=True)]  # each row's first draft's slot
         inputs = dict(tokens=tokens, features=features, start=starts + pad, last=[k - 1 for k in counts] + pad)
-        prenorm, logits = self._replay(("catch-up", m), self._catch_up, inputs, max(newest))
+        prenorm, logits = self._replay("catch-up", m, self._catch_up, inputs, max(newest))
         inputs = dict(prenorm=prenorm, logits=logits, start=newest + pad)
-        return self._replay(("chain", g), partial(self._chain, gamma=g), inputs, max(newest) + g - 1)[:B]
+        return self._replay("chain", g, partial(self._chain, gamma=g), inputs, max(newest) + g - 1)[:B]
 
-    def _replay(self, key: tuple, fn, inputs: dict, end: int):
-        """Step `key` over the span of the cache that holds slots up to `end` (its queries'), run on
-        inputs (host lists copied in); first seen, captured for every span at once, and a catch-up
-        for every size (its rows past the inputs' padded, its rows' `last` within them)."""
+    def _replay(self, kind: str, size: int, fn, inputs: dict, end: int):
+        """Step (kind, size) over the span of the cache that holds slots up to `end` (its queries'),
+        run on inputs (host lists copied in); first seen, captured for every span at once, a
+        catch-up for every size at once (_resized)."""
         spans = cache_spans(self.kv.shape[2], True)
         span = next(s for s in spans if s >= end)
-        if key + (span,) not in self.steps:
-            device = self.kv.device
-            tensors = {k: torch.tensor(v, device=device) if isinstance(v, list) else v for k, v in inputs.items()}
-            sizes = CATCH_UP_ROWS if key[0] == "catch-up" else (key[1],)
-            for size in sizes:
-                shaped = tensors
-                if key[0] == "catch-up":  # (a capture runs the step: rows past the inputs' write stale slots only)
-                    R = tensors["tokens"].shape[1]
-                    tokens, features = tensors["tokens"][:, :size], tensors["features"][:, :size]
-                    shaped = tensors | dict(tokens=F.pad(tokens, (0, size - tokens.shape[1])),
-                                            features=F.pad(features, (0, 0, 0, size - features.shape[1])),
-                                            last=tensors["last"].clamp(max=min(size, R) - 1))  # fmt: skip
+        if (kind, size, span) not in self.steps:
+            as_tensor = lambda v: torch.tensor(v, device=self.kv.device) if isinstance(v, list) else v  # noqa: E731
+            tensors = {k: as_tensor(v) for k, v in inputs.items()}
+            for other in CATCH_UP_ROWS if kind == "catch-up" else (size,):
+                shaped = _resized(tensors, other) if kind == "catch-up" else tensors
                 for s in spans:
-                    if (key[0], size, s) not in self.steps:
-                        step = CapturedStep(partial(fn, span=s), shaped, host_reads=False)
-                        self.steps[(key[0], size, s)] = step
-        return self.steps[key + (span,)](**inputs)
+                    if (kind, other, s) not in self.steps:
+                        self.steps[(kind, other, s)] = CapturedStep(partial(fn, span=s), shaped, host_reads=False)
+        return self.steps[(kind, size, span)](**inputs)
 
     def _catch_up(self, tokens: Tensor, features: Tensor, start: Tensor, last: Tensor, *, span: int):
         """A captured catch-up: rows tokens [B, R] with the target's features [B, R, 3 H_t] at slots
@@ -289,6 +281,15 @@ class RowEagle3(RowDrafter):
 
     def alone(self) -> Drafter:
         return self.d
+
+
+def _resized(inputs: dict[str, Tensor], R: int) -> dict[str, Tensor]:
+    """A catch-up's inputs at R rows a sequence: cut, or padded with rows that write slots past the
+    sequence's only (stale, rewritten before they are read: a capture runs the step)."""
+    tokens, features = inputs["tokens"][:, :R], inputs["features"][:, :R]
+    m = tokens.shape[1]
+    padded = dict(tokens=F.pad(tokens, (0, R - m)), features=F.pad(features, (0, 0, 0, R - m)))
+    return inputs | padded | dict(last=inputs["last"].clamp(max=m - 1))
 
 
 def batch_drafter(drafter: Drafter) -> RowDrafter | None:
