@@ -19,15 +19,15 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench_gpu.py's target and drafter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_gpu import BANDWIDTH, build, eagle3_drafter, weight_bytes  # noqa: E402
+from bench_gpu import BANDWIDTH, build, eagle3_drafter, syncs_per_round, weight_bytes  # noqa: E402
 
 from specdec_runtime import graphs, rows  # noqa: E402
 from specdec_runtime.batched import generate_many  # noqa: E402
@@ -36,11 +36,9 @@ from specdec_runtime.measure import measure  # noqa: E402
 from specdec_runtime.sampling import Sampler  # noqa: E402
 
 
-def syncs_per_forward(target, decode) -> float | None:
-    """Host syncs per target forward of decode() -> generations (CUDA's sync debug mode; None off
-    CUDA). The forwards of a batch are counted as they run; a batch of one is generate()'s stats."""
-    if target.device.type != "cuda":
-        return None
+def forwards_of(target, decode) -> SimpleNamespace:
+    """decode() -> generations, run with the target's forwards counted, as bench_gpu.syncs_per_round
+    reads them (target_forwards): a batch's as they run (rows.forward), a batch of one's from its stats."""
     forwards, forward = [0], rows.forward
 
     def counted(decoder, *args, **kwargs):
@@ -48,16 +46,11 @@ def syncs_per_forward(target, decode) -> float | None:
         return forward(decoder, *args, **kwargs)
 
     rows.forward = counted
-    torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = decode()
+        out = decode()
     finally:
-        torch.cuda.set_sync_debug_mode(0)
         rows.forward = forward
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return syncs / (forwards[0] or sum(g.stats.target_forwards for g in out))
+    return SimpleNamespace(target_forwards=forwards[0] or sum(g.stats.target_forwards for g in out))
 
 
 def main() -> None:
@@ -86,6 +79,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
     kw = dict(max_new_tokens=args.max_new_tokens, gamma=args.gamma, accept_rate=args.accept_rate)
+    capacity = args.prompt_len + args.max_new_tokens + args.gamma  # measure's: the same caches and steps
     results = []
     for B in sizes:
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
@@ -102,8 +96,9 @@ def main() -> None:
                          progress=progress, **kw)  # fmt: skip
         timed = [b - a for a, b in zip(timed_from[0], graphs.compile_counts())]
         spec, ar = report.total(), report.total("baseline")
-        syncs = syncs_per_forward(target, lambda d=d, p=prompts[:B], B=B: generate_many(
-            target, p, d, Sampler(seed=0), rows=B, capacity=args.prompt_len + args.max_new_tokens + args.gamma, **kw))
+        decode = lambda d=d, p=prompts[:B], B=B: generate_many(target, p, d, Sampler(seed=0), rows=B,  # noqa: E731
+                                                               capacity=capacity, **kw)  # fmt: skip
+        syncs = syncs_per_round(lambda decode=decode: forwards_of(target, decode), device)
         results.append({"batch": B, "ar_tok_s": ar.tokens_per_s, "spec_tok_s": spec.tokens_per_s, "tau": spec.tau,
                         "speedup": report.speedup(), "timed_compiles_captures": timed, "syncs_per_forward": syncs,
                         "seconds": time.perf_counter() - t0})  # fmt: skip
