@@ -177,7 +177,8 @@ def generate_many(
     return generations
 
 
-def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor, sampler: Sampler, forced=None):
+def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor, sampler: Sampler,
+            forced: tuple[float, torch.Generator] | None = None):  # fmt: skip
     """(accepted lengths [B], the target's own token after them [B]) of every row's chain. forced:
     (rate, generator) of accept_rate (generate_many), each drafted token a draw."""
     B, g = drafts.shape

@@ -202,10 +202,13 @@ def warm_up_rows(
     capacity): a few tokens; on the fast path every draft length up to gamma, the drafter's own and
     a chain of each length for every row (_RowChains: the verify steps whatever the drafter finds),
     and none (a round where every row is one token from its budget verifies its newest alone)."""
-    lengths = range(0, gamma + 1) if drafter is not None and target.compiled else [gamma]
-    for g in lengths:
+    if drafter is None or not target.compiled:
+        generate_many(target, prompts, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma,
+                      **many_kwargs)  # fmt: skip
+        return
+    for g in range(gamma + 1):  # g = 0: rounds of the newest tokens alone, with the drafter's taps
         short = min(max_new_tokens, max(8, g + 2))
-        for d in [drafter] + ([_RowChains(drafter)] if drafter is not None and target.compiled else []):
+        for d in [drafter, _RowChains(drafter)] if g else [drafter]:
             generate_many(target, prompts, d, sampler(), max_new_tokens=short, gamma=g, **many_kwargs)
 
 
