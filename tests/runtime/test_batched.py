@@ -102,23 +102,27 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
     )
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampled, on_device", [(False, False), (True, False), (False, True)], ids=["greedy", "sampled", "captured"]
+)
 @pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
-def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled, batch):
+def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled, on_device, batch):
     """An EAGLE-3 drafter: every row's output equals the target's greedy output, and its
     drafts were accepted exactly as often, position by position, as the same drafter's chains
-    decoding that prompt alone (the drafts are the same); sampled, the rows are the target's
-    distribution's (the tokens differ from batch 1's: the random draws are the batch's)."""
+    decoding that prompt alone (the drafts are the same), also where its rounds are captured steps
+    (on_device, emulated); sampled, the rows are the target's distribution's (the tokens differ
+    from batch 1's: the random draws are the batch's)."""
     _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)  # a vocabulary small enough for random drafts to hit
     drafter = Eagle3Drafter(model, target, cpu_bf16=False)
     prompts = [[t % 16 for t in p] for p in PROMPTS]
-    rows = batch_drafter(drafter)
+    rows = batch_drafter(Eagle3Drafter(model, target, cpu_bf16=False, on_device=on_device))
     assert isinstance(rows, RowEagle3) and rows.hidden_layers == drafter.hidden_layers
     if sampled:
         many = generate_many(target, prompts, rows, Sampler(1.0, seed=0), max_new_tokens=24, gamma=3, rows=batch)
         assert all(len(g.tokens) == 24 for g in many) and sum(g.stats.accepted for g in many) > 0
         return
     many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3, rows=batch)
+    assert bool(rows.steps) == on_device
     for p, g in zip(prompts, many, strict=True):
         alone = generate(target, p, drafter, max_new_tokens=24, gamma=3)
         assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
