@@ -52,7 +52,7 @@ def forward(decoder, x: Tensor, starts: list[int], eager: bool = False, **kwargs
         raise SpecdecError("a slot per row takes chains, not token trees")
     if eager or decoder.steps is None:
         start = torch.tensor(starts).to(decoder.device, non_blocking=True)  # (from the host: nothing waits)
-        with _first_rows(decoder, B):
+        with _on_rows(decoder, slice(0, B), decoder.row_start):  # (a captured batch size's cache holds more)
             return decoder._forward(x, start, end, **opts)
     return _captured(decoder, x, starts, opts)
 
@@ -63,17 +63,17 @@ def prefill(decoder, ids: Tensor, **kwargs):
 
 
 @contextmanager
-def _first_rows(decoder, B: int) -> Iterator[None]:
-    """Eager forwards on the cache's first B rows (a captured batch size's cache holds more)."""
-    if B == decoder.kv_layers[0].shape[0]:
-        yield
-        return
-    kept = decoder.kv_layers
-    decoder.kv_layers = [kv[:B] for kv in kept]  # views: the writes land in the batch's cache
+def _on_rows(decoder, rows: slice, row_start: Tensor | None) -> Iterator[None]:
+    """Eager forwards on these rows of the cache alone (views: the writes land in the batch's
+    cache), with their first slots row_start."""
+    kept = decoder.kv_layers, decoder.row_start
+    if rows != slice(0, kept[0][0].shape[0]):
+        decoder.kv_layers = [kv[rows] for kv in kept[0]]
+    decoder.row_start = row_start
     try:
         yield
     finally:
-        decoder.kv_layers = kept
+        decoder.kv_layers, decoder.row_start = kept
 
 
 def _captured(decoder, x: Tensor, starts: list[int], opts: dict):
@@ -106,26 +106,19 @@ def capture(decoder, fn, inputs: dict[str, Tensor], starts: list[int], T: int, s
     return step
 
 
-@contextmanager
-def one_row(decoder, b: int) -> Iterator[None]:
+def one_row(decoder, b: int):
     """Forwards (at starts [0]) on row b of a batch's cache alone: a prompt prefilled into a row
     its sequence left (batched decoding's queue), the other rows untouched. Row b starts at slot 0."""
-    kept = decoder.kv_layers, decoder.row_start
     if decoder.row_start is not None:
         decoder.row_start[b] = 0
-    decoder.kv_layers = [kv[b : b + 1] for kv in kept[0]]  # views: the writes land in the batch's cache
-    decoder.row_start = torch.zeros(1, dtype=torch.long, device=decoder.device)  # (never the one-sequence kernel)
-    try:
-        yield
-    finally:
-        decoder.kv_layers, decoder.row_start = kept
+    # (a row_start, never None: one row without one would be the one-sequence kernel's)
+    return _on_rows(decoder, slice(b, b + 1), torch.zeros(1, dtype=torch.long, device=decoder.device))
 
 
-def attention_inputs(decoder, start: Tensor, T: int, bound: int, tree, row_start: Tensor | None) -> tuple:
+def attention_inputs(decoder, start: Tensor, T: int, bound: int, row_start: Tensor | None) -> tuple:
     """(cos, sin [B, T, 1, D], slots [B, T], mask [B, 1, group * T, bound], bound) of T new tokens a
-    row at slots start [B] onward, row b's first slot row_start[b] (None: left_pad's, else 0)."""
-    if tree is not None:
-        raise SpecdecError("a slot per row takes chains, not token trees")
+    row at slots start [B] onward (chains: forward refuses trees), row b's first slot row_start[b]
+    (None: left_pad's, else 0)."""
     slots = start[:, None] + decoder.slots[:T]  # [B, T]
     if row_start is None:
         row_start = decoder.row_start if decoder.row_start is not None else torch.zeros_like(start)
