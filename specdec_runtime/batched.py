@@ -20,10 +20,11 @@ next one, prefilled into that row alone at slot 0 (rows.one_row), its drafter ro
 dropped) until the last row stops. On a compiled target a round's forward is a captured step of
 a fixed batch size (rows.captured_rows); the prefills run eagerly. A round reads the device once,
 for its accepted lengths and tokens; what goes to the device is copied from host lists without
-waiting for it. Drafters: prompt lookup (RowLookup, on the host), a stand-alone model (RowModel,
-batched like the target) and EAGLE-3 chains (RowEagle3, reading the target's features of each
-row's accepted tokens); the others run one prompt at a time (batch_drafter says which). A batch
-of one is generate() itself.
+waiting for it. Drafters (drafters/batched.py): prompt lookup (RowLookup, on the host), a
+stand-alone model (RowModel, batched like the target), the target cut short or with sublayers
+skipped (RowSelf), EAGLE-3 chains (RowEagle3, reading the target's features of each row's accepted
+tokens), Medusa chains and MTP heads (RowMedusa, RowMTP, reading its last states); lookup first and
+draft exits run one prompt at a time (batch_drafter says which). A batch of one is generate() itself.
 """
 
 import time

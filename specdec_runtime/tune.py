@@ -15,11 +15,14 @@ any temperature), SGLang's num_draft_tokens counts the verified root too (a chai
 """
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowModel, batch_drafter
+from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowMedusa, RowModel, batch_drafter
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
+from specdec_runtime.drafters.medusa import MedusaDrafter, read_layout
+from specdec_runtime.drafters.mtp import MTPDrafter
 from specdec_runtime.drafters.spec import LOOKUP, as_chains, build_drafter
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.engines.sglang import eagle_draft_tokens
@@ -33,6 +36,8 @@ def candidates(spec: str, target: LoadedModel, batch: int, gammas: Sequence[int]
     "lookup"} each (a drafter that decodes a prompt at a time has none above batch 1)."""
     own = build_drafter(spec, target, dtype=dtype)
     chain = as_chains(own, spec, target, dtype=dtype)
+    heads = own.heads.num_heads - isinstance(own, MTPDrafter) if isinstance(own, MedusaDrafter | MTPDrafter) else 0
+    gammas = sorted({min(g, heads) for g in gammas}) if heads else gammas  # (heads draft at most one token each)
     runs = chain if batch == 1 else batch_drafter(chain)
     if runs is None:
         return []
@@ -65,6 +70,12 @@ def serving(spec: str, drafter: Any, c: dict) -> dict[str, Any]:
         vllm = {"method": "ngram", "num_speculative_tokens": g, "prompt_lookup_max": drafter.max_ngram,
                 "prompt_lookup_min": 1}  # fmt: skip
         return {"vllm": vllm, "sglang": None}
+    if isinstance(drafter, MedusaDrafter | RowMedusa):  # (vLLM's Medusa drafts each head's top token: chains)
+        folder = Path(spec) / "vllm" if (Path(spec) / "vllm").is_dir() else Path(spec)  # (an export's vllm/)
+        vllm = {"method": "medusa", "model": str(folder), "num_speculative_tokens": g}
+        if read_layout(folder)[1] != "vllm":
+            return {"vllm": None, "sglang": None, "note": f"{folder} is not vLLM's Medusa layout"}
+        return {"vllm": vllm, "sglang": None, "note": "vLLM up to 0.32 (0.33 removed Medusa); SGLang has no Medusa"}
     if isinstance(drafter, RowModel) or (isinstance(drafter, ModelDrafter) and not drafter.shares_target_cache):
         sglang = (f"--speculative-algorithm STANDALONE --speculative-draft-model-path {spec} "
                   f"--speculative-num-steps {g} --speculative-eagle-topk 1 "

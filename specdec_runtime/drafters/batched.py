@@ -1,7 +1,8 @@
-"""Drafters for batched decoding (specdec_runtime.batched): prompt lookup for every row, on the
-host, a stand-alone model batched like the target, and EAGLE-3 chains, each row at slots of its own.
+"""Drafters for batched decoding (specdec_runtime.batched), each row at slots of its own: prompt
+lookup for every row, on the host; a stand-alone model batched like the target; the target itself
+cut short or with sublayers skipped; EAGLE-3 chains; Medusa chains and MTP heads.
 
-    rows = batch_drafter(drafter)     # RowLookup, RowModel, RowEagle3, or None: a kind that decodes a prompt at a time
+    rows = batch_drafter(drafter)     # a Row* drafter, or None: a kind that decodes a prompt at a time
 """
 
 from functools import partial
@@ -13,13 +14,15 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, Eagle3Drafter, layer_rows
 from specdec_runtime.drafters.lookup import NgramDrafter
+from specdec_runtime.drafters.medusa import MedusaDrafter
+from specdec_runtime.drafters.mtp import MTPDrafter
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter, in_target_vocab
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
 from specdec_runtime.graphs import CapturedStep
 from specdec_runtime.layers import linear, rms_norm, rope_table
-from specdec_runtime.model import Decoder, cache_spans
+from specdec_runtime.model import Decoder, KVCache, cache_spans
 from specdec_runtime.rows import captured_rows, one_row, prefill
 from specdec_runtime.sampling import Sampler, argmax
 
@@ -119,6 +122,46 @@ class RowModel(RowDrafter):
 
     def alone(self) -> Drafter:
         return ModelDrafter(self.model, vocab_size=self.vocab_size, name=self.name)
+
+
+class RowSelf(RowDrafter):
+    """The target itself cut short (truncate:K) or with sublayers skipped (a layer-skip set) for every
+    row: each draft step is the target's forward of every row's newest token with exit_layer /
+    skip, at the slot after that row's last, writing K/V into slots the verification overwrites
+    (ModelDrafter with shares_target_cache, batched). Unlike one sequence's, the verification
+    runs every layer again: a batch's first layers are not handed over."""
+
+    def __init__(self, drafter: ModelDrafter):
+        self.d, self.name = drafter, drafter.name
+
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
+        self.row_start, self.seqs = list(row_start), [list(p) for p in prompts]
+
+    def refill(self, b: int, prompt: list[int]) -> None:
+        self.row_start[b], self.seqs[b] = 0, list(prompt)
+
+    def observe_tokens(self, b: int, tokens: list[int]) -> None:
+        self.seqs[b] += tokens
+
+    def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
+        d, device = self.d, self.d.model.device
+        starts = [r + len(seq) - 1 for r, seq in zip(self.row_start, self.seqs, strict=True)]  # each newest's slot
+        x = torch.tensor([[seq[-1]] for seq in self.seqs]).to(device, non_blocking=True)
+        tokens, probs = [], []
+        for i in range(max(gammas)):
+            out = d.model(x, [s + i for s in starts], exit_layer=d.exit_layer, skip=d.skip, logits_to_keep=1)
+            logits = d._logits(out.logits[:, -1])
+            if sampler.greedy:
+                token = argmax(logits)
+            else:
+                probs.append(sampler.probs(logits))
+                token = sampler.sample(probs[-1])
+            tokens.append(token)
+            x = token[:, None]
+        return torch.stack(tokens, 1), list(gammas), torch.stack(probs, 1) if probs else None
+
+    def alone(self) -> Drafter:
+        return self.d
 
 
 class RowEagle3(RowDrafter):
@@ -283,6 +326,101 @@ class RowEagle3(RowDrafter):
         return self.d
 
 
+class RowMedusa(RowDrafter):
+    """Medusa heads' chains for every row, as vLLM serves them: head i's top token at each row's
+    newest position (sampled: a draw from head i's distribution there, which is that token's q, as
+    in MedusaDrafter.samples). A tree drafter drafts chains here. Drafting reads the final-norm
+    state of each row's newest token: the heads alone, for every row at once."""
+
+    def __init__(self, drafter: MedusaDrafter):
+        self.d, self.name, self.hidden_layers = drafter, f"{drafter.name} (chains)", drafter.hidden_layers
+
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
+        self.newest: list[Tensor | None] = [None] * len(prompts)  # each row's last residual stream [H]
+
+    def refill(self, b: int, prompt: list[int]) -> None:
+        self.newest[b] = None
+
+    def observe(self, b: int, hidden: Tensor) -> None:
+        self.newest[b] = hidden[-1]
+
+    def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
+        d, heads = self.d, self.d.heads.num_heads
+        g = min(max(gammas), heads)
+        hidden = rms_norm(torch.stack(self.newest), d.target.norm, d.target.config.rms_norm_eps)  # [B, H]
+        logits = d.heads(hidden, d.target.lm_head, count=g).transpose(0, 1)  # [B, g, V]
+        lengths = [min(k, heads) for k in gammas]
+        if sampler.greedy:
+            return argmax(logits), lengths, None
+        probs = sampler.probs(logits)
+        return sampler.sample(probs), lengths, probs
+
+    def alone(self) -> Drafter:
+        return self.d
+
+
+class RowMTP(RowDrafter):
+    """The target's MTP heads 1..n-1 for every row (MTPDrafter batched): their own cache a row a
+    sequence, row b's position p at slot p. A round first runs each row's accepted trunk outputs
+    through the heads (padded to the longest row's, the padding writing only slots past the row's
+    own, which its next outputs overwrite before anything reads them), then head i's top token at
+    each row's newest position is the draft's token i (sampled: a draw from head i's distribution).
+    A prompt just taken from the queue runs its rows alone first."""
+
+    def __init__(self, drafter: MTPDrafter):
+        self.d, self.name, self.hidden_layers = drafter, f"{drafter.name} (rows)", drafter.hidden_layers
+        self.kv_layers: list[Tensor] = []
+
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
+        heads, target, B = self.d.heads, self.d.target, len(prompts)
+        if not self.kv_layers or self.kv_layers[0].shape[0] != B or self.kv_layers[0].shape[2] < capacity + 1:
+            self.kv_layers = []  # free the old one first
+            self.kv_layers = list(KVCache(heads.cfg, B, capacity + 1, target.device, target.dtype).kv.unbind(0))
+        self.seen = [0] * B  # each row's positions in the heads' cache
+        self.pending: list[list[Tensor]] = [[] for _ in prompts]
+
+    def refill(self, b: int, prompt: list[int]) -> None:
+        self.seen[b], self.pending[b] = 0, []
+
+    def observe(self, b: int, hidden: Tensor) -> None:
+        self.pending[b].append(hidden)
+
+    def _run(self, z: Tensor, starts: list[int], last: list[int], rows: slice) -> Tensor:
+        """The heads' logits [n-1, B, V] at row b's position last[b] of z [B, T, H], row b at slots
+        starts[b] onward in the cache's rows `rows`."""
+        target, (B, T) = self.d.target, z.shape[:2]
+        device = target.device
+        start = torch.tensor(starts).to(device, non_blocking=True)
+        a = target.attention_inputs(start, T, max(starts) + T, row_start=torch.zeros_like(start))
+        picked = torch.tensor([b * T + k for b, k in enumerate(last)]).to(device, non_blocking=True)
+        kv = [layer[rows] for layer in self.kv_layers]
+        return self.d.heads.run(z.reshape(B * T, -1), B, a, kv, target, picked)
+
+    def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
+        B, heads = len(self.seen), self.d.heads.num_heads - 1
+        g = min(max(gammas), heads)
+        z = [torch.cat(p) if p else None for p in self.pending]  # each row's newly accepted positions
+        self.pending = [[] for _ in range(B)]
+        for b, rows in enumerate(z):  # a prompt just taken from the queue: its rows alone, all but the last
+            if rows is not None and rows.shape[0] > g + 1:
+                self._run(rows[None, :-1], [self.seen[b]], [rows.shape[0] - 2], slice(b, b + 1))
+                self.seen[b] += rows.shape[0] - 1
+                z[b] = rows[-1:]
+        zero = next(r for r in z if r is not None)[:1] * 0  # (a stopped row: one row of zeros, its logits unused)
+        counts = [0 if r is None else r.shape[0] for r in z]
+        padded = pad_sequence([zero if r is None else r for r in z], batch_first=True)  # [B, m, H]
+        logits = self._run(padded, self.seen, [max(k, 1) - 1 for k in counts], slice(0, B))[:g].transpose(0, 1)
+        self.seen = [s + k for s, k in zip(self.seen, counts, strict=True)]
+        lengths = [min(k, heads) for k in gammas]
+        if sampler.greedy:
+            return argmax(logits), lengths, None
+        probs = sampler.probs(logits)
+        return sampler.sample(probs), lengths, probs
+
+    def alone(self) -> Drafter:
+        return self.d
+
+
 def _resized(inputs: dict[str, Tensor], R: int) -> dict[str, Tensor]:
     """A catch-up's inputs at R rows a sequence: cut, or padded with rows that write slots past the
     sequence's only (stale, rewritten before they are read: a capture runs the step)."""
@@ -293,13 +431,19 @@ def _resized(inputs: dict[str, Tensor], R: int) -> dict[str, Tensor]:
 
 
 def batch_drafter(drafter: Drafter) -> RowDrafter | None:
-    """The batched form of a runtime drafter (prompt lookup, a stand-alone model, EAGLE-3 as chains),
-    or None for the kinds that decode a prompt at a time (Medusa, MTP, truncate, layer skip, lookup
-    first, draft exits)."""
+    """The batched form of a runtime drafter (prompt lookup, a stand-alone model, the target cut short
+    or with layers skipped, EAGLE-3 and Medusa as chains, MTP heads), or None for the kinds that
+    decode a prompt at a time (lookup first, draft exits)."""
     if isinstance(drafter, NgramDrafter):
         return RowLookup(drafter.max_ngram, drafter.min_ngram)
+    if isinstance(drafter, MedusaDrafter):
+        return RowMedusa(drafter)
+    if isinstance(drafter, MTPDrafter):
+        return RowMTP(drafter)
     if isinstance(drafter, Eagle3Drafter) and drafter.draft_exit is None:
         return RowEagle3(drafter)
-    if isinstance(drafter, ModelDrafter) and not drafter.shares_target_cache and drafter.draft_exit is None:
+    if isinstance(drafter, ModelDrafter) and drafter.draft_exit is None and drafter.shares_target_cache:
+        return RowSelf(drafter)
+    if isinstance(drafter, ModelDrafter) and drafter.draft_exit is None:
         return RowModel(drafter.model, drafter.vocab_size, drafter.name)
     return None

@@ -88,12 +88,15 @@ class MedusaHeads(nn.Module):
         x = self.blocks[k](hidden)
         return self._project(lm_head, x) if self.lm_heads is None else self.lm_heads[k](x)
 
-    def forward(self, hidden: Tensor, lm_head: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """Every head's logits [heads, ..., V]; lm_head (the target's) is required when shared."""
-        x = torch.stack([blocks(hidden) for blocks in self.blocks])  # [heads, ..., H]
+    def forward(
+        self, hidden: Tensor, lm_head: Callable[[Tensor], Tensor] | None = None, count: int | None = None
+    ) -> Tensor:
+        """The first `count` heads' logits [count, ..., V] (default: every head's); lm_head (the
+        target's) is required when shared."""
+        x = torch.stack([blocks(hidden) for blocks in self.blocks[:count]])  # [count, ..., H]
         if self.lm_heads is None:
             return self._project(lm_head, x)  # one pass over the shared projection for all heads
-        return torch.stack([head(x[k]) for k, head in enumerate(self.lm_heads)])
+        return torch.stack([head(x[k]) for k, head in enumerate(self.lm_heads[:count])])
 
     @staticmethod
     def _project(lm_head: Callable[[Tensor], Tensor] | None, x: Tensor) -> Tensor:

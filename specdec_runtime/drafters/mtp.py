@@ -63,10 +63,15 @@ class MTPHeads(nn.Module):
         """Logits [n-1, V] of heads 1..n-1 at the last of the trunk outputs z [T, H] (slots start..)."""
         T = z.shape[0]
         a = target.attention_inputs(target.slots[start], T, start + T)  # the target's rope and masks
+        return self.run(z, 1, a, self.kv_layers, target, torch.tensor([T - 1], device=z.device))[:, 0]
+
+    def run(self, z: Tensor, B: int, a, kv_layers: list[Tensor], target: Decoder, picked: Tensor) -> Tensor:
+        """Logits [n-1, len(picked), V] of heads 1..n-1 at rows `picked` of the trunk outputs z [B*T, H]
+        under attention inputs a (the target's: one sequence's, or a slot per row), K/V in kv_layers."""
         last = []
-        for block, kv in zip(self.layers, self.kv_layers):
-            x = attention(z, 1, *block.attn_weights, a.cos, a.sin, kv, a.slots, a.mask, a.bound, block.eps)
-            last.append(mlp(x, *block.mlp_weights, block.eps)[-1])
+        for block, kv in zip(self.layers, kv_layers, strict=True):
+            x = attention(z, B, *block.attn_weights, a.cos, a.sin, kv, a.slots, a.mask, a.bound, block.eps)
+            last.append(mlp(x[picked], *block.mlp_weights, block.eps))  # (row-wise: the others' are unused)
         h = rms_norm(torch.stack(last), target.norm, target.config.rms_norm_eps)
         return target.lm_head(h)
 

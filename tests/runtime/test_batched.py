@@ -8,19 +8,53 @@ import torch
 
 from specdec_runtime import graphs, rows
 from specdec_runtime.batched import generate_many
-from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowModel, batch_drafter
+from specdec_runtime.drafters.batched import (
+    RowEagle3,
+    RowLookup,
+    RowMedusa,
+    RowModel,
+    RowMTP,
+    RowSelf,
+    batch_drafter,
+)
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
+from specdec_runtime.drafters.medusa import MedusaDrafter
 from specdec_runtime.drafters.protocol import RowDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import generate
 from specdec_runtime.measure import measure
+from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler
+from specdec_runtime.tree import Tree
 from tests.conftest import assert_sequences_follow, runtime_from_hf, sequence_joint, tiny_decoder, tiny_hf_model
 from tests.runtime.test_eagle3 import tiny as eagle3_tiny
+from tests.runtime.test_fast_path import mtp_drafter
+from tests.runtime.test_medusa import random_heads
 
 PROMPTS = [[1, 5, 9, 5, 9], [1, 7, 7, 7, 30, 12, 40, 41, 42, 43, 7, 7, 7], [1, 4], [1, 20, 21, 22, 23, 20, 21], [3]]
+
+
+def heads_target(kind: str = "qwen3", seed: int = 3):
+    """(transformers model, our target) of 4 layers and 16 tokens: random heads' drafts hit at times."""
+    hf = tiny_hf_model(kind, seed=seed, num_hidden_layers=4, vocab_size=16)
+    return hf, runtime_from_hf(hf)
+
+
+OWN = ["medusa", "mtp", "truncate", "layer skip"]  # drafters that read the target's states or are the target
+
+
+def own_drafter(kind: str, target, hf):
+    """Of a 4-layer target (heads_target): three random Medusa heads drafting chains, MTP heads 1 and
+    2 (test_fast_path's), its first 2 layers, or its layers with sublayers skipped."""
+    if kind == "medusa":
+        return MedusaDrafter(random_heads(64, target.config.vocab_size, seed=7), target, Tree.chain(3))
+    if kind == "truncate":
+        return ModelDrafter(target, exit_layer=2, shares_target_cache=True, name="truncate:2")
+    if kind == "layer skip":
+        return ModelDrafter(target, skip=LayerSkip(attn={1}, mlp={2}), shares_target_cache=True, name="skip")
+    return mtp_drafter(target, hf)
 
 
 def perturbed(model):
@@ -76,7 +110,7 @@ def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter, r
     assert generate(target, PROMPTS[0], max_new_tokens=20).tokens == free[0]  # nothing left behind
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle3"])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa", "mtp", "truncate"])
 def test_sampled_rows_follow_the_targets_distribution(kind):
     """Short prompts beside a long one, a sampling drafter: their first two tokens (the second
     from speculative sampling of a draft) follow the exact joint of the target's warped
@@ -85,6 +119,9 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
     if kind == "model":
         hf = tiny_hf_model(seed=4)
         target, rows, short = runtime_from_hf(hf), RowModel(perturbed(runtime_from_hf(hf))), [1, 5, 9]
+    elif kind in OWN:  # (heads' draws: each head's distribution at the newest token; the target's first layers')
+        hf, target = heads_target("llama", seed=5)
+        rows, short = batch_drafter(own_drafter(kind, target, hf)), [1, 5, 9]
     else:  # (a prompt after which its random drafts are accepted at times)
         hf, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
         rows, short = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False)), [1, 2, 3, 4]
@@ -130,12 +167,63 @@ def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled, on_devi
     assert sum(g.stats.accepted for g in many) > 5
 
 
+@pytest.mark.parametrize("kind", OWN)
+@pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
+def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monkeypatch, kind, batch):
+    """Medusa heads (chains), MTP heads, truncate and layer skip: every row's output equals the
+    target's greedy output, and each round drafted for it the very tokens the same drafter drafts
+    decoding that prompt alone (MTP's 2 heads: 2 of gamma 3)."""
+    hf, target = heads_target()
+    drafter = own_drafter(kind, target, hf)
+    rows = batch_drafter(drafter)
+    kinds = {"medusa": RowMedusa, "mtp": RowMTP, "truncate": RowSelf, "layer skip": RowSelf}
+    assert isinstance(rows, kinds[kind]) and rows.hidden_layers == drafter.hidden_layers
+    prompts = [[t % 16 for t in p] for p in PROMPTS]
+    drafted: dict[str, dict[tuple, list]] = {"rows": {}, "alone": {}}  # each prompt's drafts, round by round
+    row_prompt = []
+    start, refill, draft_rows, draft_alone = type(rows).start, type(rows).refill, type(rows).draft, type(drafter).draft
+
+    def on_start(self, prompts, *args):
+        row_prompt[:] = [tuple(p) for p in prompts]
+        return start(self, prompts, *args)
+
+    def on_refill(self, b, prompt):
+        row_prompt[b] = tuple(prompt)
+        return refill(self, b, prompt)
+
+    def on_draft_rows(self, gammas, sampler):
+        tokens, lengths, q = draft_rows(self, gammas, sampler)
+        for b, n in enumerate(lengths):
+            if n:
+                drafted["rows"].setdefault(row_prompt[b], []).append(tokens[b, :n].tolist())
+        return tokens, lengths, q
+
+    def on_draft_alone(self, ids, gamma, sampler):
+        draft = draft_alone(self, ids, gamma, sampler)
+        drafted["alone"].setdefault(row_prompt[0], []).append(draft.tokens.tolist())
+        return draft
+
+    monkeypatch.setattr(type(rows), "start", on_start)
+    monkeypatch.setattr(type(rows), "refill", on_refill)
+    monkeypatch.setattr(type(rows), "draft", on_draft_rows)
+    monkeypatch.setattr(type(drafter), "draft", on_draft_alone)
+    many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3, rows=batch)
+    for p, g in zip(prompts, many, strict=True):
+        row_prompt[:] = [tuple(p)]
+        alone = generate(target, p, drafter, max_new_tokens=24, gamma=3)
+        assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
+        assert drafted["rows"][tuple(p)] == drafted["alone"][tuple(p)]
+        assert g.stats.accepted_at == alone.stats.accepted_at
+    assert sum(g.stats.accepted for g in many) > 5
+
+
 def test_drafters_that_decode_a_prompt_at_a_time_say_so():
     target = tiny_decoder(seed=0)
     assert isinstance(batch_drafter(NgramDrafter(4)), RowLookup)
     assert isinstance(batch_drafter(ModelDrafter(tiny_decoder(seed=1))), RowModel)
     assert batch_drafter(LookupFirst(ModelDrafter(tiny_decoder(seed=1)))) is None
-    assert batch_drafter(ModelDrafter(target, exit_layer=1, shares_target_cache=True)) is None
+    assert batch_drafter(ModelDrafter(target, exit_layer=1, shares_target_cache=True, confidence=0.5)) is None
+    assert batch_drafter(ModelDrafter(tiny_decoder(seed=1), confidence=0.5)) is None
     with pytest.raises(SpecdecError, match="empty"):
         generate_many(target, [[1, 2], []])
 
@@ -185,6 +273,11 @@ def fast_target(drafter: str, device: str = "cpu"):
         fast = compile_(fast)
         drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True)
         return eager.to(device), fast, RowEagle3(drafter), prompts
+    if drafter in OWN:
+        (hf, eager), (_, fast) = heads_target(), heads_target()
+        fast = compile_(fast)
+        prompts = [[t % 16 for t in p] for p in PROMPTS]
+        return eager.to(device), fast, batch_drafter(own_drafter(drafter, fast, hf)), prompts
     eager, fast = tiny_decoder("qwen3", seed=3).to(device), compile_(tiny_decoder("qwen3", seed=3))
     if drafter == "long later":  # the warm-up's 3 prompts never draft (so only measure's chains of every
         # length, measure._RowChains, capture those verify steps), the long ones that wait for a row do
@@ -193,7 +286,7 @@ def fast_target(drafter: str, device: str = "cpu"):
     return eager, fast, {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter], PROMPTS
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", "long later"])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", *OWN, "long later"])
 def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothing_after_warm_up(drafter):
     """A compiled target: 5 prompts streamed through 3 rows (a captured batch size of 4, one row of
     padding), each round a captured step. After measure's warm-up nothing is compiled or captured,
@@ -211,7 +304,7 @@ def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothin
     assert {key[1][0] for key in target.steps} == {4} and target.cache.kv.shape[1] == 4
     alone = [generate(eager, p, max_new_tokens=20).tokens for p in prompts]
     assert [g.tokens for g in report.spec] == [g.tokens for g in report.baseline] == alone
-    if drafter in ("model", "eagle3"):
+    if drafter in ("model", "eagle3", *OWN):
         assert sum(g.stats.accepted for g in report.spec) > 5
 
 
@@ -236,7 +329,12 @@ def test_a_stream_at_forced_acceptance_captures_nothing_after_warm_up():
 SYNCS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3"])
+def verifies(decoder, target, kwargs) -> bool:
+    """Whether a forward is the target's own, every layer (not a truncate or layer-skip draft step)."""
+    return decoder is target and kwargs.get("exit_layer") is None and kwargs.get("skip") is None
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", *OWN])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
     """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
@@ -246,11 +344,13 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
     target = fast if compiled else eager
     if drafter == "eagle3" and not compiled:
         row_drafter = RowEagle3(Eagle3Drafter(row_drafter.d.model, eager, cpu_bf16=False))
+    if drafter in OWN and not compiled:  # (of the eager target)
+        row_drafter = batch_drafter(own_drafter(drafter, eager, heads_target()[0]))
     generate_many(target, prompts, row_drafter, max_new_tokens=20, gamma=3, rows=3)  # warm-up
     count, forwards, forward = {"n": 0}, {"n": 0}, rows.forward
 
     def counted_forward(decoder, *args, **kwargs):
-        forwards["n"] += decoder is target
+        forwards["n"] += verifies(decoder, target, kwargs)
         return forward(decoder, *args, **kwargs)
 
     with monkeypatch.context() as patched:
@@ -268,7 +368,7 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3"])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", *OWN])
 def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_forward(monkeypatch, drafter):
     """Real CUDA graphs in fp32 (3 rows in a captured batch size of 4): every output is the target's
     own greedy output, every round's step is a graph, and the host waits for the device at most
@@ -282,7 +382,7 @@ def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_for
     forwards, forward = {"n": 0}, rows.forward
 
     def counted_forward(decoder, *args, **kwargs):
-        forwards["n"] += decoder is target
+        forwards["n"] += verifies(decoder, target, kwargs)
         return forward(decoder, *args, **kwargs)
 
     monkeypatch.setattr(rows, "forward", counted_forward)

@@ -217,14 +217,15 @@ def test_batch_sizes_compare_each_drafter_with_autoregressive_at_the_same_size(t
     as `generate --batch-size` (greedy outputs all equal the autoregressive ones); a kind that decodes
     one prompt at a time gets its batch-1 row and says so at 3."""
     out = tmp_path / "out"
-    main(argv(tiny_dir, tmp_path, out, "none,ngram,truncate:2", "--batch-sizes", "3,1", "--modes", "greedy"))
+    drafters = "none,truncate:2,truncate:2+lookup"
+    main(argv(tiny_dir, tmp_path, out, drafters, "--batch-sizes", "3,1", "--modes", "greedy"))
     rows = json.loads((out / "batch.json").read_text())
-    assert [(r["drafter"], r["batch"]) for r in rows] == [("ngram", 1), ("ngram", 3), ("truncate:2", 1),
-                                                          ("truncate:2", 3)]  # fmt: skip
+    assert [(r["drafter"], r["batch"]) for r in rows] == [(d, b) for d in drafters.split(",")[1:] for b in (1, 3)]
     assert rows[3]["note"] == "decodes one prompt at a time" and "speedup" not in rows[3]
     for r in rows[:3]:
         assert r["lossless"] == 1.0 and r["tau"] >= 1.0 and r["speedup"] == pytest.approx(r["tok_s"] / r["ar_tok_s"])
-    assert (out / "speedup_vs_batch.png").stat().st_size > 0 and "| ngram | greedy | 3 |" in capsys.readouterr().out
+    assert (out / "speedup_vs_batch.png").stat().st_size > 0
+    assert "| truncate:2 | greedy | 3 |" in capsys.readouterr().out
 
 
 def test_tune_writes_the_best_setting_per_batch_size_and_temperature_with_the_engines(tiny_dir, tmp_path, capsys):
@@ -248,6 +249,30 @@ def test_tune_writes_the_best_setting_per_batch_size_and_temperature_with_the_en
         assert s["best"]["vllm"] == {"method": "ngram", "num_speculative_tokens": g, "prompt_lookup_max": 3,
                                      "prompt_lookup_min": 1}  # fmt: skip
     assert "| 2 | 0.8 |" in capsys.readouterr().out
+
+
+def test_tune_measures_medusa_chains_at_every_batch_size_and_writes_vllms_medusa_config(tmp_path):
+    """An export's Medusa heads (3 of them: no chain longer than 3) at batch 1 and 2: chains of each
+    gamma, run batched at 2, and vLLM's config pointing at the export's vllm/ layout."""
+    from specdec_runtime.drafters.medusa import write_layout
+    from tests.runtime.test_medusa import random_heads
+
+    hf_dir = save_tiny_model(tmp_path / "target", num_hidden_layers=3)
+    vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    heads, export = random_heads(64, vocab), tmp_path / "export"
+    write_layout(heads, export, "faster_decoding", str(hf_dir))
+    write_layout(heads, export / "vllm", "vllm", str(hf_dir))
+    prompts, out = write_prompt_file(tmp_path / "p.jsonl", 3, stride=5, suffix=" and"), tmp_path / "tune.json"
+    main(["tune", "--target", str(hf_dir), "--drafter", str(export), "--prompts", str(prompts), "--batch-sizes", "1,2",
+          "--temperatures", "0", "--gammas", "2,5", "--max-new-tokens", "12", "--output", str(out)])  # fmt: skip
+    settings = json.loads(out.read_text())["settings"]
+    for s in settings:
+        chains = [c for c in s["candidates"] if not c["lookup"]]
+        assert [c["name"] for c in chains] == ["chain:2", "chain:3"] and s["best"]["tok_s"] > 0
+        for c in chains:
+            vllm = {"method": "medusa", "model": str(export / "vllm"), "num_speculative_tokens": c["gamma"]}
+            assert c["vllm"] == vllm and c["tau"] >= 1
+    assert [len(s["candidates"]) for s in settings] == [3, 2]  # (batch 1: lookup first too)
 
 
 def test_tune_refuses_bad_lists_before_loading(tmp_path, capsys):

@@ -222,13 +222,13 @@ def test_batched_generation_writes_each_prompts_output_equal_to_autoregressive(t
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "why?", "a b c a b c")))
     common = ["generate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "16"]
     outs = {}
-    for drafter in ("none", "ngram", "truncate:1"):
-        out_file = tmp_path / f"{drafter.replace(':', '')}.jsonl"
+    for drafter in ("none", "ngram", "truncate:1", "truncate:1+lookup"):
+        out_file = tmp_path / f"{drafter.replace(':', '').replace('+', '')}.jsonl"
         main([*common, "--drafter", drafter, "--batch-size", "2", "--baseline", "--output", str(out_file)])
         printed = capsys.readouterr()
         outs[drafter] = [json.loads(line) for line in out_file.read_text().splitlines()]
         assert "100%" in printed.out and all(r["identical_to_baseline"] for r in outs[drafter])
-        alone = drafter == "truncate:1"
+        alone = drafter == "truncate:1+lookup"
         assert ("batch 2" in printed.out) != alone and ("decodes one prompt at a time" in printed.err) == alone
     for records in outs.values():
         assert [r["output_ids"] for r in records] == [r["output_ids"] for r in outs["none"]]
