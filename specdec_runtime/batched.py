@@ -131,8 +131,10 @@ def generate_many(
             gammas = [0 if done[b] else min(gamma, max_new_tokens - len(out[row_of[b]]) - 1) for b in range(B)]
             if drafter is not None and max(gammas) > 0:
                 drafts, lengths, q = drafter.draft(gammas, sampler)
+                looked = drafter.lookup_rows  # (RowLookupFirst's rows that a lookup drafted)
             else:
                 drafts, lengths, q = torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None
+                looked = frozenset()
             t2 = time.perf_counter()
             g = max(lengths)
             newest = torch.tensor([out[j][-1] for j in row_of]).to(device, non_blocking=True)
@@ -153,7 +155,7 @@ def generate_many(
                     if t in stop_ids:
                         new = new[: i + 1]
                         break
-                stats[j].record_round(lengths[b], min(k, len(new)))
+                stats[j].record_round(lengths[b], min(k, len(new)), b in looked)
                 out[j] += new
                 slot[b] += k + 1
                 done[b] = finished(out[j])

@@ -4,11 +4,13 @@ and drafter, measured on the runtime, and the same settings as vLLM and SGLang t
     specdec tune --drafter runs/eagle3/export --batch-sizes 1,4,16 --temperatures 0,0.7 --gammas 1,2,3,4,5
 
 Per batch size and temperature: autoregressive decoding at that batch size once, then each
-candidate on the same prompts: chains of each gamma; at batch 1 also the drafter's own drafting
-(an EAGLE-3 export's tree, a Medusa tree) and, for model drafters, prompt lookup first
-(SPEC+lookup). The best (tokens/s) is written to tune.json with the speedup it measured, beside
-every candidate's figures and the engines' settings for it (`serving`); where the best is the
-runtime's own (lookup first), the best an engine serves too (best_served). The engines count
+candidate on the same prompts: chains of each gamma (Medusa and MTP heads: no longer than their
+heads); at batch 1 also an EAGLE-3 export's own tree; for model drafters, prompt lookup first
+(SPEC+lookup, with the export's phrase table where it has one) before its own drafting at batch 1,
+before the chain of the longest gamma in batches. The best (tokens/s) is written to tune.json with
+the speedup it measured, beside every candidate's figures and the engines' settings for it
+(`serving`); where the best is the runtime's own (lookup first), the best an engine serves too
+(best_served). The engines count
 differently: vLLM's num_speculative_tokens is the draft length (a chain; vLLM drafts greedily at
 any temperature), SGLang's num_draft_tokens counts the verified root too (a chain of gamma: gamma
 + 1; a tree of n nodes: n + 1) and its eagle-topk is 1 for chains.
@@ -23,7 +25,7 @@ from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
 from specdec_runtime.drafters.medusa import MedusaDrafter, read_layout
 from specdec_runtime.drafters.mtp import MTPDrafter
-from specdec_runtime.drafters.spec import LOOKUP, as_chains, build_drafter
+from specdec_runtime.drafters.spec import LOOKUP, as_chains, build_drafter, phrase_table
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.engines.sglang import eagle_draft_tokens
 from specdec_runtime.loading import LoadedModel
@@ -42,16 +44,21 @@ def candidates(spec: str, target: LoadedModel, batch: int, gammas: Sequence[int]
     if runs is None:
         return []
     out = [dict(name=f"chain:{g}", drafter=runs, gamma=g, tree_budget=0, top_k=1, lookup=False) for g in gammas]
-    if batch > 1:
-        return out
     budget, g = getattr(own, "tree_budget", 0), own.gamma or max(gammas)
+    table = None if isinstance(own, NgramDrafter) else phrase_table(spec, target)  # (an export's, as SPEC+lookup)
+    if batch > 1:  # chains, lookup first before the chain of the longest gamma tried
+        g = max(gammas)
+        if not isinstance(own, NgramDrafter):
+            first = batch_drafter(LookupFirst(chain, table=table))
+            out.append(dict(name=f"chain:{g}{LOOKUP}", drafter=first, gamma=g, tree_budget=0, top_k=1, lookup=True))
+        return out
     if budget:  # its own tree, at its own depth
         top_k = getattr(own, "top_k", 0)
         out.append(dict(name=f"tree:{budget}:{g}", drafter=own, gamma=g, tree_budget=budget, top_k=top_k,
                         lookup=False))  # fmt: skip
     if not isinstance(own, NgramDrafter):  # prompt lookup first, then its own drafting
-        out.append(dict(name=("tree" if budget else f"chain:{g}") + LOOKUP, drafter=LookupFirst(own), gamma=g,
-                        tree_budget=budget, top_k=getattr(own, "top_k", 1), lookup=True))  # fmt: skip
+        out.append(dict(name=("tree" if budget else f"chain:{g}") + LOOKUP, drafter=LookupFirst(own, table=table),
+                        gamma=g, tree_budget=budget, top_k=getattr(own, "top_k", 1), lookup=True))  # fmt: skip
     return out
 
 

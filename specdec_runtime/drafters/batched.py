@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, Eagle3Drafter, layer_rows
-from specdec_runtime.drafters.lookup import NgramDrafter
+from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
 from specdec_runtime.drafters.medusa import MedusaDrafter
 from specdec_runtime.drafters.mtp import MTPDrafter
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
@@ -55,6 +55,64 @@ class RowLookup(RowDrafter):
 
     def alone(self) -> Drafter:
         return NgramDrafter(self.max_ngram, self.min_ngram)
+
+
+class RowLookupFirst(RowDrafter):
+    """LookupFirst for every row: a row whose last tokens occurred before (n-grams of min_ngram..
+    max_ngram tokens) drafts what followed them, else the phrase table's chain where it has one,
+    else the model's draft. The model drafts every row every round all the same (its rows are one
+    batched step, and it keeps up with every row's tokens and states); a looked-up row's draft
+    replaces its row. Unlike one sequence's, a lookup drafts no more than the round's gamma and is
+    not merged with the model's nodes (chains)."""
+
+    def __init__(self, first: LookupFirst, drafter: RowDrafter):
+        """first: the runtime drafter (a batch of one decodes with it); drafter: its model's rows."""
+        self.first, self.d, self.table = first, drafter, first.table
+        self.lookup = RowLookup(first.lookup.max_ngram, first.lookup.min_ngram)
+        self.name = f"{drafter.name}+lookup" + ("+phrases" if first.table is not None else "")
+        self.hidden_layers = drafter.hidden_layers
+        self.lookup_rows: frozenset[int] = frozenset()
+
+    def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
+        self.lookup.start(prompts, row_start, capacity)
+        self.d.start(prompts, row_start, capacity)
+
+    def refill(self, b: int, prompt: list[int]) -> None:
+        self.lookup.refill(b, prompt)
+        self.d.refill(b, prompt)
+
+    def observe_tokens(self, b: int, tokens: list[int]) -> None:
+        self.lookup.observe_tokens(b, tokens)
+        self.d.observe_tokens(b, tokens)
+
+    def observe(self, b: int, hidden: Tensor) -> None:
+        self.d.observe(b, hidden)
+
+    def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
+        tokens, lengths, q = self.d.draft(gammas, sampler)
+        longest = self.first.tokens  # (the match one sequence's lookup takes, cut to the round's gamma)
+        found = [row.continuation(max(g, longest))[:g] for row, g in zip(self.lookup.rows, gammas, strict=True)]
+        if self.table is not None:
+            found = [f or (self.table.chain_ids(row.seq, g) if g else []) for f, row, g in
+                     zip(found, self.lookup.rows, gammas, strict=True)]  # fmt: skip
+        self.lookup_rows = frozenset(b for b, f in enumerate(found) if f)
+        if not self.lookup_rows:
+            return tokens, lengths, q
+        for b in self.lookup_rows:
+            self.d.pass_row(b)
+        B, W = len(found), max(tokens.shape[1], *map(len, found))
+        chains = torch.tensor([f + [0] * (W - len(f)) for f in found])
+        looked = torch.tensor([bool(f) for f in found])  # (host tensors, copied without waiting)
+        chains, looked = chains.to(tokens.device, non_blocking=True), looked.to(tokens.device, non_blocking=True)
+        tokens = torch.where(looked[:, None], chains, F.pad(tokens, (0, W - tokens.shape[1])))
+        lengths = [len(f) if f else n for f, n in zip(found, lengths, strict=True)]
+        if q is not None:  # a lookup's token is certain: a one-hot q is the deterministic draft's rule
+            one_hot = F.one_hot(chains, q.shape[-1]).to(q.dtype)
+            q = torch.where(looked[:, None, None], one_hot, F.pad(q, (0, 0, 0, W - q.shape[1])))
+        return tokens.view(B, W), lengths, q
+
+    def alone(self) -> Drafter:
+        return self.first
 
 
 class RowModel(RowDrafter):
@@ -119,6 +177,9 @@ class RowModel(RowDrafter):
                 logits = self.model(token[:, None], [s + i for s in starts], logits_to_keep=1).logits[:, -1]
         self.seen = [len(seq) + g - 1 for seq in self.seqs]  # the drafts but the last are cached
         return torch.stack(tokens, 1), list(gammas), torch.stack(probs, 1) if probs else None
+
+    def pass_row(self, b: int) -> None:
+        self.seen[b] = len(self.seqs[b])  # (its own drafts, cached past the sequence, are not what comes next)
 
     def alone(self) -> Drafter:
         return ModelDrafter(self.model, vocab_size=self.vocab_size, name=self.name)
@@ -432,10 +493,13 @@ def _resized(inputs: dict[str, Tensor], R: int) -> dict[str, Tensor]:
 
 def batch_drafter(drafter: Drafter) -> RowDrafter | None:
     """The batched form of a runtime drafter (prompt lookup, a stand-alone model, the target cut short
-    or with layers skipped, EAGLE-3 and Medusa as chains, MTP heads), or None for the kinds that
-    decode a prompt at a time (lookup first, draft exits)."""
+    or with layers skipped, EAGLE-3 and Medusa as chains, MTP heads, lookup first before any of
+    them), or None for the kinds that decode a prompt at a time (draft exits)."""
     if isinstance(drafter, NgramDrafter):
         return RowLookup(drafter.max_ngram, drafter.min_ngram)
+    if isinstance(drafter, LookupFirst):
+        inner = batch_drafter(drafter.drafter)
+        return None if inner is None else RowLookupFirst(drafter, inner)
     if isinstance(drafter, MedusaDrafter):
         return RowMedusa(drafter)
     if isinstance(drafter, MTPDrafter):

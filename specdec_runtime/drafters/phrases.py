@@ -38,6 +38,7 @@ class PhraseTable:
         lengths = (self.chains >= 0).sum(1).tolist()
         self.rows = {tuple(k): (i, g) for i, (k, g) in enumerate(zip(self.keys.tolist(), lengths))}
         self.device_chains = self.chains.clamp(min=0).to(device)  # drafts are slices: no copy a round
+        self.host_chains: list[list[int]] | None = None  # (chain_ids: a batch's rows are assembled on the host)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -90,6 +91,16 @@ class PhraseTable:
             return None
         row, g = found
         return self.device_chains[row, : g if limit is None else min(g, limit)]
+
+    def chain_ids(self, seq: Sequence[int], limit: int) -> list[int]:
+        """get()'s chain as host ids ([] if none)."""
+        found = self.rows.get(tuple(seq[-self.n :])) if len(seq) >= self.n else None
+        if found is None:
+            return []
+        if self.host_chains is None:
+            self.host_chains = self.chains.tolist()
+        row, g = found
+        return self.host_chains[row][: min(g, limit)]
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file

@@ -92,6 +92,7 @@ class RowDrafter(Protocol):
 
     name: str = "drafter"
     hidden_layers: tuple[int, ...] = ()  # the target's residual streams it reads (see observe)
+    lookup_rows: frozenset[int] = frozenset()  # the rows whose last draft was a lookup's (RowLookupFirst)
 
     def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
         """Reset for these prompts (left-padded: row b's tokens begin at slot row_start[b])."""
@@ -111,6 +112,10 @@ class RowDrafter(Protocol):
         """(tokens [B, g] padded, each row's draft length <= gammas[b], the distributions [B, g, V]
         they were sampled from or None where the drafts are deterministic)."""
         raise NotImplementedError
+
+    def pass_row(self, b: int) -> None:
+        """Row b's last draft was replaced by another drafter's (RowLookupFirst): what it cached of
+        its own draft does not hold the tokens verified next."""
 
     def alone(self) -> Drafter:
         """The runtime drafter a batch of one decodes with (generate)."""

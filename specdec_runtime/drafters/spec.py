@@ -65,9 +65,7 @@ def build_drafter(
         inner = build_drafter(inner_spec, target, confidence=confidence, dtype=dtype, tree=tree)
         if inner is None:
             raise SpecdecError(f"drafter '{spec}': lookup needs a drafter to fall back on; plain lookup is 'ngram'")
-        phrases = Path(inner_spec).expanduser() / PhraseTable.FILE
-        table = PhraseTable.load(phrases, target.model.device) if phrases.is_file() else None
-        return LookupFirst(inner, table=table)
+        return LookupFirst(inner, table=phrase_table(inner_spec, target))
     if spec.lower() in ("", "none", "ar"):
         return None
     if spec == "ngram" or spec.startswith("ngram:"):
@@ -101,6 +99,12 @@ def build_drafter(
     model = ModelDrafter(drafter.model, vocab_size=target.config.vocab_size, confidence=confidence, name=spec)
     model.source = drafter.path
     return model
+
+
+def phrase_table(spec: str, target: LoadedModel) -> PhraseTable | None:
+    """The phrase table of export folder `spec` (specdec_phrases/), on the target's device, if it has one."""
+    phrases = Path(spec).expanduser() / PhraseTable.FILE
+    return PhraseTable.load(phrases, target.model.device) if phrases.is_file() else None
 
 
 def as_chains(drafter: Drafter | None, spec: str, target: LoadedModel, **kw) -> Drafter | None:

@@ -47,6 +47,7 @@ class ModelDrafter(Drafter):
         self.gamma = gamma  # the draft length it was tuned for (a CLI default), if any
         self.draft_exit = draft_exit or (DraftExit(confidence, adaptive=False) if confidence > 0 else None)
         self.seen = 0  # own cache: leading positions that hold the current sequence
+        self.drafted_from = 0  # own cache: where the last draft's tokens begin
         self.residual_rows: Tensor | None = None  # [1, n, H] residual streams for verification (_residual_rows)
         self.vocab_ids = getattr(model, "vocab_ids", None)  # [N] a draft vocabulary's ids, if any
         self.last: tuple[int, int, bool] | None = None  # (L, drafted, full) of the previous draft
@@ -67,10 +68,13 @@ class ModelDrafter(Drafter):
             )
         self.model.setup_cache(1, capacity)
         self.model.prefill(prompt[None], logits_to_keep=1)
-        self.seen = prompt.shape[0]
+        self.seen = self.drafted_from = prompt.shape[0]
 
     def pass_round(self) -> None:
         self.last = None  # the draft exit learns only from rounds this drafter drafted
+        # Another drafter's tokens follow: its own cached drafts hold them no more (the next draft's
+        # min(seen, L - 1) keeps them only when its own draft was verified right after).
+        self.seen = min(self.seen, self.drafted_from)
 
     def _logits(self, logits: Tensor) -> Tensor:
         return in_target_vocab(logits, self.vocab_size, self.vocab_ids)
@@ -122,7 +126,7 @@ class ModelDrafter(Drafter):
                 conf = (p if p is not None else logits.float().softmax(-1))[token]
                 if self.draft_exit.stop(conf.item()):
                     break
-        self.seen = pos  # ids[:L] and all drafted tokens but the last are now cached
+        self.seen, self.drafted_from = pos, L  # ids[:L] and all drafted tokens but the last are now cached
         self.last = (L, len(tokens), len(tokens) == gamma)
         drafted, q = torch.stack(tokens), torch.stack(probs) if probs else None
         if not K:

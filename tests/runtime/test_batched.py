@@ -11,6 +11,7 @@ from specdec_runtime.batched import generate_many
 from specdec_runtime.drafters.batched import (
     RowEagle3,
     RowLookup,
+    RowLookupFirst,
     RowMedusa,
     RowModel,
     RowMTP,
@@ -20,6 +21,7 @@ from specdec_runtime.drafters.batched import (
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
 from specdec_runtime.drafters.medusa import MedusaDrafter
+from specdec_runtime.drafters.phrases import PhraseTable
 from specdec_runtime.drafters.protocol import RowDrafter
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.errors import SpecdecError
@@ -110,7 +112,7 @@ def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter, r
     assert generate(target, PROMPTS[0], max_new_tokens=20).tokens == free[0]  # nothing left behind
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa", "mtp", "truncate"])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa", "mtp", "truncate", "lookup first"])
 def test_sampled_rows_follow_the_targets_distribution(kind):
     """Short prompts beside a long one, a sampling drafter: their first two tokens (the second
     from speculative sampling of a draft) follow the exact joint of the target's warped
@@ -122,6 +124,10 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
     elif kind in OWN:  # (heads' draws: each head's distribution at the newest token; the target's first layers')
         hf, target = heads_target("llama", seed=5)
         rows, short = batch_drafter(own_drafter(kind, target, hf)), [1, 5, 9]
+    elif kind == "lookup first":  # (most of the rows' first tokens, 5 and 7, follow a 9 in the prompt: a lookup
+        # drafts a certain token there, one-hot beside the others' truncate:2 draws)
+        hf, target = heads_target("llama", seed=5)
+        rows, short = batch_drafter(LookupFirst(own_drafter("truncate", target, hf))), [9, 5, 9, 13, 9, 7, 1, 5, 9]
     else:  # (a prompt after which its random drafts are accepted at times)
         hf, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
         rows, short = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False)), [1, 2, 3, 4]
@@ -129,6 +135,7 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
     sampler = Sampler(1.0, top_k=3, seed=0)
     out = generate_many(target, [long] + [short] * 799, rows, sampler, max_new_tokens=3, gamma=2, rows=700)
     assert sum(g.stats.drafted for g in out) >= 799 and 0 < sum(g.stats.accepted for g in out) < 799
+    assert (0 < sum(g.stats.lookup_rounds for g in out) < 799) == (kind == "lookup first")
 
     def next_logits(ids):
         with torch.no_grad():
@@ -179,7 +186,23 @@ def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monke
     kinds = {"medusa": RowMedusa, "mtp": RowMTP, "truncate": RowSelf, "layer skip": RowSelf}
     assert isinstance(rows, kinds[kind]) and rows.hidden_layers == drafter.hidden_layers
     prompts = [[t % 16 for t in p] for p in PROMPTS]
-    drafted: dict[str, dict[tuple, list]] = {"rows": {}, "alone": {}}  # each prompt's drafts, round by round
+    drafted, row_prompt = record_drafts(monkeypatch, rows, drafter)
+    many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3, rows=batch)
+    for p, g in zip(prompts, many, strict=True):
+        row_prompt[:] = [tuple(p)]
+        alone = generate(target, p, drafter, max_new_tokens=24, gamma=3)
+        assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
+        assert drafted["rows"][tuple(p)] == drafted["alone"][tuple(p)]
+        assert g.stats.accepted_at == alone.stats.accepted_at
+    assert sum(g.stats.accepted for g in many) > 5
+
+
+def record_drafts(monkeypatch, rows: RowDrafter, drafter):
+    """({"rows": {prompt: drafts}, "alone": {prompt: drafts}}, the prompt of each row): each round's
+    draft (host ids) of the row drafter and of the runtime drafter, by prompt; the runtime
+    drafter's cut to the round's gamma, as the loop cuts it. Set row_prompt[:] = [prompt] before
+    generate() decodes one alone."""
+    drafted: dict[str, dict[tuple, list]] = {"rows": {}, "alone": {}}
     row_prompt = []
     start, refill, draft_rows, draft_alone = type(rows).start, type(rows).refill, type(rows).draft, type(drafter).draft
 
@@ -200,30 +223,54 @@ def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monke
 
     def on_draft_alone(self, ids, gamma, sampler):
         draft = draft_alone(self, ids, gamma, sampler)
-        drafted["alone"].setdefault(row_prompt[0], []).append(draft.tokens.tolist())
+        if draft.tokens.numel():
+            drafted["alone"].setdefault(row_prompt[0], []).append(draft.tokens[:gamma].tolist())
         return draft
 
     monkeypatch.setattr(type(rows), "start", on_start)
     monkeypatch.setattr(type(rows), "refill", on_refill)
     monkeypatch.setattr(type(rows), "draft", on_draft_rows)
     monkeypatch.setattr(type(drafter), "draft", on_draft_alone)
-    many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3, rows=batch)
+    return drafted, row_prompt
+
+
+@pytest.mark.parametrize("inner", ["model", "eagle3"])
+@pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
+def test_lookup_first_drafts_for_each_row_what_it_drafts_alone(monkeypatch, inner, batch):
+    """Lookup first (n-grams, then a phrase table, then the model's chain) before a stand-alone
+    model or EAGLE-3: every row's output is the target's greedy output, each round drafted for it
+    the tokens LookupFirst drafts for that prompt alone (lookups as long as gamma, not merged), and
+    as many rounds were lookups'."""
+    if inner == "eagle3":
+        _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
+        model_drafter, prompts = Eagle3Drafter(model, target, cpu_bf16=False), [[t % 16 for t in p] for p in PROMPTS]
+    else:
+        target, prompts = tiny_decoder("qwen3", seed=3), PROMPTS
+        model_drafter = ModelDrafter(perturbed(tiny_decoder("qwen3", seed=3)))
+    seq = prompts[2] + generate(target, prompts[2], max_new_tokens=12).tokens  # (a phrase the target goes on to say)
+    table = PhraseTable(torch.tensor([seq[4:8]]), torch.tensor([seq[8:11]]))
+    drafter = LookupFirst(model_drafter, tokens=3, table=table, merge=0)
+    rows = batch_drafter(drafter)
+    assert isinstance(rows, RowLookupFirst) and rows.alone() is drafter and rows.name.endswith("+lookup+phrases")
+    drafted, row_prompt = record_drafts(monkeypatch, rows, drafter)
+    many = generate_many(target, prompts, rows, max_new_tokens=20, gamma=3, rows=batch)
     for p, g in zip(prompts, many, strict=True):
         row_prompt[:] = [tuple(p)]
-        alone = generate(target, p, drafter, max_new_tokens=24, gamma=3)
-        assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
+        alone = generate(target, p, drafter, max_new_tokens=20, gamma=3)
+        assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=20).tokens
         assert drafted["rows"][tuple(p)] == drafted["alone"][tuple(p)]
-        assert g.stats.accepted_at == alone.stats.accepted_at
-    assert sum(g.stats.accepted for g in many) > 5
+        assert (g.stats.lookup_rounds, g.stats.accepted_at) == (alone.stats.lookup_rounds, alone.stats.accepted_at)
+    assert sum(g.stats.lookup_rounds for g in many) > 5 and sum(g.stats.lookup_accepted for g in many) > 3
 
 
 def test_drafters_that_decode_a_prompt_at_a_time_say_so():
     target = tiny_decoder(seed=0)
     assert isinstance(batch_drafter(NgramDrafter(4)), RowLookup)
     assert isinstance(batch_drafter(ModelDrafter(tiny_decoder(seed=1))), RowModel)
-    assert batch_drafter(LookupFirst(ModelDrafter(tiny_decoder(seed=1)))) is None
+    assert isinstance(batch_drafter(LookupFirst(ModelDrafter(tiny_decoder(seed=1)))), RowLookupFirst)
     assert batch_drafter(ModelDrafter(target, exit_layer=1, shares_target_cache=True, confidence=0.5)) is None
-    assert batch_drafter(ModelDrafter(tiny_decoder(seed=1), confidence=0.5)) is None
+    assert batch_drafter(ModelDrafter(tiny_decoder(seed=1), confidence=0.5)) is None  # (draft exits: a sync a token)
+    assert batch_drafter(LookupFirst(ModelDrafter(tiny_decoder(seed=1), confidence=0.5))) is None
     with pytest.raises(SpecdecError, match="empty"):
         generate_many(target, [[1, 2], []])
 
@@ -283,10 +330,12 @@ def fast_target(drafter: str, device: str = "cpu"):
         # length, measure._RowChains, capture those verify steps), the long ones that wait for a row do
         return eager, fast, Copies(after=20), PROMPTS[:3] + [list(range(1, 30)), list(range(40, 70))]
     draft_model = compile_(perturbed(tiny_decoder("qwen3", seed=3)))
+    if drafter == "lookup first":
+        return eager, fast, batch_drafter(LookupFirst(ModelDrafter(draft_model))), PROMPTS
     return eager, fast, {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter], PROMPTS
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", *OWN, "long later"])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", "eagle3", *OWN, "long later"])
 def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothing_after_warm_up(drafter):
     """A compiled target: 5 prompts streamed through 3 rows (a captured batch size of 4, one row of
     padding), each round a captured step. After measure's warm-up nothing is compiled or captured,
@@ -304,7 +353,7 @@ def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothin
     assert {key[1][0] for key in target.steps} == {4} and target.cache.kv.shape[1] == 4
     alone = [generate(eager, p, max_new_tokens=20).tokens for p in prompts]
     assert [g.tokens for g in report.spec] == [g.tokens for g in report.baseline] == alone
-    if drafter in ("model", "eagle3", *OWN):
+    if drafter in ("model", "lookup first", "eagle3", *OWN):
         assert sum(g.stats.accepted for g in report.spec) > 5
 
 
@@ -334,7 +383,7 @@ def verifies(decoder, target, kwargs) -> bool:
     return decoder is target and kwargs.get("exit_layer") is None and kwargs.get("skip") is None
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", *OWN])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", "eagle3", *OWN])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
     """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
@@ -368,7 +417,7 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "eagle3", *OWN])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", "eagle3", *OWN])
 def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_forward(monkeypatch, drafter):
     """Real CUDA graphs in fp32 (3 rows in a captured batch size of 4): every output is the target's
     own greedy output, every round's step is a graph, and the host waits for the device at most

@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from specdec_runtime.cli import main
+from specdec_runtime.cli import batched, main
+from specdec_runtime.drafters.standalone import ModelDrafter
+from specdec_runtime.loading import load_model
 from tests.conftest import save_tiny_model
 
 
@@ -216,8 +218,8 @@ def test_generate_decodes_on_the_measured_thread_count_unless_told(tiny_dir, tmp
 
 def test_batched_generation_writes_each_prompts_output_equal_to_autoregressive(tiny_dir, tmp_path, capsys):
     """--batch-size 2 over 3 prompts (a full batch and one of a single prompt): every output equals
-    the autoregressive one decoded at the same batch size; a kind that decodes a prompt at a time
-    runs at batch size 1 and says so."""
+    the autoregressive one decoded at the same batch size, whichever the drafter; a kind that decodes
+    a prompt at a time (a draft exit's) runs at batch size 1 and says so."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "why?", "a b c a b c")))
     common = ["generate", "--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "16"]
@@ -228,8 +230,9 @@ def test_batched_generation_writes_each_prompts_output_equal_to_autoregressive(t
         printed = capsys.readouterr()
         outs[drafter] = [json.loads(line) for line in out_file.read_text().splitlines()]
         assert "100%" in printed.out and all(r["identical_to_baseline"] for r in outs[drafter])
-        alone = drafter == "truncate:1+lookup"
-        assert ("batch 2" in printed.out) != alone and ("decodes one prompt at a time" in printed.err) == alone
+        assert "batch 2" in printed.out and "decodes one prompt at a time" not in printed.err
+    exits = ModelDrafter(load_model(str(tiny_dir)).model, exit_layer=1, shares_target_cache=True, confidence=0.5)
+    assert batched(exits, "truncate:1", 2) == (exits, 1) and "decodes one prompt at a time" in capsys.readouterr().err
     for records in outs.values():
         assert [r["output_ids"] for r in records] == [r["output_ids"] for r in outs["none"]]
         assert [r["id"] for r in records] == ["0", "1", "2"]

@@ -353,6 +353,31 @@ def test_merged_lookups_accept_the_models_tokens_where_the_copy_breaks_off():
         LookupFirst(NgramDrafter(3), merge=-1)
 
 
+def test_a_model_drafter_after_lookup_rounds_drafts_from_the_sequence_it_is_given():
+    """A stand-alone model under LookupFirst: each of its drafts is the model's own greedy chain on
+    the sequence so far (a fresh model's argmax), also after rounds that lookup drafted, where its
+    cache still holds its own last draft past the tokens that were verified instead."""
+    target, model = tiny_decoder("qwen3", seed=3), tiny_decoder("qwen3", seed=4)
+    fresh, drafts = tiny_decoder("qwen3", seed=4), []
+    draft = ModelDrafter.draft
+
+    def recorded(self, ids, gamma, sampler):
+        out = draft(self, ids, gamma, sampler)
+        drafts.append((ids.tolist(), out.tokens.tolist()))
+        return out
+
+    prompt = [1, 7, 7, 7, 30, 12, 40, 41, 42, 43, 7, 7, 7]
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(ModelDrafter, "draft", recorded)
+        drafter = LookupFirst(ModelDrafter(model), merge=0)
+        out = generate(target, prompt, drafter, max_new_tokens=40, gamma=3)
+    assert out.tokens == generate(target, prompt, max_new_tokens=40).tokens
+    assert drafter.lookups > 2 and len(drafts) > 2
+    for ids, tokens in drafts:
+        chain = generate(fresh, ids, max_new_tokens=len(tokens)).tokens
+        assert tokens == chain, (len(ids), tokens, chain)
+
+
 def test_lookup_first_drafts_its_own_length_where_lookup_matches():
     """LookupFirst's lookups draft `tokens` tokens where the round's gamma is shorter (the model
     drafter keeps gamma), and they are accepted where the output repeats itself: a bigram target's
