@@ -23,8 +23,9 @@ for its accepted lengths and tokens; what goes to the device is copied from host
 waiting for it. Drafters (drafters/batched.py): prompt lookup (RowLookup, on the host), a
 stand-alone model (RowModel, batched like the target), the target cut short or with sublayers
 skipped (RowSelf), EAGLE-3 chains (RowEagle3, reading the target's features of each row's accepted
-tokens), Medusa chains and MTP heads (RowMedusa, RowMTP, reading its last states); lookup first and
-draft exits run one prompt at a time (batch_drafter says which). A batch of one is generate() itself.
+tokens), Medusa chains and MTP heads (RowMedusa, RowMTP, reading its last states), and lookup first
+before any of them (RowLookupFirst); draft exits run one prompt at a time (batch_drafter says
+which). A batch of one is generate() itself.
 """
 
 import time

@@ -216,7 +216,7 @@ def batched(drafter, spec: str, batch_size: int) -> tuple:
         return drafter, batch_size
     rows = batch_drafter(drafter)
     if rows is None:
-        print(f"drafter {spec} decodes one prompt at a time (as +lookup and draft exits do): batch size 1",
+        print(f"drafter {spec} decodes one prompt at a time (a draft exit's, as --confidence sets): batch size 1",
               file=sys.stderr)  # fmt: skip
         return drafter, 1
     return rows, batch_size

@@ -16,6 +16,7 @@ any temperature), SGLang's num_draft_tokens counts the verified root too (a chai
 + 1; a tree of n nodes: n + 1) and its eagle-topk is 1 for chains.
 """
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from specdec_runtime.drafters.batched import RowEagle3, RowLookup, RowMedusa, RowModel, batch_drafter
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
-from specdec_runtime.drafters.medusa import MedusaDrafter, read_layout
+from specdec_runtime.drafters.medusa import MedusaDrafter
 from specdec_runtime.drafters.mtp import MTPDrafter
 from specdec_runtime.drafters.spec import LOOKUP, as_chains, build_drafter, phrase_table
 from specdec_runtime.drafters.standalone import ModelDrafter
@@ -80,7 +81,8 @@ def serving(spec: str, drafter: Any, c: dict) -> dict[str, Any]:
     if isinstance(drafter, MedusaDrafter | RowMedusa):  # (vLLM's Medusa drafts each head's top token: chains)
         folder = Path(spec) / "vllm" if (Path(spec) / "vllm").is_dir() else Path(spec)  # (an export's vllm/)
         vllm = {"method": "medusa", "model": str(folder), "num_speculative_tokens": g}
-        if read_layout(folder)[1] != "vllm":
+        config = folder / "config.json"
+        if not config.is_file() or json.loads(config.read_text()).get("model_type") != "medusa":
             return {"vllm": None, "sglang": None, "note": f"{folder} is not vLLM's Medusa layout"}
         return {"vllm": vllm, "sglang": None, "note": "vLLM up to 0.32 (0.33 removed Medusa); SGLang has no Medusa"}
     if isinstance(drafter, RowModel) or (isinstance(drafter, ModelDrafter) and not drafter.shares_target_cache):

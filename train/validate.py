@@ -17,7 +17,6 @@ from tqdm.auto import tqdm
 
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters.batched import batch_drafter
-from specdec_runtime.drafters.lookup import LookupFirst
 from specdec_runtime.drafters.protocol import Drafter
 from specdec_runtime.hardware import resolve_dtype, using_threads
 from specdec_runtime.measure import measure
@@ -63,7 +62,7 @@ def validate(
     """Greedy speculative vs autoregressive decoding of every prompt; the numbers a model card reports.
     threads: the CPU threads to decode on (a run's choice for decoding, Run.threads), restored after.
     batch_sizes: beside batch 1, the prompts decoded that many at a time too (batched.generate_many,
-    the autoregressive baseline at the same size; chains of gamma, prompt lookup left out), each
+    the autoregressive baseline at the same size; chains of gamma, lookups no longer than gamma), each
     size's figures as tau_batch{B}, speedup_batch{B}, ...: what the drafter buys where serving
     batches requests."""
     bar = (lambda it: tqdm(it, desc="validate", unit="prompt")) if progress else None
@@ -102,7 +101,7 @@ def validate(
     if per_category:
         out["per_category"] = per_category
     for B in sorted({b for b in batch_sizes if b > 1}):  # flat keys: trackers log numbers, cards list them
-        rows = batch_drafter(drafter.drafter if isinstance(drafter, LookupFirst) else drafter)
+        rows = batch_drafter(drafter)  # (lookup first too: RowLookupFirst)
         if rows is None:
             out[f"batch{B}"] = f"{drafter.name} decodes one prompt at a time"
             continue

@@ -1,6 +1,7 @@
 """Drafters for batched decoding (specdec_runtime.batched), each row at slots of its own: prompt
 lookup for every row, on the host; a stand-alone model batched like the target; the target itself
-cut short or with sublayers skipped; EAGLE-3 chains; Medusa chains and MTP heads.
+cut short or with sublayers skipped; EAGLE-3 chains; Medusa chains and MTP heads; lookup first
+before any of them.
 
     rows = batch_drafter(drafter)     # a Row* drafter, or None: a kind that decodes a prompt at a time
 """
@@ -107,8 +108,8 @@ class RowLookupFirst(RowDrafter):
         tokens = torch.where(looked[:, None], chains, F.pad(tokens, (0, W - tokens.shape[1])))
         lengths = [len(f) if f else n for f, n in zip(found, lengths, strict=True)]
         if q is not None:  # a lookup's token is certain: a one-hot q is the deterministic draft's rule
-            one_hot = F.one_hot(chains, q.shape[-1]).to(q.dtype)
-            q = torch.where(looked[:, None, None], one_hot, F.pad(q, (0, 0, 0, W - q.shape[1])))
+            q = torch.where(looked[:, None, None], 0.0, F.pad(q, (0, 0, 0, W - q.shape[1])))
+            q.scatter_add_(2, chains[..., None], looked[:, None, None].to(q.dtype).expand(B, W, 1))
         return tokens.view(B, W), lengths, q
 
     def alone(self) -> Drafter:
@@ -463,7 +464,7 @@ class RowMTP(RowDrafter):
         z = [torch.cat(p) if p else None for p in self.pending]  # each row's newly accepted positions
         self.pending = [[] for _ in range(B)]
         for b, rows in enumerate(z):  # a prompt just taken from the queue: its rows alone, all but the last
-            if rows is not None and rows.shape[0] > g + 1:
+            if rows is not None and rows.shape[0] > max(gammas) + 1:  # (a round accepts at most gamma + 1)
                 self._run(rows[None, :-1], [self.seen[b]], [rows.shape[0] - 2], slice(b, b + 1))
                 self.seen[b] += rows.shape[0] - 1
                 z[b] = rows[-1:]

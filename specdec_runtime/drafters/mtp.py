@@ -63,10 +63,10 @@ class MTPHeads(nn.Module):
         """Logits [n-1, V] of heads 1..n-1 at the last of the trunk outputs z [T, H] (slots start..)."""
         T = z.shape[0]
         a = target.attention_inputs(target.slots[start], T, start + T)  # the target's rope and masks
-        return self.run(z, 1, a, self.kv_layers, target, torch.tensor([T - 1], device=z.device))[:, 0]
+        return self.run(z, 1, a, self.kv_layers, target, slice(T - 1, T))[:, 0]
 
-    def run(self, z: Tensor, B: int, a, kv_layers: list[Tensor], target: Decoder, picked: Tensor) -> Tensor:
-        """Logits [n-1, len(picked), V] of heads 1..n-1 at rows `picked` of the trunk outputs z [B*T, H]
+    def run(self, z: Tensor, B: int, a, kv_layers: list[Tensor], target: Decoder, picked: Tensor | slice) -> Tensor:
+        """Logits [n-1, P, V] of heads 1..n-1 at the P rows `picked` of the trunk outputs z [B*T, H]
         under attention inputs a (the target's: one sequence's, or a slot per row), K/V in kv_layers."""
         last = []
         for block, kv in zip(self.layers, kv_layers, strict=True):

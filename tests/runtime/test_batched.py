@@ -234,16 +234,19 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
     return drafted, row_prompt
 
 
-@pytest.mark.parametrize("inner", ["model", "eagle3"])
+@pytest.mark.parametrize("inner", ["model", "eagle3", "mtp"])
 @pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
 def test_lookup_first_drafts_for_each_row_what_it_drafts_alone(monkeypatch, inner, batch):
     """Lookup first (n-grams, then a phrase table, then the model's chain) before a stand-alone
-    model or EAGLE-3: every row's output is the target's greedy output, each round drafted for it
+    model, EAGLE-3 or MTP heads: every row's output is the target's greedy output, each round drafted for it
     the tokens LookupFirst drafts for that prompt alone (lookups as long as gamma, not merged), and
     as many rounds were lookups'."""
     if inner == "eagle3":
         _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
         model_drafter, prompts = Eagle3Drafter(model, target, cpu_bf16=False), [[t % 16 for t in p] for p in PROMPTS]
+    elif inner == "mtp":  # (2 heads: lookups of 3 are wider than its chains)
+        hf, target = heads_target()
+        model_drafter, prompts = own_drafter("mtp", target, hf), [[t % 16 for t in p] for p in PROMPTS]
     else:
         target, prompts = tiny_decoder("qwen3", seed=3), PROMPTS
         model_drafter = ModelDrafter(perturbed(tiny_decoder("qwen3", seed=3)))

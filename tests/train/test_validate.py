@@ -14,7 +14,7 @@ PROMPTS = [[1, 5, 9, 5, 9], [1, 7, 7, 7, 30, 12, 40], [1, 4], [1, 20, 21, 22, 23
 
 def test_validation_measures_each_batch_size_named():
     target, draft = tiny_decoder(seed=3), tiny_decoder(seed=3)
-    drafter = LookupFirst(ModelDrafter(draft))  # batched: the model alone (no lookup)
+    drafter = LookupFirst(ModelDrafter(draft))  # batched: lookups no longer than gamma, the model elsewhere
     m = validate(target, drafter, PROMPTS, [None] * 4, stop_ids=frozenset(), gamma=3, max_new_tokens=12,
                  progress=False, batch_sizes=[1, 3])  # fmt: skip
     assert m["lossless"] == m["lossless_batch3"] == 1.0
@@ -26,7 +26,7 @@ def test_validation_measures_each_batch_size_named():
 
 def test_a_drafter_that_decodes_a_prompt_at_a_time_says_so_at_other_sizes():
     target = tiny_decoder(seed=3)
-    drafter = ModelDrafter(target, exit_layer=1, shares_target_cache=True, name="truncate:1")
+    drafter = ModelDrafter(target, exit_layer=1, shares_target_cache=True, confidence=0.5, name="truncate:1")  # (exits)
     m = validate(target, drafter, PROMPTS, [None] * 4, stop_ids=frozenset(), gamma=2, max_new_tokens=8,
                  progress=False, batch_sizes=[4])  # fmt: skip
     assert m["batch4"] == "truncate:1 decodes one prompt at a time" and "speedup_batch4" not in m
