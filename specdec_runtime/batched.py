@@ -41,7 +41,7 @@ from specdec_runtime.rows import one_row
 from specdec_runtime.rows import prefill as prefill_rows
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.verify import verify_sample
+from specdec_runtime.verify import verify_rows_sample
 
 
 @torch.inference_mode()
@@ -186,9 +186,9 @@ def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor
     """(accepted lengths [B], the target's own token after them [B]) of every row's chain. forced:
     (rate, generator) of accept_rate (generate_many), each drafted token a draw."""
     B, g = drafts.shape
+    lengths = torch.tensor(lengths).to(drafts.device, non_blocking=True)
     if sampler.greedy or forced is not None:
         choice = argmax(logits)  # [B, g + 1]
-        lengths = torch.tensor(lengths).to(drafts.device, non_blocking=True)
         real = torch.arange(g, device=drafts.device) < lengths[:, None]
         if forced is None:
             accepted = choice[:, :g] == drafts
@@ -196,13 +196,4 @@ def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor
             accepted = torch.rand(B, g, device=drafts.device, generator=forced[1]) < forced[0]
         n = (accepted & real).long().cumprod(dim=1).sum(dim=1)
         return n, choice.gather(1, n[:, None]).squeeze(1)
-    verdicts = [
-        verify_sample(
-            drafts[b, : lengths[b]],
-            None if q is None else q[b, : lengths[b]],
-            sampler.probs(logits[b, : lengths[b] + 1]),
-            sampler,
-        )  # fmt: skip
-        for b in range(B)
-    ]
-    return torch.stack([v.accept_len for v in verdicts]), torch.stack([v.token for v in verdicts])
+    return verify_rows_sample(drafts, lengths, None if q is None else q[:, :g], sampler.probs(logits), sampler)

@@ -145,6 +145,36 @@ def verify_sample(draft: Tensor, draft_probs: Tensor | None, target_probs: Tenso
     return Verdict(chain_path(g, draft.device), n, sampler.sample(row))  # sampling normalizes implicitly
 
 
+def verify_rows_sample(
+    drafts: Tensor, lengths: Tensor, draft_probs: Tensor | None, target_probs: Tensor, sampler: Sampler
+) -> tuple[Tensor, Tensor]:
+    """verify_sample for every row of a batch at once (batched.generate_many): a few kernels a round
+    whatever the batch size, where a rule a row launches them B times. drafts [B, g], row b's first
+    lengths[b] [B] real (the rest padding); draft_probs q [B, g, V] or None (deterministic drafts);
+    target_probs p [B, g + 1, V]. Returns (the accepted lengths n [B], the tokens after them [B]),
+    each row as verify_sample decides it: the residual max(0, p - q) at its first rejection, p
+    after a draft accepted whole."""
+    B, g = drafts.shape
+    if g == 0:
+        return lengths * 0, sampler.sample(target_probs[:, 0])
+    real = torch.arange(g, device=drafts.device) < lengths[:, None]  # [B, g]
+    p_draft = target_probs[:, :g].gather(2, drafts[..., None]).squeeze(-1)  # [B, g]
+    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts[..., None]).squeeze(-1)
+    ok = sampler.uniform(B * g, drafts.device).view(B, g) * q_draft < p_draft  # u < p / q without dividing
+    n = (ok & real).long().cumprod(dim=1).sum(dim=1)  # [B]
+    V = target_probs.shape[-1]
+    p_n = target_probs.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V]
+    at = n.clamp(max=g - 1)[:, None]  # (a row accepted whole reads p alone)
+    if draft_probs is None:  # a one-hot q: the rejected token's mass removed
+        residual = p_n.scatter(1, drafts.gather(1, at), 0.0)
+    else:
+        residual = (p_n - draft_probs.gather(1, at[..., None].expand(B, 1, V)).squeeze(1)).clamp_(min=0)
+    row = torch.where((n < lengths)[:, None], residual, p_n)
+    # p == q on a row leaves no residual mass; rejection there has probability 0, so p is used.
+    row = torch.where(row.sum(-1, keepdim=True) > 0, row, p_n)
+    return n, sampler.sample(row)
+
+
 def _walk(tree: Tree, t: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
     """The deepest node whose ancestors are all chosen (first in node order on ties).
 

@@ -9,6 +9,7 @@ from specdec_runtime.sampling import Sampler, warp
 from specdec_runtime.tree import Tree
 from specdec_runtime.verify import (
     verify_greedy,
+    verify_rows_sample,
     verify_sample,
     verify_tree_greedy,
     verify_tree_sample,
@@ -120,6 +121,68 @@ def test_rejection_sampling_when_draft_equals_target_accepts_everything():
     assert rate == 1.0
 
 
+class Scripted(Sampler):
+    """Uniform draws from a script, in order; a draw of the next token records the (normalized)
+    distribution it is drawn from and returns its argmax."""
+
+    def __init__(self, draws: torch.Tensor):
+        super().__init__(1.0)
+        self.draws, self.rows = draws, []
+
+    def uniform(self, n, device):
+        out, self.draws = self.draws[:n], self.draws[n:]
+        return out
+
+    def sample(self, probs):
+        self.rows.append(probs / probs.sum(-1, keepdim=True))
+        return probs.argmax(-1)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampled-drafts", "deterministic-drafts"])
+def test_a_batchs_rows_decide_as_each_row_alone(deterministic):
+    """verify_rows_sample against verify_sample row by row, with the same uniform draws: the same
+    accepted lengths, and the same distribution for the token after them (ragged lengths, a row
+    that accepts its whole draft, a row rejected at its first token, a row that drafted nothing)."""
+    torch.manual_seed(0)
+    B, g, V = 6, 4, 7
+    lengths = [4, 2, 0, 3, 4, 1]
+    p = torch.rand(B, g + 1, V).pow(3).softmax(-1)
+    q = None if deterministic else torch.rand(B, g, V).pow(3).softmax(-1)
+    drafts = torch.randint(V, (B, g))
+    u = torch.rand(B, g)
+    u[0] = 0.0  # row 0: every draft token accepted (p > 0 everywhere)
+    u[4, 0] = 1.0 - 1e-7  # row 4: u * q < p fails where q >= p ...
+    if q is not None:
+        q[4, 0] = 0.0
+        q[4, 0, drafts[4, 0]] = 1.0  # ... which it is here (q one-hot at the token, p below 1)
+    batch = Scripted(u.flatten())
+    n, _ = verify_rows_sample(drafts, torch.tensor(lengths), q, p, batch)
+    for b, k in enumerate(lengths):
+        alone = Scripted(u[b, :k])
+        verdict = verify_sample(drafts[b, :k], None if q is None else q[b, :k], p[b, : k + 1], alone)
+        assert int(n[b]) == int(verdict.accept_len), b
+        torch.testing.assert_close(batch.rows[0][b], alone.rows[0], rtol=0, atol=1e-6)
+    assert int(n[0]) == 4 and int(n[2]) == 0 and (int(n[4]) == 0 or deterministic)
+
+
+def test_a_batchs_rows_follow_the_target():
+    """Sampled rows through verify_rows_sample: each row's first token (a draft token, accepted, or
+    the target's own) follows that row's target distribution (chi-square), for rows whose drafters
+    disagree with it in different ways."""
+    p = torch.tensor([[0.05, 0.4, 0.3, 0.15, 0.1, 0.0], [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    q = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.1, 0.1], [0.0, 0.0, 0.0, 0.0, 0.5, 0.5]])
+    sampler, trials = Sampler(1.0, seed=3), 4000
+    drafts = sampler.sample(q[:, None].expand(2, trials, -1)).T  # [trials, 2]
+    firsts = [[], []]
+    for t in range(trials):
+        d = drafts[t][:, None]  # [2, 1]
+        n, token = verify_rows_sample(d, torch.tensor([1, 1]), q[:, None], p[:, None].expand(2, 2, -1), sampler)
+        for b in range(2):
+            firsts[b].append(int(d[b, 0]) if int(n[b]) == 1 else int(token[b]))
+    for b in range(2):
+        assert_follows(firsts[b], p[b])
+
+
 class NoGenerator(Sampler):
     """Draws from torch's default stream: meta tensors have no generator of their own."""
 
@@ -148,3 +211,8 @@ def test_no_rule_reads_a_value_on_the_host():
     ]
     for v, depth in zip(verdicts, [g] * 3 + [tree.depth] * 3):
         assert v.path.shape == (depth + 1,) and v.accept_len.shape == () and v.token.shape == ()
+    B, lengths = 4, torch.empty(4, dtype=torch.long, device=meta)
+    rows = torch.empty(B, g, dtype=torch.long, device=meta)
+    for q in (None, torch.empty(B, g, V, device=meta)):
+        n, token = verify_rows_sample(rows, lengths, q, torch.empty(B, g + 1, V, device=meta), sampler)
+        assert n.shape == token.shape == (B,)
