@@ -10,10 +10,10 @@ heads); at batch 1 also an EAGLE-3 export's own tree; for model drafters, prompt
 before the chain of the longest gamma in batches. The best (tokens/s) is written to tune.json with
 the speedup it measured, beside every candidate's figures and the engines' settings for it
 (`serving`); where the best is the runtime's own (lookup first), the best an engine serves too
-(best_served). The engines count
-differently: vLLM's num_speculative_tokens is the draft length (a chain; vLLM drafts greedily at
-any temperature), SGLang's num_draft_tokens counts the verified root too (a chain of gamma: gamma
-+ 1; a tree of n nodes: n + 1) and its eagle-topk is 1 for chains.
+(best_served). The engines count differently: vLLM's num_speculative_tokens is the draft length
+(a chain; vLLM drafts greedily at any temperature), SGLang's num_draft_tokens counts the verified
+root too (a chain of gamma: gamma + 1; a tree of n nodes: n + 1) and its eagle-topk is 1 for
+chains.
 """
 
 import json

@@ -86,15 +86,19 @@ class PhraseTable:
 
     def get(self, seq: Sequence[int], limit: int | None = None) -> Tensor | None:
         """The chain that follows seq's last n tokens (a host list), at most `limit` long; None if none."""
-        found = self.rows.get(tuple(seq[-self.n :])) if len(seq) >= self.n else None
+        found = self._found(seq)
         if found is None:
             return None
         row, g = found
         return self.device_chains[row, : g if limit is None else min(g, limit)]
 
+    def _found(self, seq: Sequence[int]) -> tuple[int, int] | None:
+        """(row, chain length) of the key seq ends with, or None."""
+        return self.rows.get(tuple(seq[-self.n :])) if len(seq) >= self.n else None
+
     def chain_ids(self, seq: Sequence[int], limit: int) -> list[int]:
         """get()'s chain as host ids ([] if none)."""
-        found = self.rows.get(tuple(seq[-self.n :])) if len(seq) >= self.n else None
+        found = self._found(seq)
         if found is None:
             return []
         if self.host_chains is None:
