@@ -7,7 +7,7 @@ Per batch size and temperature: autoregressive decoding at that batch size once,
 candidate on the same prompts: chains of each gamma (Medusa and MTP heads: no longer than their
 heads); at batch 1 also an EAGLE-3 export's own tree; for model drafters, prompt lookup first
 (SPEC+lookup, with the export's phrase table where it has one) before its own drafting at batch 1,
-before the chain of the longest gamma in batches. The best (tokens/s) is written to tune.json with
+before the chain that measured fastest in batches. The best (tokens/s) is written to tune.json with
 the speedup it measured, beside every candidate's figures and the engines' settings for it
 (`serving`); where the best is the runtime's own (lookup first), the best an engine serves too
 (best_served). The engines count differently: vLLM's num_speculative_tokens is the draft length
@@ -47,11 +47,10 @@ def candidates(spec: str, target: LoadedModel, batch: int, gammas: Sequence[int]
     out = [dict(name=f"chain:{g}", drafter=runs, gamma=g, tree_budget=0, top_k=1, lookup=False) for g in gammas]
     budget, g = getattr(own, "tree_budget", 0), own.gamma or max(gammas)
     table = None if isinstance(own, NgramDrafter) else phrase_table(spec, target)  # (an export's, as SPEC+lookup)
-    if batch > 1:  # chains, lookup first before the chain of the longest gamma tried
-        g = max(gammas)
+    if batch > 1:  # chains, then lookup first before the chain that measured fastest (gamma None: tune sets it)
         if not isinstance(own, NgramDrafter):
             first = batch_drafter(LookupFirst(chain, table=table))
-            out.append(dict(name=f"chain:{g}{LOOKUP}", drafter=first, gamma=g, tree_budget=0, top_k=1, lookup=True))
+            out.append(dict(name=LOOKUP, drafter=first, gamma=None, tree_budget=0, top_k=1, lookup=True))
         return out
     if budget:  # its own tree, at its own depth
         top_k = getattr(own, "top_k", 0)
@@ -117,6 +116,9 @@ def tune(
             ar = measure(target.model, None, encoded, **kw).total().tokens_per_s
             rows = []
             for c in candidates(spec, target, B, gammas, dtype):
+                if c["gamma"] is None:  # lookup first before the fastest chain so far
+                    g = max((r for r in rows if not r["lookup"]), key=lambda r: r["tok_s"])["gamma"]
+                    c = c | dict(gamma=g, name=f"chain:{g}{LOOKUP}")
                 report = measure(target.model, c["drafter"], encoded, gamma=c["gamma"], **kw)
                 s = report.total()
                 row = {k: v for k, v in c.items() if k != "drafter"}
