@@ -41,7 +41,8 @@ from specdec_runtime.rows import one_row
 from specdec_runtime.rows import prefill as prefill_rows
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.verify import verify_rows_sample
+from specdec_runtime.tree import DeviceTree
+from specdec_runtime.verify import verify_rows_sample, verify_tree_sample
 
 
 @torch.inference_mode()
@@ -88,7 +89,8 @@ def generate_many(
     P, longest = ids.shape[1], max(map(len, prompts))
     row_start = [P - len(p) for p in prompts[:B]]  # each row's first prompt slot
     check_fits(longest, max_new_tokens, target.config.max_position_embeddings, "the longest prompt")
-    capacity = max(capacity, longest + max_new_tokens + gamma)  # a prompt from the queue starts its row at slot 0
+    nodes = max(gamma, drafter.tree_nodes if drafter is not None else 0)
+    capacity = max(capacity, longest + max_new_tokens + nodes)  # a prompt from the queue starts its row at slot 0
     target.setup_cache(B, capacity)
     target.left_pad(torch.tensor(row_start).to(device, non_blocking=True), per_row=True)
     try:
@@ -132,26 +134,36 @@ def generate_many(
             gammas = [0 if done[b] else min(gamma, max_new_tokens - len(out[row_of[b]]) - 1) for b in range(B)]
             if drafter is not None and max(gammas) > 0:
                 drafts, lengths, q = drafter.draft(gammas, sampler)
-                looked = drafter.lookup_rows  # (RowLookupFirst's rows that a lookup drafted)
+                looked, tree = drafter.lookup_rows, drafter.tree  # (RowLookupFirst's looked-up rows; trees)
             else:
                 drafts, lengths, q = torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None
-                looked = frozenset()
+                looked, tree = frozenset(), None
             t2 = time.perf_counter()
-            g = max(lengths)
+            g = max(lengths) if tree is None else drafts.shape[1]  # (a tree: every node)
             newest = torch.tensor([out[j][-1] for j in row_of]).to(device, non_blocking=True)
             x = torch.cat([newest[:, None], drafts[:, :g].to(device, non_blocking=True)], dim=1)  # [B, g + 1]
-            verified = target(x, slot, taps=taps)
+            shape = {} if tree is None else {"tree": (tree["depth"], tree["ancestor"])}
+            verified = target(x, slot, taps=taps, **shape)
             logits = verified.logits  # [B, g + 1, V]
             # (a captured step's buffer: the drafter keeps its rows past the step's next run)
             hidden = verified.hidden.clone() if taps else None
             t3 = time.perf_counter()
-            n, token = _verify(x[:, 1:], lengths, q, logits, sampler, forced)
-            host = torch.cat([n, token, x[:, 1:].flatten()]).tolist()  # the one host sync of the round
+            if tree is None:
+                n, token = _verify(x[:, 1:], lengths, q, logits, sampler, forced)
+                branch = x[:, 1:]
+            else:  # each row's accepted branch: its K/V moved after its root, its states in order
+                n, token, path = _verify_trees(x, tree, logits, sampler, forced)
+                _move_rows(target, slot, path)
+                branch = x.gather(1, path)[:, 1:]  # [B, D]
+                hidden = hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1])) if taps else None
+            D = branch.shape[1]
+            host = torch.cat([n, token, branch.flatten()]).tolist()  # the one host sync of the round
             for b in range(B):
                 if done[b]:
                     continue
                 k, j = host[b], row_of[b]
-                new = host[2 * B + b * g : 2 * B + b * g + k] + [host[B + b]]
+                new = host[2 * B + b * D : 2 * B + b * D + k] + [host[B + b]]
+                new = new[: max_new_tokens - len(out[j])]  # (a tree may reach past the row's budget)
                 for i, t in enumerate(new):
                     if t in stop_ids:
                         new = new[: i + 1]
@@ -179,6 +191,56 @@ def generate_many(
         s.total_s += s.prefill_s
         generations.append(Generation(out[j], s, "stop_token" if out[j][-1] in stop_ids else "length"))
     return generations
+
+
+def _verify_trees(x: Tensor, tree: dict[str, Tensor], logits: Tensor, sampler: Sampler,
+                  forced: tuple[float, torch.Generator] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(accepted lengths [B], the target's own token after them [B], the accepted branches [B, D + 1]:
+    node indices per depth, root first, entries past a row's length at the root) of every row's
+    token tree: x [B, N + 1] the roots and nodes, tree its tensors a row each (levels [D + 1] shared).
+    Greedy: the branch the target's argmax follows (verify_tree_greedy's rule for every row at
+    once); sampled: verify_tree_sample row by row; forced: each depth's first child a draw."""
+    if sampler.greedy or forced is not None:
+        choice = argmax(logits)  # [B, N + 1]
+        if forced is None:
+            chosen = x == choice.gather(1, tree["parent"])  # siblings are distinct: at most one matches
+        else:
+            u = torch.rand(x.shape[0], tree["levels"].shape[0], device=x.device, generator=forced[1]) < forced[0]
+            chosen = ~tree["earlier"].any(dim=-1) & u.gather(1, tree["depth"])
+        path, n = _walk_rows(tree, chosen)
+        return n, choice.gather(1, path.gather(1, n[:, None])).squeeze(1), path
+    verdicts = []
+    for b in range(x.shape[0]):
+        own = DeviceTree({k: v if k == "levels" else v[b] for k, v in tree.items()}, tree["levels"].shape[0] - 1, None)
+        verdicts.append(verify_tree_sample(own, x[b], sampler.probs(logits[b]), sampler))
+    return tuple(torch.stack([v[i] for v in verdicts]) for i in (1, 2, 0))
+
+
+def _walk_rows(tree: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
+    """verify._walk_on_device for every row: (path [B, D + 1], n [B]) of the deepest node whose
+    ancestors are all chosen [B, N + 1] (first in node order on ties)."""
+    depth, ancestor = tree["depth"], tree["ancestor"]
+    chosen = chosen | (depth == 0)  # the root counts as chosen
+    reached = ~(ancestor & ~chosen[:, None, :]).any(dim=-1)  # [B, N + 1]
+    T = chosen.shape[1]
+    score = torch.where(reached, depth * T + (T - 1 - torch.arange(T, device=chosen.device)), -1)
+    last = score.argmax(dim=1, keepdim=True)  # [B, 1]
+    on_path = ancestor.gather(1, last[..., None].expand(-1, 1, T)).squeeze(1)  # [B, N + 1] the branch root..last
+    by_depth = on_path[:, :, None] & (depth[:, :, None] == tree["levels"])  # [B, N + 1, D + 1]
+    return by_depth.to(torch.uint8).argmax(dim=1), depth.gather(1, last).squeeze(1)
+
+
+def _move_rows(target: Decoder, slot: list[int], path: Tensor) -> None:
+    """Every row's accepted branch path [B, D + 1] (node indices, root at slot[b]) moved to the slots
+    right after its root, in every layer (entries past a row's length copy the root into slots
+    that are stale, as a rejected draft's are)."""
+    B, D = path.shape[0], path.shape[1] - 1
+    if D == 0:
+        return
+    root = torch.tensor(slot).to(path.device, non_blocking=True)[:, None]
+    rows = torch.arange(B, device=path.device)[:, None].expand(B, D)
+    kv = target.cache.kv  # [layers, rows, 2 Hkv, S, Dh]
+    kv[:, rows, :, root + torch.arange(1, D + 1, device=path.device)] = kv[:, rows, :, root + path[:, 1:]]
 
 
 def _verify(drafts: Tensor, lengths: list[int], q: Tensor | None, logits: Tensor, sampler: Sampler,

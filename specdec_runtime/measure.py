@@ -78,7 +78,8 @@ def measure(
     if batch_size > 1:  # generate_many's keywords, its caches sized once for every call
         kw = {k: v for k, v in generate_kwargs.items() if k in ("max_new_tokens", "gamma", "stop_ids", "accept_rate")}
         units = [[torch.as_tensor(p).tolist() for p in prompts]]
-        kw["capacity"] = max(map(len, units[0])) + kw.get("max_new_tokens", 256) + kw.get("gamma", 4)
+        nodes = max(kw.get("gamma", 4), getattr(drafter, "tree_nodes", 0))  # (a tree's nodes past the newest)
+        kw["capacity"] = max(map(len, units[0])) + kw.get("max_new_tokens", 256) + nodes
         decode = lambda unit, d: generate_many(target, unit, d, sampler(), rows=batch_size, **kw)  # noqa: E731
         warm = lambda d: warm_up_rows(target, d, units[0][:batch_size], sampler, **kw)  # noqa: E731
     else:

@@ -308,7 +308,7 @@ class Decoder(nn.Module):
         head (the CPU kernel reads row t for every head). A slot per row (start [B]):
         rows.attention_inputs, row b's first slot row_start[b] (default: left_pad's)."""
         if start.dim():
-            return AttentionInputs(*rows.attention_inputs(self, start, T, bound or span, row_start))
+            return AttentionInputs(*rows.attention_inputs(self, start, T, bound or span, row_start, tree))
         slots = start + self.slots[:T]  # [T]
         positions = slots if tree is None else start + tree[0]
         cs = self.rope[positions]  # [T, 2, D]

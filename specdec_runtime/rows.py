@@ -26,7 +26,6 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from specdec_runtime.errors import SpecdecError
 from specdec_runtime.graphs import CapturedStep
 
 
@@ -48,8 +47,6 @@ def forward(decoder, x: Tensor, starts: list[int], eager: bool = False, **kwargs
     end = max(starts) + T
     if cache is None or len(starts) != B or end > cache.size or B > decoder.kv_layers[0].shape[0]:
         raise ValueError(f"a slot per row needs {B} starts and a cache of {B} rows and {end} slots: call setup_cache")
-    if opts["tree"] is not None:
-        raise SpecdecError("a slot per row takes chains, not token trees")
     if eager or decoder.steps is None:
         start = torch.tensor(starts).to(decoder.device, non_blocking=True)  # (from the host: nothing waits)
         with _on_rows(decoder, slice(0, B), decoder.row_start):  # (a captured batch size's cache holds more)
@@ -85,10 +82,18 @@ def _captured(decoder, x: Tensor, starts: list[int], opts: dict):
     if R > B:
         x = torch.cat([x, x.new_zeros(R - B, *x.shape[1:])])
         row_start = torch.cat([row_start, row_start.new_zeros(R - B)])
-    opts.pop("tree"), opts.pop("argmax_only")  # (the step's head is torch's: its logits are computed anyway)
-    key = ("rows", tuple(x.shape), x.dtype, *opts.values())
-    out = decoder._replay(key, opts, {"x": x, "row_start": row_start}, T, starts + [0] * (R - B))
+    tree, _ = opts.pop("tree"), opts.pop("argmax_only")  # (the step's head is torch's: its logits are computed anyway)
+    inputs = {"x": x, "row_start": row_start}
+    if tree is not None:  # (padded rows: any tree of the shape)
+        inputs |= {"depth": _padded(tree[0], R), "ancestor": _padded(tree[1], R)}
+    key = ("rows", tuple(x.shape), x.dtype, tree is not None, *opts.values())
+    out = decoder._replay(key, opts, inputs, T, starts + [0] * (R - B))
     return out if R == B else type(out)(*(None if t is None else t[:B] for t in out))  # (a DecoderOutput)
+
+
+def _padded(t: Tensor, R: int) -> Tensor:
+    """t [B, ...] with its first row repeated up to R rows."""
+    return t if t.shape[0] == R else torch.cat([t, t[:1].expand(R - t.shape[0], *t.shape[1:])])
 
 
 def capture(decoder, fn, inputs: dict[str, Tensor], starts: list[int], T: int, span: int, per_row: bool):
@@ -115,21 +120,34 @@ def one_row(decoder, b: int):
     return _on_rows(decoder, slice(b, b + 1), torch.zeros(1, dtype=torch.long, device=decoder.device))
 
 
-def attention_inputs(decoder, start: Tensor, T: int, bound: int, row_start: Tensor | None) -> tuple:
+def attention_inputs(
+    decoder, start: Tensor, T: int, bound: int, row_start: Tensor | None, tree: tuple[Tensor, Tensor] | None = None
+) -> tuple:
     """(cos, sin [B, T, 1, D], slots [B, T], mask [B, 1, group * T, bound], bound) of T new tokens a
-    row at slots start [B] onward (chains: forward refuses trees), row b's first slot row_start[b]
-    (None: left_pad's, else 0)."""
+    row at slots start [B] onward, row b's first slot row_start[b] (None: left_pad's, else 0).
+    tree = (depth [B, T], ancestor [B, T, T]) of a token tree per row: node t at position start[b] +
+    depth[b, t] sees the row's prefix and its ancestors (itself included)."""
     slots = start[:, None] + decoder.slots[:T]  # [B, T]
     if row_start is None:
         row_start = decoder.row_start if decoder.row_start is not None else torch.zeros_like(start)
-    positions = (slots - row_start[:, None]).clamp_(min=0)  # (a left pad's own rows: position 0)
+    offsets = decoder.slots[:T] if tree is None else tree[0]
+    positions = (start[:, None] + offsets - row_start[:, None]).clamp_(min=0)  # (a left pad's own rows: 0)
     cs = decoder.rope[positions]  # [B, T, 2, D]
     k_slot = decoder.slots[:bound]
     q = slots[:, :, None]
-    mask = (k_slot <= q) & (k_slot >= row_start[:, None, None])  # [B, T, bound]
+    if tree is None:
+        mask = k_slot <= q
+        k_pos = k_slot - row_start[:, None]  # [B, bound]
+    else:
+        rel = k_slot - start[:, None]  # [B, bound] a slot's node in the row's tree, where 0 <= rel < T
+        node = rel.clamp(0, T - 1)
+        in_tree = (rel >= 0) & (rel < T)
+        mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree[1].gather(2, node[:, None, :].expand(-1, T, -1)))
+        k_pos = torch.where(in_tree, start[:, None] + tree[0].gather(1, node), k_slot) - row_start[:, None]
+    mask &= k_slot >= row_start[:, None, None]  # [B, T, bound]
     window = decoder.config.sliding_window
     if window is not None:
-        mask &= k_slot > q - window
+        mask &= k_pos[:, None, :] > positions[:, :, None] - window
     mask |= k_slot == q  # a left pad's slots see themselves (no row of -inf only)
     group = decoder.config.num_heads // decoder.config.num_kv_heads
     return cs[:, :, None, 0], cs[:, :, None, 1], slots, mask.repeat(1, group, 1)[:, None], bound

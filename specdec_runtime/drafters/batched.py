@@ -26,6 +26,7 @@ from specdec_runtime.layers import linear, rms_norm, rope_table
 from specdec_runtime.model import Decoder, KVCache, cache_spans
 from specdec_runtime.rows import captured_rows, one_row, prefill
 from specdec_runtime.sampling import Sampler, argmax
+from specdec_runtime.tree import Tree
 
 
 class RowLookup(RowDrafter):
@@ -389,13 +390,18 @@ class RowEagle3(RowDrafter):
 
 
 class RowMedusa(RowDrafter):
-    """Medusa heads' chains for every row, as vLLM serves them: head i's top token at each row's
-    newest position (sampled: a draw from head i's distribution there, which is that token's q, as
-    in MedusaDrafter.samples). A tree drafter drafts chains here. Drafting reads the final-norm
-    state of each row's newest token: the heads alone, for every row at once."""
+    """Medusa heads for every row, reading the final-norm state of each row's newest token: the
+    heads alone, for every row at once. With a chain (Tree.chain), as vLLM serves them: head i's top
+    token (sampled: a draw from head i's distribution there, which is that token's q, as in
+    MedusaDrafter.samples). With a tree, its candidates for every row (each row's heads' top-k),
+    the whole tree each round (one verify shape), verified as MedusaDrafter's are."""
 
     def __init__(self, drafter: MedusaDrafter):
-        self.d, self.name, self.hidden_layers = drafter, f"{drafter.name} (chains)", drafter.hidden_layers
+        self.d, self.hidden_layers = drafter, drafter.hidden_layers
+        chain = max(drafter.tree.top_k) == 1
+        self.name = f"{drafter.name} (chains)" if chain else drafter.name
+        self.tree_nodes = 0 if chain else len(drafter.tree)
+        self.tree = None
 
     def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
         self.newest: list[Tensor | None] = [None] * len(prompts)  # each row's last residual stream [H]
@@ -408,14 +414,26 @@ class RowMedusa(RowDrafter):
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         d, heads = self.d, self.d.heads.num_heads
-        g = min(max(gammas), heads)
         hidden = rms_norm(torch.stack(self.newest), d.target.norm, d.target.config.rms_norm_eps)  # [B, H]
+        if self.tree_nodes:
+            return self._tree(hidden, gammas)
+        g = min(max(gammas), heads)
         logits = d.heads(hidden, d.target.lm_head, count=g).transpose(0, 1)  # [B, g, V]
         lengths = [min(k, heads) for k in gammas]
         if sampler.greedy:
             return argmax(logits), lengths, None
         probs = sampler.probs(logits)
         return sampler.sample(probs), lengths, probs
+
+    def _tree(self, hidden: Tensor, gammas: list[int]) -> tuple[Tensor, list[int], None]:
+        """The tree's node tokens [B, N] (Tree.candidates for every row) and its tensors a row each."""
+        tree, B = self.d.tree, hidden.shape[0]
+        logits = self.d.heads(hidden, self.d.target.lm_head, count=tree.depth)  # [depth, B, V]
+        top = logits.topk(max(tree.top_k), dim=-1).indices  # [depth, B, k]
+        t = tree.tensors_on(hidden.device)
+        tokens = top[t["depth"][1:] - 1, :, t["rank"][1:]].T  # [B, N]
+        self.tree = {k: v if k == "levels" else v.expand(B, *v.shape) for k, v in t.items()}
+        return tokens, [tree.depth if g else 0 for g in gammas], None
 
     def alone(self) -> Drafter:
         return self.d
@@ -500,6 +518,9 @@ def batch_drafter(drafter: Drafter) -> RowDrafter | None:
         return RowLookup(drafter.max_ngram, drafter.min_ngram)
     if isinstance(drafter, LookupFirst):
         inner = batch_drafter(drafter.drafter)
+        if isinstance(inner, RowMedusa) and inner.tree_nodes:  # (a lookup replaces a row's chain: its chains)
+            d = inner.d
+            inner = RowMedusa(MedusaDrafter(d.heads, d.target, Tree.chain(d.heads.num_heads), name=d.name))
         return None if inner is None else RowLookupFirst(drafter, inner)
     if isinstance(drafter, MedusaDrafter):
         return RowMedusa(drafter)

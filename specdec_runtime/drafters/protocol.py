@@ -93,6 +93,8 @@ class RowDrafter(Protocol):
     name: str = "drafter"
     hidden_layers: tuple[int, ...] = ()  # the target's residual streams it reads (see observe)
     lookup_rows: frozenset[int] = frozenset()  # the rows whose last draft was a lookup's (RowLookupFirst)
+    tree: dict[str, Tensor] | None = None  # the last draft's token trees, a row each (Tree.tensors' keys, [B, ...])
+    tree_nodes: int = 0  # the most nodes a tree it drafts has (the cache makes room for them)
 
     def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
         """Reset for these prompts (left-padded: row b's tokens begin at slot row_start[b])."""
@@ -110,7 +112,10 @@ class RowDrafter(Protocol):
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         """(tokens [B, g] padded, each row's draft length <= gammas[b], the distributions [B, g, V]
-        they were sampled from or None where the drafts are deterministic)."""
+        they were sampled from or None where the drafts are deterministic). A drafter of trees sets
+        `tree` to this draft's (None for chains): tokens [B, N] are then every row's N nodes, each
+        row's length its tree's depth (0 where gammas[b] is 0), and a tree may reach past gammas[b]
+        (the loop keeps the tokens that fit)."""
         raise NotImplementedError
 
     def pass_row(self, b: int) -> None:

@@ -33,7 +33,7 @@ from specdec_runtime.tree import Tree
 from tests.conftest import assert_sequences_follow, runtime_from_hf, sequence_joint, tiny_decoder, tiny_hf_model
 from tests.runtime.test_eagle3 import tiny as eagle3_tiny
 from tests.runtime.test_fast_path import mtp_drafter
-from tests.runtime.test_medusa import random_heads
+from tests.runtime.test_medusa import PATHS, random_heads
 
 PROMPTS = [[1, 5, 9, 5, 9], [1, 7, 7, 7, 30, 12, 40, 41, 42, 43, 7, 7, 7], [1, 4], [1, 20, 21, 22, 23, 20, 21], [3]]
 
@@ -44,14 +44,16 @@ def heads_target(kind: str = "qwen3", seed: int = 3):
     return hf, runtime_from_hf(hf)
 
 
-OWN = ["medusa", "mtp", "truncate", "layer skip"]  # drafters that read the target's states or are the target
+OWN = ["medusa", "medusa tree", "mtp", "truncate", "layer skip"]  # drafters that read the target's states or are it
 
 
 def own_drafter(kind: str, target, hf):
-    """Of a 4-layer target (heads_target): three random Medusa heads drafting chains, MTP heads 1 and
-    2 (test_fast_path's), its first 2 layers, or its layers with sublayers skipped."""
-    if kind == "medusa":
-        return MedusaDrafter(random_heads(64, target.config.vocab_size, seed=7), target, Tree.chain(3))
+    """Of a 4-layer target (heads_target): three random Medusa heads drafting chains or a tree of 8
+    nodes (test_medusa's), MTP heads 1 and 2 (test_fast_path's), its first 2 layers, or its layers
+    with sublayers skipped."""
+    if kind.startswith("medusa"):
+        tree = Tree.from_paths(PATHS) if kind == "medusa tree" else Tree.chain(3)
+        return MedusaDrafter(random_heads(64, target.config.vocab_size, seed=7), target, tree)
     if kind == "truncate":
         return ModelDrafter(target, exit_layer=2, shares_target_cache=True, name="truncate:2")
     if kind == "layer skip":
@@ -112,7 +114,7 @@ def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter, r
     assert generate(target, PROMPTS[0], max_new_tokens=20).tokens == free[0]  # nothing left behind
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa", "mtp", "truncate", "lookup first"])
+@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa", "medusa tree", "mtp", "truncate", "lookup first"])
 def test_sampled_rows_follow_the_targets_distribution(kind):
     """Short prompts beside a long one, a sampling drafter: their first two tokens (the second
     from speculative sampling of a draft) follow the exact joint of the target's warped
@@ -177,14 +179,16 @@ def test_eagle3_chains_draft_for_each_row_what_they_draft_alone(sampled, on_devi
 @pytest.mark.parametrize("kind", OWN)
 @pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
 def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monkeypatch, kind, batch):
-    """Medusa heads (chains), MTP heads, truncate and layer skip: every row's output equals the
-    target's greedy output, and each round drafted for it the very tokens the same drafter drafts
-    decoding that prompt alone (MTP's 2 heads: 2 of gamma 3)."""
+    """Medusa heads (chains and a tree), MTP heads, truncate and layer skip: every row's output
+    equals the target's greedy output, and each round drafted for it the very tokens the same
+    drafter drafts decoding that prompt alone (MTP's 2 heads: 2 of gamma 3; a tree: every round its
+    whole tree, of which one sequence's loop cuts the levels past its budget)."""
     hf, target = heads_target()
     drafter = own_drafter(kind, target, hf)
     rows = batch_drafter(drafter)
-    kinds = {"medusa": RowMedusa, "mtp": RowMTP, "truncate": RowSelf, "layer skip": RowSelf}
+    kinds = {"medusa": RowMedusa, "medusa tree": RowMedusa, "mtp": RowMTP, "truncate": RowSelf, "layer skip": RowSelf}
     assert isinstance(rows, kinds[kind]) and rows.hidden_layers == drafter.hidden_layers
+    assert rows.tree_nodes == (len(PATHS) if kind == "medusa tree" else 0)
     prompts = [[t % 16 for t in p] for p in PROMPTS]
     drafted, row_prompt = record_drafts(monkeypatch, rows, drafter)
     many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3, rows=batch)
@@ -192,8 +196,46 @@ def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monke
         row_prompt[:] = [tuple(p)]
         alone = generate(target, p, drafter, max_new_tokens=24, gamma=3)
         assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
-        assert drafted["rows"][tuple(p)] == drafted["alone"][tuple(p)]
-        assert g.stats.accepted_at == alone.stats.accepted_at
+        ours, theirs = drafted["rows"][tuple(p)], drafted["alone"][tuple(p)]
+        if rows.tree_nodes:  # (a cut tree's nodes come first: nodes are in order of depth)
+            assert len(ours) == len(theirs) and all(o[: len(t)] == t for o, t in zip(ours, theirs, strict=True))
+            assert g.stats.target_forwards == alone.stats.target_forwards  # (its last round may accept past it)
+        else:
+            assert ours == theirs and g.stats.accepted_at == alone.stats.accepted_at
+    assert sum(g.stats.accepted for g in many) > 5
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_tree_in_a_row_attends_as_the_tree_of_one_sequence(window):
+    """rows.attention_inputs with a token tree per row: each row's rope rows and mask equal one
+    sequence's (Decoder.attention_inputs) for the same tree at the same slot, the window counting
+    positions (a node's is its depth: the rank-2 branch's nodes sit at slots far past their depth)."""
+    target = tiny_decoder("mistral", seed=0, sliding_window=window)
+    target.setup_cache(2, 40)
+    trees = [Tree.from_paths([(0,), (1,), (2,), (2, 0), (2, 1), (2, 0, 0)]), Tree.from_paths(PATHS[:6])]
+    T = len(trees[0]) + 1
+    t = [tree.tensors for tree in trees]
+    depth, ancestor = torch.stack([x["depth"] for x in t]), torch.stack([x["ancestor"] for x in t])
+    starts, bound = [5, 20], 32
+    cos, sin, slots, mask, _ = rows.attention_inputs(
+        target, torch.tensor(starts), T, bound, torch.zeros(2, dtype=torch.long), (depth, ancestor)
+    )
+    for b, s in enumerate(starts):
+        alone = target.attention_inputs(target.slots[s], T, bound, (depth[b], ancestor[b]))
+        torch.testing.assert_close(cos[b], alone.cos, rtol=0, atol=0)
+        torch.testing.assert_close(sin[b], alone.sin, rtol=0, atol=0)
+        assert torch.equal(slots[b], alone.slots) and torch.equal(mask[b, 0], alone.mask), b
+
+
+def test_trees_in_rows_attend_within_a_sliding_window():
+    """Medusa trees in rows of a Mistral target with a window of 3: the window counts positions, a
+    node's by its depth (not its slot), and every output is the target's greedy output."""
+    hf = tiny_hf_model("mistral", seed=3, num_hidden_layers=4, vocab_size=16, sliding_window=3)
+    target = runtime_from_hf(hf)
+    drafter = MedusaDrafter(random_heads(64, 16, seed=7), target, Tree.from_paths(PATHS))
+    prompts = [[t % 16 for t in p] for p in PROMPTS]
+    many = generate_many(target, prompts, batch_drafter(drafter), max_new_tokens=24, gamma=3, rows=2)
+    assert [g.tokens for g in many] == [generate(target, p, max_new_tokens=24).tokens for p in prompts]
     assert sum(g.stats.accepted for g in many) > 5
 
 
@@ -217,14 +259,15 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
     def on_draft_rows(self, gammas, sampler):
         tokens, lengths, q = draft_rows(self, gammas, sampler)
         for b, n in enumerate(lengths):
-            if n:
-                drafted["rows"].setdefault(row_prompt[b], []).append(tokens[b, :n].tolist())
+            if n:  # (a tree: its every node)
+                drafted["rows"].setdefault(row_prompt[b], []).append(tokens[b, : None if self.tree else n].tolist())
         return tokens, lengths, q
 
     def on_draft_alone(self, ids, gamma, sampler):
         draft = draft_alone(self, ids, gamma, sampler)
         if draft.tokens.numel():
-            drafted["alone"].setdefault(row_prompt[0], []).append(draft.tokens[:gamma].tolist())
+            nodes = draft.tokens if draft.tree is not None else draft.tokens[:gamma]
+            drafted["alone"].setdefault(row_prompt[0], []).append(nodes.tolist())
         return draft
 
     monkeypatch.setattr(type(rows), "start", on_start)
