@@ -5,7 +5,7 @@ and drafter, measured on the runtime, and the same settings as vLLM and SGLang t
 
 Per batch size and temperature: autoregressive decoding at that batch size once, then each
 candidate on the same prompts: chains of each gamma (Medusa and MTP heads: no longer than their
-heads); at batch 1 also an EAGLE-3 export's own tree; for model drafters, prompt lookup first
+heads); an EAGLE-3 export's own tree (in batches, a tree a row); for model drafters, prompt lookup first
 (SPEC+lookup, with the export's phrase table where it has one) before its own drafting at batch 1,
 before the chain that measured fastest in batches. The best (tokens/s) is written to tune.json with
 the speedup it measured, beside every candidate's figures and the engines' settings for it
@@ -47,15 +47,15 @@ def candidates(spec: str, target: LoadedModel, batch: int, gammas: Sequence[int]
     out = [dict(name=f"chain:{g}", drafter=runs, gamma=g, tree_budget=0, top_k=1, lookup=False) for g in gammas]
     budget, g = getattr(own, "tree_budget", 0), own.gamma or max(gammas)
     table = None if isinstance(own, NgramDrafter) else phrase_table(spec, target)  # (an export's, as SPEC+lookup)
-    if batch > 1:  # chains, then lookup first before the chain that measured fastest (gamma None: tune sets it)
+    if budget:  # its own tree, at its own depth (batched: a tree a row)
+        top_k = getattr(own, "top_k", 0)
+        out.append(dict(name=f"tree:{budget}:{g}", drafter=own if batch == 1 else batch_drafter(own), gamma=g,
+                        tree_budget=budget, top_k=top_k, lookup=False))  # fmt: skip
+    if batch > 1:  # then lookup first before the chain that measured fastest (gamma None: tune sets it)
         if not isinstance(own, NgramDrafter):
             first = batch_drafter(LookupFirst(chain, table=table))
             out.append(dict(name=LOOKUP, drafter=first, gamma=None, tree_budget=0, top_k=1, lookup=True))
         return out
-    if budget:  # its own tree, at its own depth
-        top_k = getattr(own, "top_k", 0)
-        out.append(dict(name=f"tree:{budget}:{g}", drafter=own, gamma=g, tree_budget=budget, top_k=top_k,
-                        lookup=False))  # fmt: skip
     if not isinstance(own, NgramDrafter):  # prompt lookup first, then its own drafting
         out.append(dict(name=("tree" if budget else f"chain:{g}") + LOOKUP, drafter=LookupFirst(own, table=table),
                         gamma=g, tree_budget=budget, top_k=getattr(own, "top_k", 1), lookup=True))  # fmt: skip
@@ -117,7 +117,8 @@ def tune(
             rows = []
             for c in candidates(spec, target, B, gammas, dtype):
                 if c["gamma"] is None:  # lookup first before the fastest chain so far
-                    g = max((r for r in rows if not r["lookup"]), key=lambda r: r["tok_s"])["gamma"]
+                    chains = (r for r in rows if not r["lookup"] and not r["tree_budget"])
+                    g = max(chains, key=lambda r: r["tok_s"])["gamma"]
                     c = c | dict(gamma=g, name=f"chain:{g}{LOOKUP}")
                 report = measure(target.model, c["drafter"], encoded, gamma=c["gamma"], **kw)
                 s = report.total()

@@ -44,6 +44,7 @@ def heads_target(kind: str = "qwen3", seed: int = 3):
     return hf, runtime_from_hf(hf)
 
 
+EAGLE3 = {"eagle3": {}, "eagle3 tree": {"tree_budget": 5, "top_k": 3}}  # chains, trees of 5 nodes
 OWN = ["medusa", "medusa tree", "mtp", "truncate", "layer skip"]  # drafters that read the target's states or are it
 
 
@@ -114,7 +115,7 @@ def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter, r
     assert generate(target, PROMPTS[0], max_new_tokens=20).tokens == free[0]  # nothing left behind
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa", "medusa tree", "mtp", "truncate", "lookup first"])
+@pytest.mark.parametrize("kind", ["model", *EAGLE3, "medusa", "medusa tree", "mtp", "truncate", "lookup first"])
 def test_sampled_rows_follow_the_targets_distribution(kind):
     """Short prompts beside a long one, a sampling drafter: their first two tokens (the second
     from speculative sampling of a draft) follow the exact joint of the target's warped
@@ -132,7 +133,7 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
         rows, short = batch_drafter(LookupFirst(own_drafter("truncate", target, hf))), [9, 5, 9, 13, 9, 7, 1, 5, 9]
     else:  # (a prompt after which its random drafts are accepted at times)
         hf, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
-        rows, short = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False)), [1, 2, 3, 4]
+        rows, short = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False, **EAGLE3[kind])), [1, 2, 3, 4]
     long = [1, 7, 7, 7, 3, 12, 4, 11, 2, 13]
     sampler = Sampler(1.0, top_k=3, seed=0)
     out = generate_many(target, [long] + [short] * 799, rows, sampler, max_new_tokens=3, gamma=2, rows=700)
@@ -198,8 +199,9 @@ def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monke
         assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
         ours, theirs = drafted["rows"][tuple(p)], drafted["alone"][tuple(p)]
         if rows.tree_nodes:  # (a cut tree's nodes come first: nodes are in order of depth)
-            assert len(ours) == len(theirs) and all(o[: len(t)] == t for o, t in zip(ours, theirs, strict=True))
-            assert g.stats.target_forwards == alone.stats.target_forwards  # (its last round may accept past it)
+            assert len(ours) == len(theirs) and g.stats.target_forwards == alone.stats.target_forwards
+            for (_, o, op), (_, t, tp) in zip(ours, theirs, strict=True):
+                assert o[: len(t)] == t and op[: len(tp)] == tp  # (its last round may accept past it)
         else:
             assert ours == theirs and g.stats.accepted_at == alone.stats.accepted_at
     assert sum(g.stats.accepted for g in many) > 5
@@ -259,15 +261,24 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
     def on_draft_rows(self, gammas, sampler):
         tokens, lengths, q = draft_rows(self, gammas, sampler)
         for b, n in enumerate(lengths):
-            if n:  # (a tree: its every node)
-                drafted["rows"].setdefault(row_prompt[b], []).append(tokens[b, : None if self.tree else n].tolist())
+            if not n:
+                continue
+            if self.tree is None:
+                row = tokens[b, :n].tolist()
+            else:  # (a tree: its depth, every node, their parents)
+                row = (self.tree["levels"].shape[0] - 1, tokens[b].tolist(), self.tree["parent"][b, 1:].tolist())
+            drafted["rows"].setdefault(row_prompt[b], []).append(row)
         return tokens, lengths, q
 
     def on_draft_alone(self, ids, gamma, sampler):
         draft = draft_alone(self, ids, gamma, sampler)
         if draft.tokens.numel():
-            nodes = draft.tokens if draft.tree is not None else draft.tokens[:gamma]
-            drafted["alone"].setdefault(row_prompt[0], []).append(nodes.tolist())
+            if not rows.tree_nodes:  # (a chain, or Medusa's chain tree)
+                row = draft.tokens[:gamma].tolist()
+            else:
+                parents = draft.tree.tensors_on(draft.tokens.device)["parent"][1:].tolist()
+                row = (draft.tree.depth, draft.tokens.tolist(), parents)
+            drafted["alone"].setdefault(row_prompt[0], []).append(row)
         return draft
 
     monkeypatch.setattr(type(rows), "start", on_start)
@@ -307,6 +318,61 @@ def test_lookup_first_drafts_for_each_row_what_it_drafts_alone(monkeypatch, inne
         assert drafted["rows"][tuple(p)] == drafted["alone"][tuple(p)]
         assert (g.stats.lookup_rounds, g.stats.accepted_at) == (alone.stats.lookup_rounds, alone.stats.accepted_at)
     assert sum(g.stats.lookup_rounds for g in many) > 5 and sum(g.stats.lookup_accepted for g in many) > 3
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
+def test_eagle3_trees_draft_for_each_row_the_tree_one_sequence_drafts(monkeypatch, on_device, batch):
+    """EAGLE-3 trees of 5 nodes, top-3, 3 levels, in rows (eagerly, or in captured steps): every
+    row's output is the target's greedy output, and each round's tree (its nodes' tokens and
+    parents) equals the one the drafter drafts on the device for that prompt alone, round by round
+    while that one is as deep (near its budget it is cut: then rounds may differ)."""
+    _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
+    alone_drafter = Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3, on_device=True)
+    rows = batch_drafter(Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3, on_device=on_device))
+    assert isinstance(rows, RowEagle3) and rows.tree_nodes == 5 and "chains" not in rows.name
+    prompts = [[t % 16 for t in p] for p in PROMPTS]
+    drafted, row_prompt = record_drafts(monkeypatch, rows, alone_drafter)
+    many = generate_many(target, prompts, rows, max_new_tokens=24, gamma=3, rows=batch)
+    assert bool(rows.steps) == on_device
+    compared = 0
+    for p, g in zip(prompts, many, strict=True):
+        row_prompt[:] = [tuple(p)]
+        alone = generate(target, p, alone_drafter, max_new_tokens=24, gamma=3)
+        assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=24).tokens
+        for ours, theirs in zip(drafted["rows"][tuple(p)], drafted["alone"][tuple(p)]):
+            if theirs[0] < 3:
+                break
+            assert ours == theirs
+            compared += 1
+    assert compared > 10 and sum(g.stats.accepted for g in many) > 5
+
+
+def test_eagle3_trees_of_rows_are_one_sequences_tree_a_row_each():
+    """RowEagle3._tree on two rows at different slots against Eagle3Drafter._tree_on_device on each
+    row alone over the same cache prefix: the same nodes, tensors, and K/V written for the tree's
+    rows (so the same rope positions and masks)."""
+    _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
+    alone = Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3, on_device=True)
+    rows = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3))
+    alone.start(torch.tensor([1, 2]), 40)
+    rows.start([[1, 2], [1, 2]], [0, 0], 40)
+    S = min(alone.kv.shape[2], rows.kv.shape[2])
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randn(rows.kv[:, :, :S].shape, generator=g)
+    rows.kv[:, :, :S] = prefix
+    prenorm = torch.randn(2, model.config.layer.hidden_size, generator=g)
+    logits = alone._head(prenorm)
+    starts, W = [7, 12], 2 * 3  # (levels - 1) x top_k rows
+    tokens, tensors = rows._tree(prenorm, logits, torch.tensor(starts), levels=3, budget=5, span=S)
+    for b, s in enumerate(starts):
+        alone.kv.zero_()
+        alone.kv[0, :, :S] = prefix[b]
+        own, _, own_tensors = alone._tree_on_device(prenorm[b], logits[b], alone.slots[s], levels=3, budget=5)
+        assert torch.equal(tokens[b], own)
+        for key, value in own_tensors.items():
+            assert torch.equal(tensors[key] if key == "levels" else tensors[key][b], value), key
+        torch.testing.assert_close(rows.kv[b, :, s : s + W], alone.kv[0, :, s : s + W], rtol=1e-5, atol=1e-5)
 
 
 def test_drafters_that_decode_a_prompt_at_a_time_say_so():
@@ -360,11 +426,11 @@ def fast_target(drafter: str, device: str = "cpu"):
     The layers are traced by aot_eager on CUDA too: real CUDA graphs, without inductor's minutes of
     compiling a dozen shapes in gpu_check (scripts/bench_gpu_batch.py runs inductor's batches)."""
     compile_ = lambda m: m.to(device).compile(backend="aot_eager") or m  # noqa: E731
-    if drafter == "eagle3":  # a vocabulary small enough for random drafts to hit
+    if drafter.startswith("eagle3"):  # a vocabulary small enough for random drafts to hit
         (_, eager, model), (_, fast, _) = eagle3_tiny(vocab=16, draft_vocab=12), eagle3_tiny(vocab=16, draft_vocab=12)
         prompts = [[t % 16 for t in p] for p in PROMPTS]
         fast = compile_(fast)
-        drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True)
+        drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True, **EAGLE3[drafter])
         return eager.to(device), fast, RowEagle3(drafter), prompts
     if drafter in OWN:
         (hf, eager), (_, fast) = heads_target(), heads_target()
@@ -381,7 +447,7 @@ def fast_target(drafter: str, device: str = "cpu"):
     return eager, fast, {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter], PROMPTS
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", "eagle3", *OWN, "long later"])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *OWN, "long later"])
 def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothing_after_warm_up(drafter):
     """A compiled target: 5 prompts streamed through 3 rows (a captured batch size of 4, one row of
     padding), each round a captured step. After measure's warm-up nothing is compiled or captured,
@@ -399,7 +465,7 @@ def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothin
     assert {key[1][0] for key in target.steps} == {4} and target.cache.kv.shape[1] == 4
     alone = [generate(eager, p, max_new_tokens=20).tokens for p in prompts]
     assert [g.tokens for g in report.spec] == [g.tokens for g in report.baseline] == alone
-    if drafter in ("model", "lookup first", "eagle3", *OWN):
+    if drafter in ("model", "lookup first", *EAGLE3, *OWN):
         assert sum(g.stats.accepted for g in report.spec) > 5
 
 
@@ -429,7 +495,7 @@ def verifies(decoder, target, kwargs) -> bool:
     return decoder is target and kwargs.get("exit_layer") is None and kwargs.get("skip") is None
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", "eagle3", *OWN])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *OWN])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
     """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
@@ -437,8 +503,8 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
     the target is compiled)."""
     eager, fast, row_drafter, prompts = fast_target(drafter)
     target = fast if compiled else eager
-    if drafter == "eagle3" and not compiled:
-        row_drafter = RowEagle3(Eagle3Drafter(row_drafter.d.model, eager, cpu_bf16=False))
+    if drafter in EAGLE3 and not compiled:
+        row_drafter = RowEagle3(Eagle3Drafter(row_drafter.d.model, eager, cpu_bf16=False, **EAGLE3[drafter]))
     if drafter in OWN and not compiled:  # (of the eager target)
         row_drafter = batch_drafter(own_drafter(drafter, eager, heads_target()[0]))
     generate_many(target, prompts, row_drafter, max_new_tokens=20, gamma=3, rows=3)  # warm-up
@@ -463,7 +529,7 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", "eagle3", *OWN])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *OWN])
 def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_forward(monkeypatch, drafter):
     """Real CUDA graphs in fp32 (3 rows in a captured batch size of 4): every output is the target's
     own greedy output, every round's step is a graph, and the host waits for the device at most

@@ -278,6 +278,33 @@ def test_tune_measures_medusa_chains_at_every_batch_size_and_writes_vllms_medusa
     assert looked == [["chain:3+lookup"], [f"chain:{fastest}+lookup"]]
 
 
+def test_tune_measures_an_eagle3_exports_trees_in_batches_too(tmp_path):
+    """An EAGLE-3 export drafting trees of 5 nodes (top-3, 3 deep): at batch 2 its tree is a
+    candidate beside the chains (a tree a row), with SGLang's settings for it (topk 3, 6 draft
+    tokens: the root counted)."""
+    from specdec_runtime.drafters.eagle3_format import save_speculators
+    from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
+    from specdec_runtime.loading import load_model
+
+    hf_dir = save_tiny_model(tmp_path / "target", num_hidden_layers=4)
+    torch.manual_seed(1)
+    config = load_model(str(hf_dir)).model.config
+    model = Eagle3Model(Eagle3Config.for_target(config, aux_layers=None, draft_vocab_size=16))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model.set_draft_vocab(torch.arange(16))
+    export = save_speculators(model, tmp_path / "export", verifier=None, verifier_architectures=["LlamaForCausalLM"],
+                              drafting={"gamma": 3, "tree_budget": 5, "top_k": 3})  # fmt: skip
+    prompts, out = write_prompt_file(tmp_path / "p.jsonl", 3, stride=5, suffix=" and"), tmp_path / "tune.json"
+    main(["tune", "--target", str(hf_dir), "--drafter", str(export), "--prompts", str(prompts), "--batch-sizes", "2",
+          "--temperatures", "0", "--gammas", "2", "--max-new-tokens", "12", "--output", str(out)])  # fmt: skip
+    (setting,) = json.loads(out.read_text())["settings"]
+    tree = {c["name"]: c for c in setting["candidates"]}["tree:5:3"]
+    assert tree["tau"] >= 1 and tree["tree_budget"] == 5 and tree["top_k"] == 3
+    assert "--speculative-eagle-topk 3 --speculative-num-draft-tokens 6" in tree["sglang"]
+    assert [c["name"] for c in setting["candidates"]] == ["chain:2", "tree:5:3", "chain:2+lookup"]
+
+
 def test_tune_refuses_bad_lists_before_loading(tmp_path, capsys):
     for extra, message in ((["--gammas", "0,2"], "--gammas '0,2': every value must be >= 1"),
                            (["--temperatures", "a"], "--temperatures 'a': give comma-separated numbers"),
