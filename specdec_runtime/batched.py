@@ -10,8 +10,10 @@ Each row of the target's cache is one sequence at slots of its own (specdec_runt
 are left-padded to one length, and a round writes row b's newest token and draft at the slots
 after its own last accepted token, so rows drift apart as they accept different numbers of tokens
 (ragged acceptance), each at its exact RoPE positions. Drafts shorter than the round's longest
-are padded, and a row accepts no further than its own draft. A round verifies every row (greedy:
-the longest prefix equal to the target's argmax; sampled: speculative sampling, the rule
+are padded, and a row accepts no further than its own draft. A drafter of token trees drafts a
+tree a row (RowDrafter.tree): each row's nodes at the slots after its newest, its accepted branch
+moved after it, the tokens past its budget dropped. A round verifies every row (greedy: the
+longest prefix, or branch, the target's argmax follows; sampled: speculative sampling, the rules
 generate() uses) and reads the accepted lengths and tokens back in one host sync.
 
 With rows < the prompts, the others wait in a queue: the first row whose prompt stops takes the
@@ -22,10 +24,10 @@ a fixed batch size (rows.captured_rows); the prefills run eagerly. A round reads
 for its accepted lengths and tokens; what goes to the device is copied from host lists without
 waiting for it. Drafters (drafters/batched.py): prompt lookup (RowLookup, on the host), a
 stand-alone model (RowModel, batched like the target), the target cut short or with sublayers
-skipped (RowSelf), EAGLE-3 chains (RowEagle3, reading the target's features of each row's accepted
-tokens), Medusa chains and MTP heads (RowMedusa, RowMTP, reading its last states), and lookup first
-before any of them (RowLookupFirst); draft exits run one prompt at a time (batch_drafter says
-which). A batch of one is generate() itself.
+skipped (RowSelf), EAGLE-3 chains and trees (RowEagle3, reading the target's features of each
+row's accepted tokens), Medusa chains and trees and MTP heads (RowMedusa, RowMTP, reading its last
+states), and lookup first before any of them (RowLookupFirst); draft exits run one prompt at a
+time (batch_drafter says which). A batch of one is generate() itself.
 """
 
 import time

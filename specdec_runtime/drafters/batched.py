@@ -607,8 +607,8 @@ def _resized(inputs: dict[str, Tensor], R: int) -> dict[str, Tensor]:
 
 def batch_drafter(drafter: Drafter) -> RowDrafter | None:
     """The batched form of a runtime drafter (prompt lookup, a stand-alone model, the target cut short
-    or with layers skipped, EAGLE-3 and Medusa as chains, MTP heads, lookup first before any of
-    them), or None for the kinds that decode a prompt at a time (draft exits)."""
+    or with layers skipped, EAGLE-3 and Medusa (trees or chains), MTP heads, lookup first before
+    any of them), or None for the kinds that decode a prompt at a time (draft exits)."""
     if isinstance(drafter, NgramDrafter):
         return RowLookup(drafter.max_ngram, drafter.min_ngram)
     if isinstance(drafter, LookupFirst):
