@@ -152,14 +152,16 @@ def generate_many(
             t3 = time.perf_counter()
             if tree is None:
                 n, token = _verify(x[:, 1:], lengths, q, logits, sampler, forced)
-                branch = x[:, 1:]
+                branch, reached = x[:, 1:], n[:0]
             else:  # each row's accepted branch: its K/V moved after its root, its states in order
                 n, token, path = _verify_trees(x, tree, logits, sampler, forced)
                 _move_rows(target, slot, path)
-                branch = x.gather(1, path)[:, 1:]  # [B, D]
+                branch, reached = x.gather(1, path)[:, 1:], tree["depth"].amax(dim=1)  # [B, D]; the depths reached
                 hidden = hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1])) if taps else None
             D = branch.shape[1]
-            host = torch.cat([n, token, branch.flatten()]).tolist()  # the one host sync of the round
+            host = torch.cat([n, token, branch.flatten(), reached]).tolist()  # the one host sync of the round
+            if tree is not None:  # (a tree's drafted depth: how deep its nodes reach, as one sequence counts it)
+                lengths = [min(k, d) for k, d in zip(lengths, host[-B:], strict=True)]
             for b in range(B):
                 if done[b]:
                     continue

@@ -575,3 +575,19 @@ def test_forced_acceptance_accepts_each_position_with_the_rate_given_in_every_ro
     assert abs(mean - (0.6 + 0.6**2)) < 0.07  # 0.96; the standard error is ~0.02
     with pytest.raises(SpecdecError, match="accept_rate"):
         generate_many(target, prompts, rows_drafter, max_new_tokens=4, accept_rate=-0.1)
+
+
+def test_forced_acceptance_of_trees_takes_the_first_children_as_deep_as_the_draws_allow():
+    """accept_rate with EAGLE-3 trees in rows (each depth's first child a draw, as one sequence's
+    verify_forced): P = 0 accepts nothing; P = 1 the branch of first children every round, as deep
+    as each tree has it: as often, position by position, as the same trees of each prompt alone."""
+    _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
+    rows = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3))
+    alone = Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3, on_device=True)
+    prompts = [[t % 16 for t in p] for p in PROMPTS]
+    none = generate_many(target, prompts, rows, max_new_tokens=13, gamma=3, accept_rate=0.0)
+    assert all(g.stats.accepted == 0 and g.stats.drafted > 0 for g in none)
+    full = generate_many(target, prompts, rows, max_new_tokens=13, gamma=3, accept_rate=1.0)
+    for p, g in zip(prompts, full, strict=True):
+        one = generate(target, p, alone, max_new_tokens=13, gamma=3, accept_rate=1.0)
+        assert g.stats.accepted_at == one.stats.accepted_at and g.stats.accepted_at[0] == g.stats.rounds_with_draft
