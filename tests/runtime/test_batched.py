@@ -46,6 +46,10 @@ def heads_target(kind: str = "qwen3", seed: int = 3):
 
 EAGLE3 = {"eagle3": {}, "eagle3 tree": {"tree_budget": 5, "top_k": 3}}  # chains, trees of 5 nodes
 OWN = ["medusa", "medusa tree", "mtp", "truncate", "layer skip"]  # drafters that read the target's states or are it
+# The fast path's tests, by drafter: the kinds whose steps are the mechanisms of others (a model's, a tree's)
+# run with -m slow, to keep the default run short; the gpu tests take them all.
+FAST = ["none", "lookup", "model", "lookup first", *EAGLE3, "medusa tree"]
+FAST_SLOW = [pytest.param(k, marks=pytest.mark.slow) for k in OWN if k not in FAST]
 
 
 def own_drafter(kind: str, target, hf):
@@ -447,7 +451,7 @@ def fast_target(drafter: str, device: str = "cpu"):
     return eager, fast, {"none": None, "lookup": RowLookup(), "model": RowModel(draft_model)}[drafter], PROMPTS
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *OWN, "long later"])
+@pytest.mark.parametrize("drafter", [*FAST, *FAST_SLOW, "long later"])
 def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothing_after_warm_up(drafter):
     """A compiled target: 5 prompts streamed through 3 rows (a captured batch size of 4, one row of
     padding), each round a captured step. After measure's warm-up nothing is compiled or captured,
@@ -495,7 +499,7 @@ def verifies(decoder, target, kwargs) -> bool:
     return decoder is target and kwargs.get("exit_layer") is None and kwargs.get("skip") is None
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *OWN])
+@pytest.mark.parametrize("drafter", [*FAST, *FAST_SLOW])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
     """Every Tensor -> Python conversion is counted: one per target forward (the prefill's first
