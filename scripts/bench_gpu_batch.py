@@ -1,13 +1,15 @@
 """Batched speculative decoding at forced acceptance: what the runtime's batched rounds cost at each
 batch size, on a Llama-3.1-8B- or Llama-3.2-1B-shaped target built on the spot (scripts/bench_gpu.py's:
-random weights, no download) with a random EAGLE-3 drafter drafting chains on the device.
+random weights, no download) with a random EAGLE-3 drafter drafting chains (or, with --tree-budget,
+a tree a row) on the device.
 
     python scripts/bench_gpu_batch.py --shape 8b --accept-rate 0.8 --batch-sizes 1,4,16,64
+    python scripts/bench_gpu_batch.py --shape 8b --accept-rate 0.8 --tree-budget 8 --top-k 4 --gamma 5  # trees
     python scripts/bench_gpu_batch.py --shape tiny --device cpu --batch-sizes 1,2,4 --max-new-tokens 16  # smoke run
 
 Per batch size B, B x --prompts-per-row random prompts are decoded B at a time (measure(batch_size=B),
 whose warm-up captures every step a stream reaches first; batch 1 is generate() with the same
-drafter's chains), speculatively and autoregressively at the same batch size, turn about. Each
+drafter's chains or tree), speculatively and autoregressively at the same batch size, turn about. Each
 drafted token is accepted with probability --accept-rate whatever its value (accept_rate, as
 SGLang's simulated acceptance), which sets tau without a trained drafter: the outputs are not the
 target's. Printed and written to --output-dir (results.md, results.json): tokens/s of both, tau,
@@ -61,7 +63,9 @@ def main() -> None:
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="auto: on CUDA")
     ap.add_argument("--batch-sizes", default="1,4,16,64")
     ap.add_argument("--accept-rate", type=float, default=0.8, help="each drafted token accepted with this probability")
-    ap.add_argument("--gamma", type=int, default=4, help="the drafter's chains")
+    ap.add_argument("--gamma", type=int, default=4, help="the drafter's chains (trees: its levels)")
+    ap.add_argument("--tree-budget", type=int, default=0, help="> 0: trees of this many nodes, a tree a row")
+    ap.add_argument("--top-k", type=int, default=4, help="the trees' frontier")
     ap.add_argument("--prompts-per-row", type=int, default=2, help="prompts per batch row, streamed")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -71,7 +75,8 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     fast = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     t_start = time.perf_counter()
-    args.k, args.residual_scale, args.tree_budget, args.top_k = 2, 0.05, 0, 1  # bench_gpu.build's, chains
+    args.k, args.residual_scale = 2, 0.05  # bench_gpu.build's
+    args.top_k = args.top_k if args.tree_budget else 1
     _, target = build(args, device, dtype)
     if fast:
         target.compile(**({} if device.type == "cuda" else {"backend": "aot_eager"}))
@@ -79,7 +84,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
     kw = dict(max_new_tokens=args.max_new_tokens, gamma=args.gamma, accept_rate=args.accept_rate)
-    capacity = args.prompt_len + args.max_new_tokens + args.gamma  # measure's: the same caches and steps
+    capacity = args.prompt_len + args.max_new_tokens + max(args.gamma, args.tree_budget)  # measure's: the same caches
     results = []
     for B in sizes:
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
@@ -106,9 +111,10 @@ def main() -> None:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bandwidth = next((v for k, v in BANDWIDTH.items() if k in name), None)
+    drafting = f"trees of {args.tree_budget}, top-{args.top_k}, depth" if args.tree_budget else "chains of"
     lines = [
         f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, random prompts of {args.prompt_len} tokens, "
-        f"{args.max_new_tokens} new tokens, {args.prompts_per_row} prompts per row; EAGLE-3 chains of "
+        f"{args.max_new_tokens} new tokens, {args.prompts_per_row} prompts per row; EAGLE-3 {drafting} "
         f"{args.gamma} (random weights), forced acceptance {args.accept_rate}; "
         f"{weight_bytes(target) / 1e9:.2f} GB of weights" + (f", {bandwidth} GB/s" if bandwidth else ""),
         "",

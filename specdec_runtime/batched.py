@@ -174,7 +174,7 @@ def generate_many(
                         break
                 stats[j].record_round(lengths[b], min(k, len(new)), b in looked)
                 out[j] += new
-                slot[b] += k + 1
+                slot[b] += len(new)  # (k + 1 but where a stop or the budget cut it: the row is done then)
                 done[b] = finished(out[j])
                 if drafter is not None:
                     drafter.observe_tokens(b, new)

@@ -595,3 +595,6 @@ def test_forced_acceptance_of_trees_takes_the_first_children_as_deep_as_the_draw
     for p, g in zip(prompts, full, strict=True):
         one = generate(target, p, alone, max_new_tokens=13, gamma=3, accept_rate=1.0)
         assert g.stats.accepted_at == one.stats.accepted_at and g.stats.accepted_at[0] == g.stats.rounds_with_draft
+    for seed in range(4):  # rows done apart, some by a branch past their budget, beside rows still running
+        out = generate_many(target, prompts, rows, Sampler(seed=seed), max_new_tokens=14, gamma=3, accept_rate=0.7)
+        assert [len(g.tokens) for g in out] == [14] * len(prompts)
