@@ -168,12 +168,10 @@ class RowModel(RowDrafter):
         tokens, probs = [], []
         for i in range(g):
             logits = in_target_vocab(logits, self.vocab_size, self.vocab_ids)
-            if sampler.greedy:
-                token = argmax(logits)
-            else:
-                probs.append(sampler.probs(logits))
-                token = sampler.sample(probs[-1])
+            token, q = drawn(logits, sampler)
             tokens.append(token)
+            if q is not None:  # (sampled: the draft's q)
+                probs.append(q)
             if i + 1 < g:
                 logits = self.model(token[:, None], [s + i for s in starts], logits_to_keep=1).logits[:, -1]
         self.seen = [len(seq) + g - 1 for seq in self.seqs]  # the drafts but the last are cached
@@ -213,12 +211,10 @@ class RowSelf(RowDrafter):
         for i in range(max(gammas)):
             out = d.model(x, [s + i for s in starts], exit_layer=d.exit_layer, skip=d.skip, logits_to_keep=1)
             logits = d._logits(out.logits[:, -1])
-            if sampler.greedy:
-                token = argmax(logits)
-            else:
-                probs.append(sampler.probs(logits))
-                token = sampler.sample(probs[-1])
+            token, q = drawn(logits, sampler)
             tokens.append(token)
+            if q is not None:  # (sampled: the draft's q)
+                probs.append(q)
             x = token[:, None]
         return torch.stack(tokens, 1), list(gammas), torch.stack(probs, 1) if probs else None
 
@@ -257,10 +253,8 @@ class RowMedusa(RowDrafter):
         g = min(max(gammas), heads)
         logits = d.heads(hidden, d.target.lm_head, count=g).transpose(0, 1)  # [B, g, V]
         lengths = [min(k, heads) for k in gammas]
-        if sampler.greedy:
-            return argmax(logits), lengths, None
-        probs = sampler.probs(logits)
-        return sampler.sample(probs), lengths, probs
+        tokens, q = drawn(logits, sampler)
+        return tokens, lengths, q
 
     def _tree(self, hidden: Tensor, gammas: list[int]) -> tuple[Tensor, list[int], None]:
         """The tree's node tokens [B, N] (Tree.candidates for every row) and its tensors a row each."""
@@ -329,13 +323,20 @@ class RowMTP(RowDrafter):
         logits = self._run(padded, self.seen, [max(k, 1) - 1 for k in counts], slice(0, B))[:g].transpose(0, 1)
         self.seen = [s + k for s, k in zip(self.seen, counts, strict=True)]
         lengths = [min(k, heads) for k in gammas]
-        if sampler.greedy:
-            return argmax(logits), lengths, None
-        probs = sampler.probs(logits)
-        return sampler.sample(probs), lengths, probs
+        tokens, q = drawn(logits, sampler)
+        return tokens, lengths, q
 
     def alone(self) -> Drafter:
         return self.d
+
+
+def drawn(logits: Tensor, sampler: Sampler) -> tuple[Tensor, Tensor | None]:
+    """Draft tokens [...] from logits [..., V]: their argmax (q None: deterministic drafts), or draws
+    from the sampler's warped distributions q [..., V], which verification weighs them by."""
+    if sampler.greedy:
+        return argmax(logits), None
+    q = sampler.probs(logits)
+    return sampler.sample(q), q
 
 
 def batch_drafter(drafter: Drafter) -> RowDrafter | None:
