@@ -43,8 +43,7 @@ from specdec_runtime.rows import one_row
 from specdec_runtime.rows import prefill as prefill_rows
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.stats import GenerationStats
-from specdec_runtime.tree import DeviceTree
-from specdec_runtime.verify import verify_rows_sample, verify_tree_sample
+from specdec_runtime.verify import verify_rows_sample, verify_rows_tree_sample, walk_rows
 
 
 @torch.inference_mode()
@@ -203,7 +202,7 @@ def _verify_trees(x: Tensor, tree: dict[str, Tensor], logits: Tensor, sampler: S
     node indices per depth, root first, entries past a row's length at the root) of every row's
     token tree: x [B, N + 1] the roots and nodes, tree its tensors a row each (levels [D + 1] shared).
     Greedy: the branch the target's argmax follows (verify_tree_greedy's rule for every row at
-    once); sampled: verify_tree_sample row by row; forced: each depth's first child a draw."""
+    once); sampled: verify_rows_tree_sample; forced: each depth's first child a draw."""
     if sampler.greedy or forced is not None:
         choice = argmax(logits)  # [B, N + 1]
         if forced is None:
@@ -211,27 +210,9 @@ def _verify_trees(x: Tensor, tree: dict[str, Tensor], logits: Tensor, sampler: S
         else:
             u = torch.rand(x.shape[0], tree["levels"].shape[0], device=x.device, generator=forced[1]) < forced[0]
             chosen = ~tree["earlier"].any(dim=-1) & u.gather(1, tree["depth"])
-        path, n = _walk_rows(tree, chosen)
+        path, n = walk_rows(tree, chosen)
         return n, choice.gather(1, path.gather(1, n[:, None])).squeeze(1), path
-    verdicts = []
-    for b in range(x.shape[0]):
-        own = DeviceTree({k: v if k == "levels" else v[b] for k, v in tree.items()}, tree["levels"].shape[0] - 1, None)
-        verdicts.append(verify_tree_sample(own, x[b], sampler.probs(logits[b]), sampler))
-    return tuple(torch.stack([v[i] for v in verdicts]) for i in (1, 2, 0))
-
-
-def _walk_rows(tree: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
-    """verify._walk_on_device for every row: (path [B, D + 1], n [B]) of the deepest node whose
-    ancestors are all chosen [B, N + 1] (first in node order on ties)."""
-    depth, ancestor = tree["depth"], tree["ancestor"]
-    chosen = chosen | (depth == 0)  # the root counts as chosen
-    reached = ~(ancestor & ~chosen[:, None, :]).any(dim=-1)  # [B, N + 1]
-    T = chosen.shape[1]
-    score = torch.where(reached, depth * T + (T - 1 - torch.arange(T, device=chosen.device)), -1)
-    last = score.argmax(dim=1, keepdim=True)  # [B, 1]
-    on_path = ancestor.gather(1, last[..., None].expand(-1, 1, T)).squeeze(1)  # [B, N + 1] the branch root..last
-    by_depth = on_path[:, :, None] & (depth[:, :, None] == tree["levels"])  # [B, N + 1, D + 1]
-    return by_depth.to(torch.uint8).argmax(dim=1), depth.gather(1, last).squeeze(1)
+    return verify_rows_tree_sample(x, tree, sampler.probs(logits), sampler)
 
 
 def _move_rows(target: Decoder, slot: list[int], path: Tensor) -> None:

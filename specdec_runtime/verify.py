@@ -239,6 +239,47 @@ def verify_tree_sample(tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampl
     return Verdict(path, n, sampler.sample(row))
 
 
+def verify_rows_tree_sample(
+    nodes: Tensor, tree: dict[str, Tensor], probs: Tensor, sampler: Sampler
+) -> tuple[Tensor, Tensor, Tensor]:
+    """verify_tree_sample for every row of a batch at once (batched.generate_many's token trees): a
+    few kernels a round whatever the batch size. nodes [B, N + 1] each row's root and nodes; tree the
+    tensors of a tree a row (parent, depth, ancestor, earlier with a row dimension; levels [D + 1]
+    shared); probs [B, N + 1, V] the target's warped distributions after each node. Returns (the
+    accepted lengths n [B], the tokens after them [B], the accepted branches [B, D + 1]), each row
+    as verify_tree_sample decides it with the same uniform draws."""
+    B, T = nodes.shape
+    rows = torch.arange(B, device=nodes.device)
+    p_tok = probs[rows[:, None], tree["parent"], nodes]  # [B, N + 1] p_parent(token)
+    tried_mass = (tree["earlier"].to(probs.dtype) @ p_tok[..., None]).squeeze(-1)  # earlier siblings' mass
+    u = sampler.uniform(B * T, nodes.device).view(B, T)
+    ok = u * (1 - tried_mass).clamp_(min=0) < p_tok
+    first_ok = ok & ~(tree["earlier"] & ok[:, None, :]).any(-1)
+    path, n = walk_rows(tree, first_ok)
+    last = path.gather(1, n[:, None]).squeeze(1)  # [B]
+    p_last = probs[rows, last]  # [B, V]
+    children = (tree["parent"] == last[:, None]) & (torch.arange(T, device=nodes.device) > 0)
+    tried = torch.zeros_like(p_last).scatter_add_(1, nodes, children.to(p_last.dtype))  # its rejected children
+    row = torch.where(tried > 0, 0.0, p_last)
+    row = torch.where(row.sum(-1, keepdim=True) > 0, row, p_last)  # p entirely on rejected children
+    return n, sampler.sample(row), path
+
+
+def walk_rows(tree: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
+    """verify._walk_on_device for every row: (path [B, D + 1], n [B]) of the deepest node whose
+    ancestors are all chosen [B, N + 1] (first in node order on ties)."""
+    depth, ancestor = tree["depth"], tree["ancestor"]
+    chosen = chosen | (depth == 0)  # the root counts as chosen
+    reached = ~(ancestor & ~chosen[:, None, :]).any(dim=-1)  # [B, N + 1]
+    T = chosen.shape[1]
+    score = torch.where(reached, depth * T + (T - 1 - torch.arange(T, device=chosen.device)), -1)
+    last = score.argmax(dim=1, keepdim=True)  # [B, 1]
+    on_path = ancestor.gather(1, last[..., None].expand(-1, 1, T)).squeeze(1)  # [B, N + 1] the branch root..last
+    by_depth = on_path[:, :, None] & (depth[:, :, None] == tree["levels"])  # [B, N + 1, D + 1]
+    return by_depth.to(torch.uint8).argmax(dim=1), depth.gather(1, last).squeeze(1)
+
+
+
 def verify_tree_typical(
     tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler, *, threshold: float, alpha: float
 ) -> Verdict:

@@ -10,6 +10,7 @@ from specdec_runtime.tree import Tree
 from specdec_runtime.verify import (
     verify_greedy,
     verify_rows_sample,
+    verify_rows_tree_sample,
     verify_sample,
     verify_tree_greedy,
     verify_tree_sample,
@@ -165,6 +166,43 @@ def test_a_batchs_rows_decide_as_each_row_alone(deterministic):
     assert int(n[0]) == 4 and int(n[2]) == 0 and (int(n[4]) == 0 or deterministic)
 
 
+def test_a_batchs_trees_decide_as_each_tree_alone():
+    """verify_rows_tree_sample against verify_tree_sample row by row, with the same uniform draws:
+    the same accepted lengths and branches, and the same distribution for the token after them, for
+    rows with trees of different shapes (and depths) whose nodes are their parents' top tokens, so
+    that rounds end at every depth, on a rejected root, a rejected inner node and a whole branch."""
+    shapes = [
+        [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)],
+        [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 1), (0, 0, 1)],
+        [(0,), (1,), (2,), (0, 0), (1, 0), (2, 0)],
+    ]
+    trees = [Tree.from_paths(paths) for paths in shapes]
+    T, D, V, B = 7, max(t.depth for t in trees), 9, len(trees)
+    batch_tree = {k: torch.stack([t.tensors[k] for t in trees]) for k in ("parent", "depth", "ancestor", "earlier")}
+    batch_tree["levels"] = torch.arange(D + 1)
+    seen = set()
+    for trial in range(40):
+        gen = torch.Generator().manual_seed(trial)
+        probs = (torch.randn(B, T, V, generator=gen) * (1 + trial % 4)).softmax(-1)  # flat to peaked
+        nodes = torch.zeros(B, T, dtype=torch.long)
+        for b, tree in enumerate(trees):  # each node: its parent's rank-th likeliest token (siblings distinct)
+            parent, rank = tree.tensors["parent"], tree.tensors["rank"]
+            for i in range(1, T):
+                nodes[b, i] = probs[b, parent[i]].argsort(descending=True)[rank[i]]
+        u = torch.rand(B, T, generator=gen)
+        batch = Scripted(u.flatten())
+        n, _, path = verify_rows_tree_sample(nodes, batch_tree, probs, batch)
+        for b, tree in enumerate(trees):
+            alone = Scripted(u[b])
+            verdict = verify_tree_sample(tree, nodes[b], probs[b], alone)
+            k = int(verdict.accept_len)
+            assert int(n[b]) == k, (trial, b)
+            assert path[b, : k + 1].tolist() == verdict.path[: k + 1].tolist(), (trial, b)
+            torch.testing.assert_close(batch.rows[0][b], alone.rows[0], rtol=0, atol=1e-6)
+            seen.add((b, k))
+    assert {k for _, k in seen} >= {0, 1, 2, 3}, seen  # rounds ended at every depth
+
+
 def test_a_batchs_rows_follow_the_target():
     """Sampled rows through verify_rows_sample: each row's first token (a draft token, accepted, or
     the target's own) follows that row's target distribution (chi-square), for rows whose drafters
@@ -216,3 +254,8 @@ def test_no_rule_reads_a_value_on_the_host():
     for q in (None, torch.empty(B, g, V, device=meta)):
         n, token = verify_rows_sample(rows, lengths, q, torch.empty(B, g + 1, V, device=meta), sampler)
         assert n.shape == token.shape == (B,)
+    row_tree = {k: v.to(meta).expand(B, *v.shape) for k, v in tree.tensors.items() if k != "levels"}
+    row_tree["levels"] = tree.tensors["levels"].to(meta)
+    row_nodes = torch.empty(B, N + 1, dtype=torch.long, device=meta)
+    n, token, path = verify_rows_tree_sample(row_nodes, row_tree, torch.empty(B, N + 1, V, device=meta), sampler)
+    assert n.shape == token.shape == (B,) and path.shape == (B, tree.depth + 1)
