@@ -18,6 +18,8 @@
 #   ./scripts/gpu_check.sh --tests    # the gpu tests only
 #   ./scripts/gpu_check.sh --batch    # batched decoding alone: its gpu tests, then scripts/bench_gpu_batch.py
 #                                     # (8B shape, EAGLE-3 chains at forced acceptance, batch 1-64)
+#   ./scripts/gpu_check.sh --products # the 8B decode step's weight products alone, per layout and kernel
+#                                     # (scripts/bench_gpu_products.py: which the runtime should take)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0"
@@ -44,6 +46,10 @@ print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, tr
 EOF
 status=0
 SECONDS=0
+if [ "${1:-}" = "--products" ]; then
+  $PY scripts/bench_gpu_products.py --shape 8b --output-dir "$OUT/products" 2>&1 | tee "$OUT/products.log"
+  exit
+fi
 if [ "${1:-}" = "--batch" ]; then
   $PY -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_batched.py 2>&1 | tee "$OUT/gpu_tests_batched.log" \
     || status=1

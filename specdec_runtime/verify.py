@@ -279,7 +279,6 @@ def walk_rows(tree: dict[str, Tensor], chosen: Tensor) -> tuple[Tensor, Tensor]:
     return by_depth.to(torch.uint8).argmax(dim=1), depth.gather(1, last).squeeze(1)
 
 
-
 def verify_tree_typical(
     tree: Tree, tokens: Tensor, probs: Tensor, sampler: Sampler, *, threshold: float, alpha: float
 ) -> Verdict:
