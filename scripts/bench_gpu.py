@@ -4,6 +4,7 @@
     python scripts/bench_gpu.py --shape 8b --k 4 --output-dir runs/bench_gpu_8b
     python scripts/bench_gpu.py --shape tiny --device cpu --compile off   # a seconds-long smoke run on a CPU
     python scripts/bench_gpu.py --shape 8b --drafter eagle3 --accept-rate 0.83 --no-hf --profile runs/prof
+    python scripts/bench_gpu.py --shape 8b --no-hf --layout out-in    # our weights stored [out, in], as nn.Linear's
 
 All in one process, interleaved per prompt (batch 1, random prompts):
 1. our autoregressive decode against the memory-bandwidth limit: the bytes every token must read
@@ -47,6 +48,7 @@ from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, Eagle3Drafter
 from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from specdec_runtime.drafters.standalone import ModelDrafter
 from specdec_runtime.generate import generate
+from specdec_runtime.layers import Linear
 from specdec_runtime.measure import divergences, warm_up
 from specdec_runtime.model import Decoder
 from specdec_runtime.reference import assisted_kwargs, hf_generate
@@ -82,7 +84,18 @@ def build(args, device: torch.device, dtype: torch.dtype):
             layer.mlp.down_proj.weight.mul_(args.residual_scale)
     hf.generation_config.pad_token_id = 0
     ours = Decoder.from_hf_state_dict(DecoderConfig.from_hf(config), hf.state_dict(), device, dtype)
+    if getattr(args, "layout", "in-out") == "out-in":
+        store_out_in(ours)
     return hf, ours
+
+
+def store_out_in(model: Decoder) -> None:
+    """Every Linear's weight stored as nn.Linear stores it, [out, in], and read through its [in, out]
+    view, so that x @ W is F.linear's product (cuBLAS's other operand layout; --layout out-in, beside
+    scripts/bench_gpu_products.py's products alone)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.weight = torch.nn.Parameter(m.weight.detach().t().contiguous().t(), requires_grad=False)
 
 
 def weight_bytes(model: Decoder) -> int:
@@ -245,6 +258,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4, help="eagle3: the frontier a tree level expands")
     ap.add_argument("--accept-rate", type=float, default=None, help="forced acceptance (not the target's output)")
     ap.add_argument("--no-hf", action="store_true", help="skip every transformers method (large shapes)")
+    ap.add_argument("--layout", choices=["in-out", "out-in"], default="in-out",
+                    help="our weights: the runtime's [in, out], or nn.Linear's [out, in] read through a view")  # fmt: skip
     ap.add_argument("--profile", type=Path, default=None, help="write a profiler trace of a few rounds here")
     ap.add_argument("--live-lengths", default="", help="e.g. 256,1024,4000: decode step time by live length")
     ap.add_argument("--residual-scale", type=float, default=0.05, help="output scale of the layers after K")
@@ -385,7 +400,7 @@ def main() -> None:
             fp32_identical = sum(same) / len(same)
 
     lines = [
-        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, {args.prompts} random prompts of "
+        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, weights {args.layout}, {args.prompts} random prompts of "
         f"{args.prompt_len} tokens, {N} new tokens, batch 1; {weights / 1e9:.2f} GB of weights read per "
         f"token; speculative tau {tau:.2f}",
         "",
@@ -453,6 +468,7 @@ def main() -> None:
             {
                 "device": name,
                 "shape": args.shape,
+                "layout": args.layout,
                 "drafter": args.drafter,
                 "accept_rate": args.accept_rate,
                 "tok_s": tok_s,
