@@ -5,6 +5,7 @@
     python scripts/bench_gpu.py --shape tiny --device cpu --compile off   # a seconds-long smoke run on a CPU
     python scripts/bench_gpu.py --shape 8b --drafter eagle3 --accept-rate 0.83 --no-hf --profile runs/prof
     python scripts/bench_gpu.py --shape 8b --no-hf --layout out-in    # our weights stored [out, in], as nn.Linear's
+    python scripts/bench_gpu.py --shape 8b --drafter eagle3 --accept-rate 0.83 --no-hf --compile-drafter
 
 All in one process, interleaved per prompt (batch 1, random prompts):
 1. our autoregressive decode against the memory-bandwidth limit: the bytes every token must read
@@ -164,7 +165,8 @@ def eagle3_drafter(target: Decoder, args) -> Eagle3Drafter:
         model.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
     model = model.to(target.dtype)
     # on the device wherever the target's steps are captured (on a CPU, emulated: the smoke run)
-    return Eagle3Drafter(model, target, tree_budget=args.tree_budget, top_k=args.top_k, on_device=target.compiled)
+    return Eagle3Drafter(model, target, tree_budget=args.tree_budget, top_k=args.top_k, on_device=target.compiled,
+                         compile_steps=getattr(args, "compile_drafter", False))  # fmt: skip
 
 
 @torch.inference_mode()
@@ -259,7 +261,8 @@ def main() -> None:
     ap.add_argument("--accept-rate", type=float, default=None, help="forced acceptance (not the target's output)")
     ap.add_argument("--no-hf", action="store_true", help="skip every transformers method (large shapes)")
     ap.add_argument("--layout", choices=["in-out", "out-in"], default="in-out",
-                    help="our weights: the runtime's [in, out], or nn.Linear's [out, in] read through a view")  # fmt: skip
+                    help="our weights: the runtime's [in, out], or nn.Linear's [out, in] through a view")  # fmt: skip
+    ap.add_argument("--compile-drafter", action="store_true", help="eagle3: its captured steps compiled too")
     ap.add_argument("--profile", type=Path, default=None, help="write a profiler trace of a few rounds here")
     ap.add_argument("--live-lengths", default="", help="e.g. 256,1024,4000: decode step time by live length")
     ap.add_argument("--residual-scale", type=float, default=0.05, help="output scale of the layers after K")
@@ -400,8 +403,9 @@ def main() -> None:
             fp32_identical = sum(same) / len(same)
 
     lines = [
-        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, weights {args.layout}, {args.prompts} random prompts of "
-        f"{args.prompt_len} tokens, {N} new tokens, batch 1; {weights / 1e9:.2f} GB of weights read per "
+        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, weights {args.layout}, drafter steps "
+        f"{'compiled' if args.compile_drafter else 'eager'}, {args.prompts} random prompts of {args.prompt_len} "
+        f"tokens, {N} new tokens, batch 1; {weights / 1e9:.2f} GB of weights read per "
         f"token; speculative tau {tau:.2f}",
         "",
         "| method | tok/s | identical to ours autoregressive |",
@@ -469,6 +473,7 @@ def main() -> None:
                 "device": name,
                 "shape": args.shape,
                 "layout": args.layout,
+                "compile_drafter": args.compile_drafter,
                 "drafter": args.drafter,
                 "accept_rate": args.accept_rate,
                 "tok_s": tok_s,

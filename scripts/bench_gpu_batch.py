@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4, help="the drafter's chains (trees: its levels)")
     ap.add_argument("--tree-budget", type=int, default=0, help="> 0: trees of this many nodes, a tree a row")
     ap.add_argument("--top-k", type=int, default=4, help="the trees' frontier")
+    ap.add_argument("--compile-drafter", action="store_true", help="the drafter's captured steps compiled too")
     ap.add_argument("--prompts-per-row", type=int, default=2, help="prompts per batch row, streamed")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -115,7 +116,8 @@ def main() -> None:
     lines = [
         f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, random prompts of {args.prompt_len} tokens, "
         f"{args.max_new_tokens} new tokens, {args.prompts_per_row} prompts per row; EAGLE-3 {drafting} "
-        f"{args.gamma} (random weights), forced acceptance {args.accept_rate}; "
+        f"{args.gamma} (random weights{', steps compiled' if args.compile_drafter else ''}), forced acceptance "
+        f"{args.accept_rate}; "
         f"{weight_bytes(target) / 1e9:.2f} GB of weights" + (f", {bandwidth} GB/s" if bandwidth else ""),
         "",
         "| batch | autoregressive tok/s | speculative tok/s | tau | speedup | compiled / captured in timed runs "

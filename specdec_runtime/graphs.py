@@ -18,6 +18,8 @@ A step made with host_reads=False fails where its function reads a tensor's valu
 captured, and off CUDA the emulation raises on it (NoHostReads), so the CPU tests catch it. The
 drafters' steps are made so; the target's are compiled, and torch.compile refuses a dispatch mode,
 so the CPU test that counts every host read of a round checks them instead (test_fast_path).
+A step made with a `compile` backend runs fn compiled by torch.compile (fullgraph, static shapes:
+its small ops fused into fewer kernels); fullgraph then refuses a host read itself, as a graph break.
 """
 
 from collections.abc import Callable
@@ -84,8 +86,17 @@ def _refuse(self, *args, **kwargs):
 class CapturedStep:
     """fn(**inputs) with static inputs and outputs, recorded once (see the module docstring)."""
 
-    def __init__(self, fn: Callable[..., Any], inputs: dict[str, Tensor], warmup: int = 2, host_reads: bool = True):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        inputs: dict[str, Tensor],
+        warmup: int = 2,
+        host_reads: bool = True,
+        compile: str | None = None,
+    ):
         global captures
+        if compile is not None:  # (torch.compile refuses NoHostReads' dispatch mode; fullgraph refuses the reads)
+            fn, host_reads = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile), True
         self.fn = fn if host_reads else _guarded(fn)
         self.inputs = {k: v.clone() for k, v in inputs.items()}  # the static input buffers
         device = next(iter(self.inputs.values())).device

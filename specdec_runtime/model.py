@@ -148,6 +148,7 @@ class Decoder(nn.Module):
         self.row_start: Tensor | None = None  # [B] each row's first slot under left padding (left_pad())
         self.steps: dict[tuple, CapturedStep] | None = None  # the fast path's captured steps (compile())
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
+        self.compile_backend: str | None = None  # compile()'s (a drafter's steps may be compiled with it)
         self.live_spans = True  # fast-path steps attend over a span of the cache (spans()); False: all of it
         self._native: cpu.DecoderKernel | None = None  # the CPU kernel's view of the layers (native())
         # A bf16 model on a CPU with the kernel: fp32 parameters holding bf16 values, packed in bf16
@@ -217,6 +218,7 @@ class Decoder(nn.Module):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
+        self.compile_backend = backend
         halves = torch.compile(normed_queries, **opts), torch.compile(projected, **opts)
         self.layer_fns = (partial(split_attention, *halves), torch.compile(mlp, **opts))
         self.steps = {}

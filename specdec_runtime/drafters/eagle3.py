@@ -137,12 +137,16 @@ class Eagle3Drafter(Drafter):
     on_device (default: on a GPU): drafting in captured steps of fixed shapes that read nothing
     back to the host (the module docstring); trees and greedy chains (sampled chains and draft
     exits run as before). Off it, on a CPU, the runtime's kernel drafts where it can, else the torch
-    ops with host-side trees.
+    ops with host-side trees. compile_steps: on a compiled target, those steps are compiled with
+    its torch.compile backend before they are captured, so that a tree level's few dozen small ops
+    run as fewer fused kernels (at 8B the tree's levels cost 1.86 ms, about three times their
+    weight reads: docs/log/gpu.md). Off by default until measured on a GPU (scripts/bench_gpu.py
+    --compile-drafter).
     """
 
     def __init__(self, model: Eagle3Model, target: Decoder, *, tree_budget: int = 0, top_k: int = 8,
                  gamma: int | None = None, name: str = "eagle3", cpu_bf16: bool = True,
-                 confidence: float = 0.0, on_device: bool | None = None):  # fmt: skip
+                 confidence: float = 0.0, on_device: bool | None = None, compile_steps: bool = False):  # fmt: skip
         cfg = model.config
         if cfg.target_hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
             raise SpecdecError(
@@ -188,6 +192,7 @@ class Eagle3Drafter(Drafter):
         if self.on_device:
             self.kernel = None  # the torch ops, in captured steps
         self.steps: dict[tuple, graphs.CapturedStep] = {}  # on_device: by (kind, shape); they point at self.kv
+        self.compile_steps = compile_steps
         self.pending: list[Tensor] = []  # target features of accepted rows not yet run [k, 3 H_t]
         self.kv: Tensor | None = None  # [1, 2 h_kv, S, D] the drafter's own cache (keys, values), row p at slot p
         self.rope: Tensor | None = None  # [S, 2, D] cos / signed sin per position (layers.rope_table)
@@ -426,10 +431,15 @@ class Eagle3Drafter(Drafter):
 
     # ------------------------------------------------------------ on the device (module docstring)
 
+    @property
+    def step_backend(self) -> str | None:
+        """The torch.compile backend its captured steps are compiled with (compile_steps: the target's)."""
+        return self.target.compile_backend if self.compile_steps else None
+
     def _step(self, key: tuple, fn: Callable[..., Any], inputs: dict[str, Tensor]) -> graphs.CapturedStep:
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = graphs.CapturedStep(fn, inputs, host_reads=False)
+            step = self.steps[key] = graphs.CapturedStep(fn, inputs, host_reads=False, compile=self.step_backend)
         return step
 
     @torch.inference_mode()

@@ -181,7 +181,9 @@ class RowEagle3(RowDrafter):
                 shaped = _resized(tensors, other) if kind == "catch-up" else tensors
                 for s in spans:
                     if (kind, other, s) not in self.steps:
-                        self.steps[(kind, other, s)] = CapturedStep(partial(fn, span=s), shaped, host_reads=False)
+                        self.steps[(kind, other, s)] = CapturedStep(
+                            partial(fn, span=s), shaped, host_reads=False, compile=self.d.step_backend
+                        )
         return self.steps[(kind, size, span)](**inputs)
 
     def _tree_shape(self, g: int) -> tuple[int, int]:

@@ -45,11 +45,12 @@ def heads_target(kind: str = "qwen3", seed: int = 3):
 
 
 EAGLE3 = {"eagle3": {}, "eagle3 tree": {"tree_budget": 5, "top_k": 3}}  # chains, trees of 5 nodes
+COMPILED = {"eagle3 tree, compiled steps": {"tree_budget": 5, "top_k": 3, "compile_steps": True}}  # the fast path's
 OWN = ["medusa", "medusa tree", "mtp", "truncate", "layer skip"]  # drafters that read the target's states or are it
 # The fast path's tests, by drafter: the kinds whose steps are the mechanisms of others (a model's, a tree's)
 # run with -m slow, to keep the default run short; the gpu tests take them all.
 FAST = ["none", "lookup", "model", "lookup first", *EAGLE3, "medusa tree"]
-FAST_SLOW = [pytest.param(k, marks=pytest.mark.slow) for k in OWN if k not in FAST]
+FAST_SLOW = [pytest.param(k, marks=pytest.mark.slow) for k in [*OWN, *COMPILED] if k not in FAST]
 
 
 def own_drafter(kind: str, target, hf):
@@ -434,7 +435,8 @@ def fast_target(drafter: str, device: str = "cpu"):
         (_, eager, model), (_, fast, _) = eagle3_tiny(vocab=16, draft_vocab=12), eagle3_tiny(vocab=16, draft_vocab=12)
         prompts = [[t % 16 for t in p] for p in PROMPTS]
         fast = compile_(fast)
-        drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True, **EAGLE3[drafter])
+        kw = (EAGLE3 | COMPILED)[drafter]
+        drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True, **kw)
         return eager.to(device), fast, RowEagle3(drafter), prompts
     if drafter in OWN:
         (hf, eager), (_, fast) = heads_target(), heads_target()
@@ -507,8 +509,9 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
     the target is compiled)."""
     eager, fast, row_drafter, prompts = fast_target(drafter)
     target = fast if compiled else eager
-    if drafter in EAGLE3 and not compiled:
-        row_drafter = RowEagle3(Eagle3Drafter(row_drafter.d.model, eager, cpu_bf16=False, **EAGLE3[drafter]))
+    if drafter in EAGLE3 | COMPILED and not compiled:
+        kw = (EAGLE3 | COMPILED)[drafter]
+        row_drafter = RowEagle3(Eagle3Drafter(row_drafter.d.model, eager, cpu_bf16=False, **kw))
     if drafter in OWN and not compiled:  # (of the eager target)
         row_drafter = batch_drafter(own_drafter(drafter, eager, heads_target()[0]))
     generate_many(target, prompts, row_drafter, max_new_tokens=20, gamma=3, rows=3)  # warm-up
@@ -533,7 +536,7 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *OWN])
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *COMPILED, *OWN])
 def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_forward(monkeypatch, drafter):
     """Real CUDA graphs in fp32 (3 rows in a captured batch size of 4): every output is the target's
     own greedy output, every round's step is a graph, and the host waits for the device at most

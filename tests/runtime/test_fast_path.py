@@ -45,16 +45,21 @@ def mtp_drafter(target, hf) -> MTPDrafter:
     return MTPDrafter(heads, target)
 
 
-def eagle3_tree(target, hf, budget: int = 5, on_device: bool | None = None) -> Eagle3Drafter:
+def eagle3_tree(
+    target, hf, budget: int = 5, on_device: bool | None = None, compile_steps: bool = False
+) -> Eagle3Drafter:
     """An EAGLE-3 drafter (random weights) on the default taps (1, 2, 3): trees of 5 nodes (budget
-    0: chains); on_device: drafting in captured steps (None: on a GPU only)."""
+    0: chains); on_device: drafting in captured steps (None: on a GPU only), compiled as the
+    target's layers are where compile_steps."""
     cfg = Eagle3Config.for_target(target.config, aux_layers=None, draft_vocab_size=200)
     torch.manual_seed(1)
     model = Eagle3Model(cfg)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.1)
     model.set_draft_vocab(torch.arange(200))
-    return Eagle3Drafter(model.to(target.device), target, tree_budget=budget, top_k=3, on_device=on_device)
+    return Eagle3Drafter(
+        model.to(target.device), target, tree_budget=budget, top_k=3, on_device=on_device, compile_steps=compile_steps
+    )
 
 
 DRAFTERS = {
@@ -69,6 +74,8 @@ DRAFTERS = {
     "eagle3 tree": eagle3_tree,
     "eagle3 tree on device": lambda m, hf: eagle3_tree(m, hf, on_device=True),  # captured steps (a GPU's default)
     "eagle3 chain on device": lambda m, hf: eagle3_tree(m, hf, budget=0, on_device=True),
+    "eagle3 tree, compiled steps": lambda m, hf: eagle3_tree(m, hf, on_device=True, compile_steps=True),
+    "eagle3 chain, compiled steps": lambda m, hf: eagle3_tree(m, hf, budget=0, on_device=True, compile_steps=True),
     "eagle3 tree on device + lookup": lambda m, hf: LookupFirst(eagle3_tree(m, hf, on_device=True), merge=0),
     "eagle3 tree on device + lookup + phrases": lambda m, hf: LookupFirst(
         eagle3_tree(m, hf, on_device=True), table=phrases(m, hf), merge=0
@@ -171,6 +178,7 @@ def test_nothing_compiles_or_captures_again_after_warm_up_and_the_cache_stays():
     drafters += ["eagle3 tree + lookup, merged"]  # lookups merged with 2 of the model's nodes: trees of 2-11 rows
     drafters += ["eagle3 tree on device + lookup", "eagle3 chain on device"]  # the drafter's own captured steps
     drafters += ["eagle3 tree on device + lookup + phrases"]  # its model drafts no round of the warm-up prompt
+    drafters += ["eagle3 tree, compiled steps"]  # the drafter's steps compiled too
     warm, after, (before_ptr, after_ptr) = warm_then_rerun(target, hf, drafters, capacity=64)
     assert after == warm and before_ptr == after_ptr
     trees = {1 + len(Tree.from_paths(PATHS).truncated(d)) for d in (1, 2, 3)}
@@ -210,6 +218,29 @@ def test_measure_warms_up_every_draft_length_before_timing():
     assert sum(r.stats.drafted_at[4] for r in report.spec) > 0
     for ids, run in zip(prompts, report.spec):
         assert run.tokens == generate(eager, ids, None, max_new_tokens=20).tokens
+
+
+def test_a_drafters_compiled_steps_are_compiled_once_and_refuse_host_reads(monkeypatch):
+    """compile_steps: each of the EAGLE-3 drafter's captured steps (5 catch-up sizes, the trees) is
+    compiled once, with the target's backend, and none again on later prompts; a host read inside
+    one fails (fullgraph), as NoHostReads makes it fail in the steps it does not compile."""
+    torch._dynamo.reset()  # (an earlier test's drafter of the same shapes leaves compiled steps to reuse)
+    _, target, hf = pair()
+    generate(target, PROMPT, eagle3_tree(target, hf, on_device=True), max_new_tokens=20, gamma=3)  # the target's
+    counts = []
+    for compile_steps in (False, True):
+        d = eagle3_tree(target, hf, on_device=True, compile_steps=compile_steps)
+        before = graphs.compile_counts()[0]
+        generate(target, PROMPT, d, max_new_tokens=20, gamma=3)
+        counts.append(graphs.compile_counts()[0] - before)
+    assert counts[0] == 0 and counts[1] >= len(d.steps) >= 6, (counts, list(d.steps))  # (trees cut near the end)
+    before = graphs.compile_counts()
+    generate(target, PROMPT[:7] + [1, 2], d, max_new_tokens=20, gamma=3)
+    assert graphs.compile_counts() == before
+    tree = Eagle3Drafter._tree_on_device
+    monkeypatch.setattr(Eagle3Drafter, "_tree_on_device", lambda self, *a, **k: tree(self, *a, **k) + (a[2].item(),))
+    with pytest.raises(Exception, match="item|scalar|graph break"):
+        generate(target, PROMPT, eagle3_tree(target, hf, on_device=True, compile_steps=True), max_new_tokens=8)
 
 
 def test_steps_attend_over_the_span_that_holds_the_live_slots():
@@ -279,6 +310,7 @@ def test_one_host_sync_per_round(monkeypatch, compiled):
     target = fast if compiled else eager
     names = ("autoregressive", "truncate", "layer skip", "medusa tree", "stand-alone model", "mtp")
     names += ("ngram", "eagle3 tree on device", "eagle3 chain on device", "eagle3 tree on device + lookup")
+    names += ("eagle3 tree, compiled steps",)
     for name in names + ("eagle3 tree on device + lookup + phrases",):
         d = DRAFTERS[name](target, hf)
         generate(target, PROMPT, d, max_new_tokens=30, gamma=3)  # warm-up (captures outside the count)
