@@ -228,6 +228,16 @@ def syncs_per_round(fn, device: torch.device) -> float | None:
     return sum("synchroniz" in str(w.message) for w in caught) / stats.target_forwards
 
 
+def write_report(output_dir: Path, lines: list[str], data: dict, started: float) -> None:
+    """Print the report's lines (and the bench's wall time), and write them to output_dir/results.md
+    beside data as results.json (the GPU benches' shared ending)."""
+    table = "\n".join(lines + [f"\n(bench wall time {time.perf_counter() - started:.0f} s)"])
+    print(table)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.md").write_text(table + "\n")
+    (output_dir / "results.json").write_text(json.dumps(data, indent=1))
+
+
 def profile(fns: dict, directory: Path, device: torch.device) -> str:
     """A torch.profiler trace of each fn() under directory (Chrome trace JSON) and the table of the
     speculative one's top kernels by device time."""
@@ -462,34 +472,29 @@ def main() -> None:
         lines += [f"| {n} | {whole:.3f} | {span:.3f} |" for n, (whole, span) in live.items()]
     if table is not None:
         lines.append(f"\nprofile of {min(N, 24)} speculative tokens ({args.profile}):\n{table}")
-    lines.append(f"\n(bench wall time {time.perf_counter() - t_start:.0f} s)")
-    table = "\n".join(lines)
-    print(table)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.md").write_text(table + "\n")
-    (args.output_dir / "results.json").write_text(
-        json.dumps(
-            {
-                "device": name,
-                "shape": args.shape,
-                "layout": args.layout,
-                "compile_drafter": args.compile_drafter,
-                "drafter": args.drafter,
-                "accept_rate": args.accept_rate,
-                "tok_s": tok_s,
-                "ratios": ratios,
-                "tau": tau,
-                "limit_tok_s": limit,
-                "step_ms": cost,
-                "timed_compiles_captures": timed_compiles,
-                "syncs_per_forward": {"speculative": syncs, "autoregressive": ar_syncs},
-                "decode_ms_by_live_length": {n: {"whole": w, "span": s} for n, (w, s) in live.items()},
-                "identical": identical,
-                "divergences": report,
-                "fp32_identical": fp32_identical,
-            },
-            indent=1,
-        )
+    write_report(
+        args.output_dir,
+        lines,
+        {
+            "device": name,
+            "shape": args.shape,
+            "layout": args.layout,
+            "compile_drafter": args.compile_drafter,
+            "drafter": args.drafter,
+            "accept_rate": args.accept_rate,
+            "tok_s": tok_s,
+            "ratios": ratios,
+            "tau": tau,
+            "limit_tok_s": limit,
+            "step_ms": cost,
+            "timed_compiles_captures": timed_compiles,
+            "syncs_per_forward": {"speculative": syncs, "autoregressive": ar_syncs},
+            "decode_ms_by_live_length": {n: {"whole": w, "span": s} for n, (w, s) in live.items()},
+            "identical": identical,
+            "divergences": report,
+            "fp32_identical": fp32_identical,
+        },
+        t_start,
     )
 
 

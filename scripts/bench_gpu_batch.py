@@ -18,7 +18,6 @@ syncs per target forward (CUDA's sync debug mode).
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench_gpu.py's target and drafter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_gpu import BANDWIDTH, build, eagle3_drafter, syncs_per_round, weight_bytes  # noqa: E402
+from bench_gpu import BANDWIDTH, build, eagle3_drafter, syncs_per_round, weight_bytes, write_report  # noqa: E402
 
 from specdec_runtime import graphs, rows  # noqa: E402
 from specdec_runtime.batched import generate_many  # noqa: E402
@@ -129,13 +128,8 @@ def main() -> None:
         lines.append(f"| {r['batch']} | {r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['tau']:.2f} | "
                      f"{r['speedup']:.2f}x | {r['timed_compiles_captures'][0]} / {r['timed_compiles_captures'][1]} | "
                      f"{fmt(r['syncs_per_forward'])} |")  # fmt: skip
-    lines.append(f"\n(bench wall time {time.perf_counter() - t_start:.0f} s)")
-    table = "\n".join(lines)
-    print(table)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.md").write_text(table + "\n")
-    (args.output_dir / "results.json").write_text(json.dumps({"device": name, "settings": vars(args) | {
-        "output_dir": str(args.output_dir)}, "results": results}, indent=1))  # fmt: skip
+    settings = vars(args) | {"output_dir": str(args.output_dir)}
+    write_report(args.output_dir, lines, {"device": name, "settings": settings, "results": results}, t_start)
 
 
 if __name__ == "__main__":

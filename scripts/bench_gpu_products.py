@@ -20,7 +20,6 @@ fraction of the bandwidth, and a decode step's products (layers x the four + the
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import BANDWIDTH, SHAPES  # noqa: E402
+from bench_gpu import BANDWIDTH, SHAPES, write_report  # noqa: E402
 
 VARIANTS = ("in-out:cublas", "out-in:cublas", "in-out:triton", "out-in:triton")
 
@@ -145,25 +144,8 @@ def main() -> None:
     step = {v: (L * sum(us[p][v] for p in us if p != "head") + us["head"][v]) / 1e3 for v in variants}
     cells = [f"{step[v]:.3f} ms ({step_mb / step[v] / 1e3:.0f}{frac(step_mb / step[v] / 1e3)})" for v in variants]
     lines.append(f"| a decode step's products ({L} layers + head) | {step_mb:.0f} | " + " | ".join(cells) + " |")
-    lines.append(f"\n(bench wall time {time.perf_counter() - t_start:.0f} s)")
-    table = "\n".join(lines)
-    print(table)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.md").write_text(table + "\n")
-    (args.output_dir / "results.json").write_text(
-        json.dumps(
-            {
-                "device": name,
-                "shape": args.shape,
-                "dtype": args.dtype,
-                "us": us,
-                "mb": mb,
-                "step_ms": step,
-                "bandwidth_gbs": bandwidth,
-            },
-            indent=1,
-        )  # fmt: skip
-    )
+    data = {"device": name, "shape": args.shape, "dtype": args.dtype, "us": us, "mb": mb, "step_ms": step}
+    write_report(args.output_dir, lines, data | {"bandwidth_gbs": bandwidth}, t_start)
 
 
 if __name__ == "__main__":
