@@ -299,6 +299,7 @@ def main() -> None:
     else:
         drafter = ModelDrafter(ours, exit_layer=args.k, shares_target_cache=True)
         spec_name = f"ours speculative (truncate:{args.k}, gamma {args.gamma})"
+    steps_compiled = getattr(drafter, "step_backend", None)  # (--compile-drafter on a compiled target)
     if forced:
         spec_name += f", forced acceptance {args.accept_rate}"
     g = torch.Generator().manual_seed(1)
@@ -413,8 +414,8 @@ def main() -> None:
             fp32_identical = sum(same) / len(same)
 
     lines = [
-        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, weights {args.layout}, drafter steps "
-        f"{'compiled' if args.compile_drafter else 'eager'}, {args.prompts} random prompts of {args.prompt_len} "
+        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, weights {args.layout}, drafter steps compiled "
+        f"{steps_compiled or 'no'}, {args.prompts} random prompts of {args.prompt_len} "
         f"tokens, {N} new tokens, batch 1; {weights / 1e9:.2f} GB of weights read per "
         f"token; speculative tau {tau:.2f}",
         "",
@@ -479,7 +480,7 @@ def main() -> None:
             "device": name,
             "shape": args.shape,
             "layout": args.layout,
-            "compile_drafter": args.compile_drafter,
+            "drafter_steps_compiled": steps_compiled,
             "drafter": args.drafter,
             "accept_rate": args.accept_rate,
             "tok_s": tok_s,

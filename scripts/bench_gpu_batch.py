@@ -115,7 +115,7 @@ def main() -> None:
     lines = [
         f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, random prompts of {args.prompt_len} tokens, "
         f"{args.max_new_tokens} new tokens, {args.prompts_per_row} prompts per row; EAGLE-3 {drafting} "
-        f"{args.gamma} (random weights{', steps compiled' if args.compile_drafter else ''}), forced acceptance "
+        f"{args.gamma} (random weights, steps compiled {drafter.step_backend or 'no'}), forced acceptance "
         f"{args.accept_rate}; "
         f"{weight_bytes(target) / 1e9:.2f} GB of weights" + (f", {bandwidth} GB/s" if bandwidth else ""),
         "",

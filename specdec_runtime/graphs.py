@@ -14,12 +14,15 @@ Off CUDA the same object reruns `fn` on its static inputs and copies the result 
 outputs: the same lifetimes, so the CPU tests catch an output kept across steps by accident.
 `captures` counts the graphs recorded in this process (a warmed-up run must not add any).
 A step made with host_reads=False fails where its function reads a tensor's value on the host
-(`.item()`, `.tolist()`, `if tensor:`, indexing with a 0-dim tensor): on CUDA such a read cannot be
-captured, and off CUDA the emulation raises on it (NoHostReads), so the CPU tests catch it. The
+(`.item()`, `.tolist()`, `if tensor:`, indexing with a 0-dim tensor or a boolean mask): on CUDA such
+a read cannot be captured, and off CUDA the emulation raises on it (NoHostReads, under inference mode
+too), so the CPU tests catch it. The
 drafters' steps are made so; the target's are compiled, and torch.compile refuses a dispatch mode,
 so the CPU test that counts every host read of a round checks them instead (test_fast_path).
 A step made with a `compile` backend runs fn compiled by torch.compile (fullgraph, static shapes:
-its small ops fused into fewer kernels); fullgraph then refuses a host read itself, as a graph break.
+its small ops fused into fewer kernels). Compiled code can read a value on the host without a sign
+(dynamo traces `.item()` into the graph), so off CUDA such a step first runs fn once uncompiled
+under NoHostReads.
 """
 
 from collections.abc import Callable
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 captures = 0  # CUDA graphs recorded (or emulated steps set up) in this process
@@ -62,7 +66,9 @@ class HostRead(RuntimeError):
 class NoHostReads(TorchDispatchMode):
     """Raises HostRead on any tensor-to-Python read inside it: the scalar reads every one of them
     dispatches to (`_local_scalar_dense`: item, bool, int, float, index), and tolist / numpy, which
-    read a CPU tensor's memory without dispatching anything."""
+    read a CPU tensor's memory without dispatching anything. Under inference mode (where drafting
+    runs) the scalar reads skip the dispatch mode, so they are also refused where Python calls them
+    (_RefuseReads): the conversions, and indexing with a 0-dim integer tensor or a boolean mask."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
@@ -72,15 +78,37 @@ class NoHostReads(TorchDispatchMode):
     def __enter__(self):
         self.saved = Tensor.tolist, Tensor.numpy
         Tensor.tolist = Tensor.numpy = _refuse  # type: ignore[method-assign]
+        self.calls = _RefuseReads()
+        self.calls.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         Tensor.tolist, Tensor.numpy = self.saved  # type: ignore[method-assign]
+        self.calls.__exit__(*exc)
         return super().__exit__(*exc)
 
 
 def _refuse(self, *args, **kwargs):
     raise HostRead("a captured step read a tensor's values on the host (tolist / numpy)")
+
+
+_SCALAR_READS = {Tensor.item, Tensor.__bool__, Tensor.__int__, Tensor.__float__, Tensor.__index__}
+
+
+def _reads_index(index: Any) -> bool:
+    """Whether indexing with `index` reads it on the host: a 0-dim integer tensor (x[n]) or a boolean
+    mask (its count of True) anywhere in it."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, Tensor) and (i.dtype == torch.bool or i.dim() == 0) for i in parts)
+
+
+class _RefuseReads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SCALAR_READS:
+            raise HostRead(f"a captured step read a tensor's value on the host ({func.__name__})")
+        if func in (Tensor.__getitem__, Tensor.__setitem__) and _reads_index(args[1]):
+            raise HostRead("a captured step indexed with a 0-dim tensor or a boolean mask (a host read)")
+        return func(*args, **(kwargs or {}))
 
 
 class CapturedStep:
@@ -95,11 +123,14 @@ class CapturedStep:
         compile: str | None = None,
     ):
         global captures
-        if compile is not None:  # (torch.compile refuses NoHostReads' dispatch mode; fullgraph refuses the reads)
-            fn, host_reads = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile), True
-        self.fn = fn if host_reads else _guarded(fn)
         self.inputs = {k: v.clone() for k, v in inputs.items()}  # the static input buffers
         device = next(iter(self.inputs.values())).device
+        if compile is not None:  # (torch.compile refuses NoHostReads' dispatch mode: checked once, uncompiled)
+            if not host_reads:
+                _guarded(fn)(**self.inputs)
+            allow_many_compiles()
+            fn, host_reads = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile), True
+        self.fn = fn if host_reads else _guarded(fn)
         self.graph: torch.cuda.CUDAGraph | None = None
         if device.type == "cuda":
             # Warm up on a side stream (compilation, cuBLAS handles, lazy init), then record.
@@ -114,7 +145,7 @@ class CapturedStep:
             with torch.cuda.graph(self.graph):  # a private memory pool: see the module docstring
                 self.outputs = fn(**self.inputs)
         else:
-            self.outputs = _clone(fn(**self.inputs))
+            self.outputs = _clone(self.fn(**self.inputs))  # (guarded from the first run)
         captures += 1
 
     def __call__(self, **inputs: Tensor | int | list[int]) -> Any:
@@ -144,6 +175,16 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(**inputs)
 
     return run
+
+
+def allow_many_compiles() -> None:
+    """Room for one compiled entry per step shape (rows x T, a drafter's kinds and spans) and model,
+    more than dynamo's defaults, which fullgraph=True turns from a fallback into an error."""
+    config = torch._dynamo.config
+    for name, floor in [("recompile_limit", 256), ("cache_size_limit", 256), ("accumulated_recompile_limit", 4096),
+                        ("accumulated_cache_size_limit", 4096)]:  # fmt: skip
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), floor))
 
 
 def compile_counts() -> tuple[int, int]:

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from specdec_runtime import cpu, rows
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
-from specdec_runtime.graphs import CapturedStep
+from specdec_runtime.graphs import CapturedStep, allow_many_compiles
 from specdec_runtime.layers import (
     Block,
     Linear,
@@ -214,9 +214,7 @@ class Decoder(nn.Module):
         the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager')."""
         if not self.can_compile:
             raise SpecdecError("the fast path captures no mixture-of-experts layers yet: --compile off")
-        for name in ("recompile_limit", "cache_size_limit"):  # one entry per step shape (rows x T) and model
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+        allow_many_compiles()
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
         self.compile_backend = backend
         halves = torch.compile(normed_queries, **opts), torch.compile(projected, **opts)

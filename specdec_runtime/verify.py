@@ -247,7 +247,8 @@ def verify_rows_tree_sample(
     tensors of a tree a row (parent, depth, ancestor, earlier with a row dimension; levels [D + 1]
     shared); probs [B, N + 1, V] the target's warped distributions after each node. Returns (the
     accepted lengths n [B], the tokens after them [B], the accepted branches [B, D + 1]), each row
-    as verify_tree_sample decides it with the same uniform draws."""
+    as verify_tree_sample decides it with the same uniform draws (to rounding: the sums of earlier
+    siblings' mass run in another order)."""
     B, T = nodes.shape
     rows = torch.arange(B, device=nodes.device)
     p_tok = probs[rows[:, None], tree["parent"], nodes]  # [B, N + 1] p_parent(token)

@@ -220,10 +220,37 @@ def test_measure_warms_up_every_draft_length_before_timing():
         assert run.tokens == generate(eager, ids, None, max_new_tokens=20).tokens
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference-mode"])
+def test_an_emulated_step_refuses_every_host_read(inference):
+    """graphs.NoHostReads (the steps made with host_reads=False, off CUDA): each way of reading a
+    value on the host raises HostRead, under inference mode too (where drafting runs, and where the
+    scalar reads skip the dispatch mode); indexing that stays on the device does not."""
+    x = torch.arange(5.0)
+    reads = {
+        "item": lambda t: t.item(), "int": lambda t: int(t), "bool": lambda t: bool(t), "float": lambda t: float(t),
+        "x[t]": lambda t: x[t], "x[mask]": lambda t: x[x > t], "x[t] = 1": lambda t: x.clone().__setitem__(t, 1),
+        "tolist": lambda t: t.tolist(), "range(t)": lambda t: range(t),
+    }  # fmt: skip
+    fine = {
+        "x[t[None]]": lambda t: x[t[None]],
+        "index_select": lambda t: x.index_select(0, t.view(1)),
+        "x[1:3]": lambda t: x[1:3],
+    }
+    with torch.inference_mode(inference):
+        t = torch.tensor(3)
+        for name, read in reads.items():
+            with pytest.raises(graphs.HostRead):
+                graphs.CapturedStep(lambda t, read=read: read(t) and t, {"t": t}, host_reads=False)
+                pytest.fail(f"{name} was not refused")
+        for ok in fine.values():
+            graphs.CapturedStep(lambda t, ok=ok: ok(t), {"t": t}, host_reads=False)
+
+
 def test_a_drafters_compiled_steps_are_compiled_once_and_refuse_host_reads(monkeypatch):
     """compile_steps: each of the EAGLE-3 drafter's captured steps (5 catch-up sizes, the trees) is
     compiled once, with the target's backend, and none again on later prompts; a host read inside
-    one fails (fullgraph), as NoHostReads makes it fail in the steps it does not compile."""
+    one fails as in the steps it does not compile (off CUDA each runs once uncompiled under
+    NoHostReads first: compiled code reads a value without a sign)."""
     torch._dynamo.reset()  # (an earlier test's drafter of the same shapes leaves compiled steps to reuse)
     _, target, hf = pair()
     generate(target, PROMPT, eagle3_tree(target, hf, on_device=True), max_new_tokens=20, gamma=3)  # the target's
@@ -238,8 +265,9 @@ def test_a_drafters_compiled_steps_are_compiled_once_and_refuse_host_reads(monke
     generate(target, PROMPT[:7] + [1, 2], d, max_new_tokens=20, gamma=3)
     assert graphs.compile_counts() == before
     tree = Eagle3Drafter._tree_on_device
-    monkeypatch.setattr(Eagle3Drafter, "_tree_on_device", lambda self, *a, **k: tree(self, *a, **k) + (a[2].item(),))
-    with pytest.raises(Exception, match="item|scalar|graph break"):
+    read = lambda self, **k: tree(self, **k) + (k["start"].item(),)  # noqa: E731  (steps take keywords)
+    monkeypatch.setattr(Eagle3Drafter, "_tree_on_device", read)
+    with pytest.raises(graphs.HostRead):
         generate(target, PROMPT, eagle3_tree(target, hf, on_device=True, compile_steps=True), max_new_tokens=8)
 
 
