@@ -258,6 +258,30 @@ def profile(fns: dict, directory: Path, device: torch.device) -> str:
     return table
 
 
+def round_costs(ours: Decoder, drafter, args, tau: float) -> tuple[dict[str, float], float, str]:
+    """(each step's device ms, the cost bound, a line saying both) of the drafter's round at this tau:
+    eagle3_costs' steps for EAGLE-3, step_costs' at the mean context for truncate:K."""
+    if args.drafter == "eagle3":
+        cost = eagle3_costs(ours, drafter, args.gamma, tau)
+        round_ms = sum(cost.get(k, float("nan")) for k in ("catch-up", "tree", "verify"))
+        bound = tau * cost["decode"] / round_ms
+        line = (
+            f"step costs (ms, each alone on the device): decode {cost['decode']:.3f}; a round: catch-up "
+            f"{cost.get('catch-up', float('nan')):.3f} + tree {cost.get('tree', float('nan')):.3f} + verify "
+            f"{cost.get('verify', float('nan')):.3f} = {round_ms:.3f}; cost bound = tau x decode / round = {bound:.2f}x"
+        )
+        return cost, bound, line
+    cost = step_costs(ours, args.k, args.gamma, args.prompt_len + args.max_new_tokens // 2)  # at the mean context
+    verify_ms = cost["handoff"] + cost["resume"]
+    bound = tau * cost["decode"] / (args.gamma * cost["draft"] + verify_ms)
+    line = (
+        f"step costs (ms, each alone on the device): decode {cost['decode']:.3f}, draft {cost['draft']:.3f}, "
+        f"verify {verify_ms:.3f} (handoff {cost['handoff']:.3f} + resume at layer {args.k} {cost['resume']:.3f}); "
+        f"cost bound = tau x decode / (gamma x draft + verify) = {bound:.2f}x"
+    )
+    return cost, bound, line
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -273,6 +297,7 @@ def main() -> None:
     ap.add_argument("--layout", choices=["in-out", "out-in"], default="in-out",
                     help="our weights: the runtime's [in, out], or nn.Linear's [out, in] through a view")  # fmt: skip
     ap.add_argument("--compile-drafter", action="store_true", help="eagle3: its captured steps compiled too")
+    ap.add_argument("--costs-only", action="store_true", help="the round's step costs alone (A/B runs)")
     ap.add_argument("--profile", type=Path, default=None, help="write a profiler trace of a few rounds here")
     ap.add_argument("--live-lengths", default="", help="e.g. 256,1024,4000: decode step time by live length")
     ap.add_argument("--residual-scale", type=float, default=0.05, help="output scale of the layers after K")
@@ -308,6 +333,26 @@ def main() -> None:
     N, cap = args.max_new_tokens, args.prompt_len + args.max_new_tokens
     spec_kw = dict(max_new_tokens=N, gamma=args.gamma, capacity=cap, accept_rate=args.accept_rate)
     spec_stats = []
+    if args.costs_only:  # the round's steps alone, after one prompt has captured them
+        warm_up(ours, drafter, prompts[0], Sampler, **spec_kw)
+        tau = generate(ours, prompts[0], drafter, Sampler(seed=0), **spec_kw).stats.tau
+        cost, bound, cost_line = round_costs(ours, drafter, args, tau)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        bandwidth = args.bandwidth_gbs or next((v for k, v in BANDWIDTH.items() if k in name), None)
+        cdt = torch._inductor.config.coordinate_descent_tuning  # (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1)
+        lines = [
+            f"{name}, {args.shape} shape, {args.dtype}, weights {args.layout}, drafter steps compiled "
+            f"{steps_compiled or 'no'}, inductor's coordinate descent {cdt}: {spec_name}, tau {tau:.2f} on one prompt",
+            "",
+            cost_line,
+        ]
+        if bandwidth:
+            lines.append(
+                f"decode step: its weights at {weights / (bandwidth * 1e6) / cost['decode']:.0%} of {bandwidth} GB/s"
+            )
+        data = {"device": name, "shape": args.shape, "layout": args.layout, "drafter_steps_compiled": steps_compiled,
+                "coordinate_descent_tuning": cdt, "tau": tau, "step_ms": cost, "bound": bound}  # fmt: skip
+        return write_report(args.output_dir, lines, data, t_start)
 
     def speculative(ids, keep=True):
         out = generate(ours, ids, drafter, Sampler(seed=len(spec_stats)), **spec_kw)
@@ -353,24 +398,7 @@ def main() -> None:
     ar_syncs = syncs_per_round(lambda: generate(ours, prompts[0], max_new_tokens=N, capacity=cap).stats, device)
 
     speedup = tok_s[spec_name] / tok_s[names[0]]
-    if eagle3:
-        cost = eagle3_costs(ours, drafter, args.gamma, tau)
-        round_ms = sum(cost.get(k, float("nan")) for k in ("catch-up", "tree", "verify"))
-        bound = tau * cost["decode"] / round_ms
-        cost_line = (
-            f"step costs (ms, each alone on the device): decode {cost['decode']:.3f}; a round: catch-up "
-            f"{cost.get('catch-up', float('nan')):.3f} + tree {cost.get('tree', float('nan')):.3f} + verify "
-            f"{cost.get('verify', float('nan')):.3f} = {round_ms:.3f}; cost bound = tau x decode / round = {bound:.2f}x"
-        )
-    else:
-        cost = step_costs(ours, args.k, args.gamma, args.prompt_len + N // 2)  # at the mean context
-        verify_ms = cost["handoff"] + cost["resume"]
-        bound = tau * cost["decode"] / (args.gamma * cost["draft"] + verify_ms)
-        cost_line = (
-            f"step costs (ms, each alone on the device): decode {cost['decode']:.3f}, draft {cost['draft']:.3f}, "
-            f"verify {verify_ms:.3f} (handoff {cost['handoff']:.3f} + resume at layer {args.k} {cost['resume']:.3f}); "
-            f"cost bound = tau x decode / (gamma x draft + verify) = {bound:.2f}x"
-        )
+    cost, bound, cost_line = round_costs(ours, drafter, args, tau)
     table = None
     if args.profile is not None:
         short = dict(spec_kw, max_new_tokens=min(N, 24))  # a few rounds

@@ -20,6 +20,9 @@
 #                                     # (8B shape, EAGLE-3 chains at forced acceptance, batch 1-64)
 #   ./scripts/gpu_check.sh --products # the 8B decode step's weight products alone, per layout and kernel
 #                                     # (scripts/bench_gpu_products.py: which the runtime should take)
+#   ./scripts/gpu_check.sh --ab       # --products, then the 8B EAGLE-3 round's step costs (bench_gpu.py
+#                                     # --costs-only) as they are, with the drafter's steps compiled, with
+#                                     # inductor's one-row products, with our weights [out, in]: one log
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0"
@@ -46,6 +49,22 @@ print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, tr
 EOF
 status=0
 SECONDS=0
+if [ "${1:-}" = "--ab" ]; then
+  # (one log under $OUT: the device machine returns at most 8 files; each run's tables also in runs/ab/)
+  {  # (a pipeline's group runs in a subshell: its status comes back through pipefail)
+    failed=0
+    $PY scripts/bench_gpu_products.py --shape 8b --output-dir runs/ab/products || failed=1
+    common=(--shape 8b --drafter eagle3 --tree-budget 8 --top-k 4 --gamma 5 --accept-rate 0.83 --no-hf --costs-only
+            --prompts 1 --max-new-tokens 256)
+    $PY scripts/bench_gpu.py "${common[@]}" --output-dir runs/ab/base || failed=1
+    $PY scripts/bench_gpu.py "${common[@]}" --compile-drafter --output-dir runs/ab/drafter_compiled || failed=1
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 $PY scripts/bench_gpu.py "${common[@]}" --output-dir runs/ab/cdt || failed=1
+    $PY scripts/bench_gpu.py "${common[@]}" --layout out-in --output-dir runs/ab/out_in || failed=1
+    exit $failed
+  } 2>&1 | tee "$OUT/ab.log" || status=1
+  echo "gpu_check: the A/B runs took ${SECONDS}s"
+  exit $status
+fi
 if [ "${1:-}" = "--products" ]; then
   $PY scripts/bench_gpu_products.py --shape 8b --output-dir "$OUT/products" 2>&1 | tee "$OUT/products.log"
   exit
