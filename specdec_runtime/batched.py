@@ -18,9 +18,12 @@ generate() uses) and reads the accepted lengths and tokens back in one host sync
 
 With rows < the prompts, the others wait in a queue: the first row whose prompt stops takes the
 next one, prefilled into that row alone at slot 0 (rows.one_row), its drafter row started over
-(RowDrafter.refill). A row with nothing left to take runs its newest token again (its output
-dropped) until the last row stops. On a compiled target a round's forward is a captured step of
-a fixed batch size (rows.captured_rows); the prefills run eagerly. A round reads the device once,
+(RowDrafter.refill). Once the queue is empty, an eager target's batch drops its done rows (the
+cache's and the drafter's: rows.keep_rows, RowDrafter.keep), so that the last prompts do not pay
+for rows that decode nothing: a forward of B rows costs B rows' compute, and a speculative row's
+g + 1 tokens. On a compiled target a round's forward is a captured step of a fixed batch size
+(rows.captured_rows), so a done row runs its newest token again (its output dropped) until the
+last row stops; the prefills run eagerly. A round reads the device once,
 for its accepted lengths and tokens; what goes to the device is copied from host lists without
 waiting for it. Drafters (drafters/batched.py): prompt lookup (RowLookup, on the host), a
 stand-alone model (RowModel, batched like the target), the target cut short or with sublayers
@@ -39,7 +42,7 @@ from specdec_runtime.drafters.protocol import RowDrafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import Generation, check_fits, generate, left_padded
 from specdec_runtime.model import Decoder
-from specdec_runtime.rows import one_row
+from specdec_runtime.rows import keep_rows, one_row
 from specdec_runtime.rows import prefill as prefill_rows
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.stats import GenerationStats
@@ -131,6 +134,11 @@ def generate_many(
             running = [row_of[b] for b in range(B) if not done[b]]
             if not running:
                 break
+            if len(running) < B and not queue and not target.compiled:  # the live rows alone (below)
+                live = [b for b in range(B) if not done[b]]
+                if drafter is None or drafter.keep(live):
+                    keep_rows(target, live)
+                    B, row_of, slot, done = len(live), running, [slot[b] for b in live], [False] * len(live)
             t1 = time.perf_counter()
             gammas = [0 if done[b] else min(gamma, max_new_tokens - len(out[row_of[b]]) - 1) for b in range(B)]
             if drafter is not None and max(gammas) > 0:

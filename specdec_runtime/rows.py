@@ -111,6 +111,16 @@ def capture(decoder, fn, inputs: dict[str, Tensor], starts: list[int], T: int, s
     return step
 
 
+def keep_rows(decoder, rows: list[int]) -> None:
+    """Only these rows of an eager decoder's cache (and their first slots), in this order: a batch
+    whose other sequences are done and whose queue is empty runs on its live rows alone."""
+    index = torch.tensor(rows, device=decoder.device)
+    decoder.cache.kv = decoder.cache.kv.index_select(1, index)
+    decoder.kv_layers = list(decoder.cache.kv.unbind(0))
+    if decoder.row_start is not None:
+        decoder.row_start = decoder.row_start.index_select(0, index)
+
+
 def one_row(decoder, b: int):
     """Forwards (at starts [0]) on row b of a batch's cache alone: a prompt prefilled into a row
     its sequence left (batched decoding's queue), the other rows untouched. Row b starts at slot 0."""

@@ -23,7 +23,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
 from specdec_runtime.layers import rms_norm
 from specdec_runtime.model import Decoder, KVCache
-from specdec_runtime.rows import one_row, prefill
+from specdec_runtime.rows import keep_rows, one_row, prefill
 from specdec_runtime.sampling import Sampler, argmax
 from specdec_runtime.tree import Tree
 
@@ -47,6 +47,10 @@ class RowLookup(RowDrafter):
 
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
         self.rows[b].observe_tokens(tokens)
+
+    def keep(self, rows: list[int]) -> bool:
+        self.rows = [self.rows[b] for b in rows]
+        return True
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], None]:
         drafts = [row.continuation(g) if g else [] for row, g in zip(self.rows, gammas, strict=True)]
@@ -88,6 +92,9 @@ class RowLookupFirst(RowDrafter):
 
     def observe(self, b: int, hidden: Tensor) -> None:
         self.d.observe(b, hidden)
+
+    def keep(self, rows: list[int]) -> bool:
+        return self.d.keep(rows) and self.lookup.keep(rows)
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         tokens, lengths, q = self.d.draft(gammas, sampler)
@@ -148,6 +155,13 @@ class RowModel(RowDrafter):
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
         self.seqs[b] += tokens
 
+    def keep(self, rows: list[int]) -> bool:
+        if self.model.compiled:  # (its steps are captured for the batch's size)
+            return False
+        keep_rows(self.model, rows)
+        self.row_start, self.seqs, self.seen = ([x[b] for b in rows] for x in (self.row_start, self.seqs, self.seen))
+        return True
+
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         device, B, g = self.model.device, len(self.seqs), max(gammas)
         seen = [min(s, len(seq) - 1) for s, seq in zip(self.seen, self.seqs, strict=True)]  # past a rejection: stale
@@ -203,6 +217,10 @@ class RowSelf(RowDrafter):
     def observe_tokens(self, b: int, tokens: list[int]) -> None:
         self.seqs[b] += tokens
 
+    def keep(self, rows: list[int]) -> bool:  # (its cache is the target's, which the loop keeps)
+        self.row_start, self.seqs = [self.row_start[b] for b in rows], [self.seqs[b] for b in rows]
+        return True
+
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         d, device = self.d, self.d.model.device
         starts = [r + len(seq) - 1 for r, seq in zip(self.row_start, self.seqs, strict=True)]  # each newest's slot
@@ -244,6 +262,10 @@ class RowMedusa(RowDrafter):
 
     def observe(self, b: int, hidden: Tensor) -> None:
         self.newest[b] = hidden[-1]
+
+    def keep(self, rows: list[int]) -> bool:
+        self.newest = [self.newest[b] for b in rows]
+        return True
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         d, heads = self.d, self.d.heads.num_heads
@@ -295,6 +317,12 @@ class RowMTP(RowDrafter):
 
     def observe(self, b: int, hidden: Tensor) -> None:
         self.pending[b].append(hidden)
+
+    def keep(self, rows: list[int]) -> bool:
+        index = torch.tensor(rows, device=self.d.target.device)
+        self.kv_layers = [kv.index_select(0, index) for kv in self.kv_layers]
+        self.seen, self.pending = [self.seen[b] for b in rows], [self.pending[b] for b in rows]
+        return True
 
     def _run(self, z: Tensor, starts: list[int], last: list[int], rows: slice) -> Tensor:
         """The heads' logits [n-1, B, V] at row b's position last[b] of z [B, T, H], row b at slots

@@ -69,6 +69,13 @@ class RowEagle3(RowDrafter):
     def observe(self, b: int, hidden: Tensor) -> None:
         self.pending[b].append(hidden)
 
+    def keep(self, rows: list[int]) -> bool:
+        if self.d.on_device:  # (its steps are captured for the batch's size)
+            return False
+        self.kv = self.kv.index_select(0, torch.tensor(rows, device=self.kv.device))
+        self.seqs, self.pending = [self.seqs[b] for b in rows], [self.pending[b] for b in rows]
+        return True
+
     def _layer(self, tokens: Tensor, feature: Tensor, start: Tensor, bound: int, kv: Tensor) -> Tensor:
         """Rows tokens [B, T] with features [B, T, H] at slots (= rope positions) start[b] onward,
         each seeing its own row's slots up to its own among the first `bound`: their prenorm [B, T, H]."""

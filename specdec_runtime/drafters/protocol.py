@@ -118,6 +118,11 @@ class RowDrafter(Protocol):
         (the loop keeps the tokens that fit)."""
         raise NotImplementedError
 
+    def keep(self, rows: list[int]) -> bool:
+        """Keep only these rows, in this order (the batch's others are done, nothing is queued): whether
+        it did (a drafter that cannot, the default, leaves the batch as it is)."""
+        return False
+
     def pass_row(self, b: int) -> None:
         """Row b's last draft was replaced by another drafter's (RowLookupFirst): what it cached of
         its own draft does not hold the tokens verified next."""

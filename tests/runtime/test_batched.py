@@ -212,6 +212,42 @@ def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monke
     assert sum(g.stats.accepted for g in many) > 5
 
 
+@pytest.mark.parametrize("kind", ["none", "model", "eagle3 tree", "mtp", "lookup first"])
+@pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
+def test_an_eager_batch_runs_its_live_rows_alone_once_nothing_waits(monkeypatch, kind, batch):
+    """Once the queue is empty, each target forward runs only the rows still decoding (rows.keep_rows,
+    RowDrafter.keep): the batch shrinks as prompts stop at different times (a stop token, budgets
+    apart), and every output is still the target's greedy output for its prompt alone."""
+    if kind in ("none", "model"):
+        target, hf = tiny_decoder("qwen3", seed=3), None
+        drafter = None if kind == "none" else RowModel(perturbed(tiny_decoder("qwen3", seed=3)))
+    elif kind == "eagle3 tree":
+        hf, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
+        drafter = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3))
+    else:
+        hf, target = heads_target()
+        own = own_drafter("mtp", target, hf) if kind == "mtp" else LookupFirst(own_drafter("truncate", target, hf))
+        drafter = batch_drafter(own)
+    prompts = [[t % 16 for t in p] for p in PROMPTS] if hf is not None else PROMPTS
+    sizes, forward = [], rows.forward
+
+    def counted(decoder, x, *args, **kwargs):
+        if verifies(decoder, target, kwargs) and not kwargs.get("eager"):  # (a round's, not a prefill's)
+            sizes.append(x.shape[0])
+        return forward(decoder, x, *args, **kwargs)
+
+    monkeypatch.setattr(rows, "forward", counted)
+    stop = {generate(target, prompts[0], max_new_tokens=5).tokens[-1]}  # the first prompt's 5th token, say
+    many = generate_many(target, prompts, drafter, max_new_tokens=18, gamma=3, rows=batch, stop_ids=stop)
+    alone = [generate(target, p, max_new_tokens=18, stop_ids=stop).tokens for p in prompts]
+    assert [g.tokens for g in many] == alone
+    B = batch or len(prompts)
+    decoding = [s for s in sizes if s <= B]
+    assert decoding[-1] < B, sizes  # the last prompts' rounds run their rows alone
+    tail = decoding[decoding.index(min(s for s in decoding if s < B)) - 1 :]
+    assert tail == sorted(tail, reverse=True), sizes  # (rows only leave once nothing waits)
+
+
 @pytest.mark.parametrize("window", [None, 2])
 def test_a_tree_in_a_row_attends_as_the_tree_of_one_sequence(window):
     """rows.attention_inputs with a token tree per row: each row's rope rows and mask equal one
@@ -254,6 +290,7 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
     drafted: dict[str, dict[tuple, list]] = {"rows": {}, "alone": {}}
     row_prompt = []
     start, refill, draft_rows, draft_alone = type(rows).start, type(rows).refill, type(rows).draft, type(drafter).draft
+    keep = type(rows).keep
 
     def on_start(self, prompts, *args):
         row_prompt[:] = [tuple(p) for p in prompts]
@@ -262,6 +299,12 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
     def on_refill(self, b, prompt):
         row_prompt[b] = tuple(prompt)
         return refill(self, b, prompt)
+
+    def on_keep(self, live):  # (the batch's done rows dropped: the live rows renumbered)
+        kept = keep(self, live)
+        if kept:
+            row_prompt[:] = [row_prompt[b] for b in live]
+        return kept
 
     def on_draft_rows(self, gammas, sampler):
         tokens, lengths, q = draft_rows(self, gammas, sampler)
@@ -287,6 +330,7 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
         return draft
 
     monkeypatch.setattr(type(rows), "start", on_start)
+    monkeypatch.setattr(type(rows), "keep", on_keep)
     monkeypatch.setattr(type(rows), "refill", on_refill)
     monkeypatch.setattr(type(rows), "draft", on_draft_rows)
     monkeypatch.setattr(type(drafter), "draft", on_draft_alone)
