@@ -15,10 +15,10 @@ outputs: the same lifetimes, so the CPU tests catch an output kept across steps 
 `captures` counts the graphs recorded in this process (a warmed-up run must not add any).
 A step made with host_reads=False fails where its function reads a tensor's value on the host
 (`.item()`, `.tolist()`, `if tensor:`, indexing with a 0-dim tensor or a boolean mask): on CUDA such
-a read cannot be captured, and off CUDA the emulation raises on it (NoHostReads, under inference mode
-too), so the CPU tests catch it. The
-drafters' steps are made so; the target's are compiled, and torch.compile refuses a dispatch mode,
-so the CPU test that counts every host read of a round checks them instead (test_fast_path).
+a read cannot be captured, and off CUDA the emulation raises on it (NoHostReads, under inference
+mode too), so the CPU tests catch it. The drafters' steps are made so; the target's are compiled,
+and torch.compile refuses a dispatch mode, so the CPU test that counts every host read of a round
+checks them instead (test_fast_path).
 A step made with a `compile` backend runs fn compiled by torch.compile (fullgraph, static shapes:
 its small ops fused into fewer kernels). Compiled code can read a value on the host without a sign
 (dynamo traces `.item()` into the graph), so off CUDA such a step first runs fn once uncompiled
