@@ -18,8 +18,9 @@ generate() uses) and reads the accepted lengths and tokens back in one host sync
 
 With rows < the prompts, the others wait in a queue: the first row whose prompt stops takes the
 next one, prefilled into that row alone at slot 0 (rows.one_row), its drafter row started over
-(RowDrafter.refill). Once the queue is empty, an eager target's batch drops its done rows (the
-cache's and the drafter's: rows.keep_rows, RowDrafter.keep), so that the last prompts do not pay
+(RowDrafter.refill). Once the queue is empty, an eager target's batch drops its done rows where
+its drafter can too (the cache's and the drafter's: rows.keep_rows, RowDrafter.keep; not a compiled
+draft model's or EAGLE-3's captured steps), so that the last prompts do not pay
 for rows that decode nothing: a forward of B rows costs B rows' compute, and a speculative row's
 g + 1 tokens. On a compiled target a round's forward is a captured step of a fixed batch size
 (rows.captured_rows), so a done row runs its newest token again (its output dropped) until the

@@ -112,11 +112,12 @@ def capture(decoder, fn, inputs: dict[str, Tensor], starts: list[int], T: int, s
 
 
 def keep_rows(decoder, rows: list[int]) -> None:
-    """Only these rows of an eager decoder's cache (and their first slots), in this order: a batch
-    whose other sequences are done and whose queue is empty runs on its live rows alone."""
+    """These rows of an eager decoder's cache (and their first slots), in this order, moved to its
+    first rows: a batch whose other sequences are done and whose queue is empty runs on its live
+    rows alone (an eager forward of B rows runs on the cache's first B). The cache keeps its size,
+    so the next call of as many rows finds it allocated."""
     index = torch.tensor(rows, device=decoder.device)
-    decoder.cache.kv = decoder.cache.kv.index_select(1, index)
-    decoder.kv_layers = list(decoder.cache.kv.unbind(0))
+    decoder.cache.kv[:, : len(rows)] = decoder.cache.kv.index_select(1, index)
     if decoder.row_start is not None:
         decoder.row_start = decoder.row_start.index_select(0, index)
 

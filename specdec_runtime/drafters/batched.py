@@ -320,7 +320,8 @@ class RowMTP(RowDrafter):
 
     def keep(self, rows: list[int]) -> bool:
         index = torch.tensor(rows, device=self.d.target.device)
-        self.kv_layers = [kv.index_select(0, index) for kv in self.kv_layers]
+        for kv in self.kv_layers:  # (moved to the first rows, which _run reads: the cache keeps its size)
+            kv[: len(rows)] = kv.index_select(0, index)
         self.seen, self.pending = [self.seen[b] for b in rows], [self.pending[b] for b in rows]
         return True
 

@@ -72,7 +72,7 @@ class RowEagle3(RowDrafter):
     def keep(self, rows: list[int]) -> bool:
         if self.d.on_device:  # (its steps are captured for the batch's size)
             return False
-        self.kv = self.kv.index_select(0, torch.tensor(rows, device=self.kv.device))
+        self.kv[: len(rows)] = self.kv.index_select(0, torch.tensor(rows, device=self.kv.device))  # (the first rows)
         self.seqs, self.pending = [self.seqs[b] for b in rows], [self.pending[b] for b in rows]
         return True
 

@@ -217,7 +217,8 @@ def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monke
 def test_an_eager_batch_runs_its_live_rows_alone_once_nothing_waits(monkeypatch, kind, batch):
     """Once the queue is empty, each target forward runs only the rows still decoding (rows.keep_rows,
     RowDrafter.keep): the batch shrinks as prompts stop at different times (a stop token, budgets
-    apart), and every output is still the target's greedy output for its prompt alone."""
+    apart), and every output is still the target's greedy output for its prompt alone, in a second
+    call too, which finds the cache allocated (the live rows moved within it)."""
     if kind in ("none", "model"):
         target, hf = tiny_decoder("qwen3", seed=3), None
         drafter = None if kind == "none" else RowModel(perturbed(tiny_decoder("qwen3", seed=3)))
@@ -238,14 +239,17 @@ def test_an_eager_batch_runs_its_live_rows_alone_once_nothing_waits(monkeypatch,
 
     monkeypatch.setattr(rows, "forward", counted)
     stop = {generate(target, prompts[0], max_new_tokens=5).tokens[-1]}  # the first prompt's 5th token, say
-    many = generate_many(target, prompts, drafter, max_new_tokens=18, gamma=3, rows=batch, stop_ids=stop)
     alone = [generate(target, p, max_new_tokens=18, stop_ids=stop).tokens for p in prompts]
+    many = generate_many(target, prompts, drafter, max_new_tokens=18, gamma=3, rows=batch, stop_ids=stop)
     assert [g.tokens for g in many] == alone
     B = batch or len(prompts)
     decoding = [s for s in sizes if s <= B]
     assert decoding[-1] < B, sizes  # the last prompts' rounds run their rows alone
     tail = decoding[decoding.index(min(s for s in decoding if s < B)) - 1 :]
     assert tail == sorted(tail, reverse=True), sizes  # (rows only leave once nothing waits)
+    kv = target.cache.kv  # the live rows moved to its first rows: the next call finds the cache as it was
+    again = generate_many(target, prompts, drafter, max_new_tokens=18, gamma=3, rows=batch, stop_ids=stop)
+    assert [g.tokens for g in again] == alone and target.cache.kv is kv
 
 
 @pytest.mark.parametrize("window", [None, 2])
