@@ -99,6 +99,12 @@ def store_out_in(model: Decoder) -> None:
             m.weight = torch.nn.Parameter(m.weight.detach().t().contiguous().t(), requires_grad=False)
 
 
+def device_bandwidth(device: torch.device, given: float | None = None) -> tuple[str, float | None]:
+    """(the device's name, its HBM bandwidth in GB/s: `given`, else BANDWIDTH's entry for the name, else None)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return name, given or next((v for k, v in BANDWIDTH.items() if k in name), None)
+
+
 def weight_bytes(model: Decoder) -> int:
     """Bytes a decode step reads: every parameter but the (untied) embedding table."""
     skip = {id(model.embed.weight)} if model.embed is not None else set()
@@ -333,12 +339,11 @@ def main() -> None:
     N, cap = args.max_new_tokens, args.prompt_len + args.max_new_tokens
     spec_kw = dict(max_new_tokens=N, gamma=args.gamma, capacity=cap, accept_rate=args.accept_rate)
     spec_stats = []
+    name, bandwidth = device_bandwidth(device, args.bandwidth_gbs)
     if args.costs_only:  # the round's steps alone, after one prompt has captured them
         warm_up(ours, drafter, prompts[0], Sampler, **spec_kw)
         tau = generate(ours, prompts[0], drafter, Sampler(seed=0), **spec_kw).stats.tau
         cost, bound, cost_line = round_costs(ours, drafter, args, tau)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        bandwidth = args.bandwidth_gbs or next((v for k, v in BANDWIDTH.items() if k in name), None)
         cdt = torch._inductor.config.coordinate_descent_tuning  # (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1)
         lines = [
             f"{name}, {args.shape} shape, {args.dtype}, weights {args.layout}, drafter steps compiled "
@@ -412,8 +417,6 @@ def main() -> None:
         lengths = [int(n) for n in args.live_lengths.split(",")]
         live = live_length_costs(ours, lengths, ours.config.max_position_embeddings)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    bandwidth = args.bandwidth_gbs or next((v for k, v in BANDWIDTH.items() if k in name), None)
     kv_bytes = 2 * ours.config.num_layers * ours.config.num_kv_heads * ours.config.head_dim * dtype.itemsize
     per_token = weights + kv_bytes * (args.prompt_len + N // 2)  # mean context
     limit = bandwidth * 1e9 / per_token if bandwidth else None

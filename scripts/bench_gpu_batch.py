@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench_gpu.py's target and drafter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_gpu import BANDWIDTH, build, eagle3_drafter, syncs_per_round, weight_bytes, write_report  # noqa: E402
+from bench_gpu import build, device_bandwidth, eagle3_drafter, syncs_per_round, weight_bytes, write_report  # noqa: E402
 
 from specdec_runtime import graphs, rows  # noqa: E402
 from specdec_runtime.batched import generate_many  # noqa: E402
@@ -109,8 +109,7 @@ def main() -> None:
                         "seconds": time.perf_counter() - t0})  # fmt: skip
         print(results[-1], file=sys.stderr)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    bandwidth = next((v for k, v in BANDWIDTH.items() if k in name), None)
+    name, bandwidth = device_bandwidth(device)
     drafting = f"trees of {args.tree_budget}, top-{args.top_k}, depth" if args.tree_budget else "chains of"
     lines = [
         f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, random prompts of {args.prompt_len} tokens, "

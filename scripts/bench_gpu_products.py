@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import BANDWIDTH, SHAPES, write_report  # noqa: E402
+from bench_gpu import SHAPES, device_bandwidth, write_report  # noqa: E402
 
 VARIANTS = ("in-out:cublas", "out-in:cublas", "in-out:triton", "out-in:triton")
 
@@ -104,8 +104,7 @@ def main() -> None:
         print("(off CUDA: the cuBLAS-named variants only, as torch's CPU products)")
     shape = SHAPES[args.shape]
     layers = args.layers or shape["num_hidden_layers"]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    bandwidth = args.bandwidth_gbs or next((v for k, v in BANDWIDTH.items() if k in name), None)
+    name, bandwidth = device_bandwidth(device, args.bandwidth_gbs)
     fns = {v: product_fn(v, device) for v in variants}
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(1, max(n for n, _ in products(shape).values()), device=device, dtype=dtype, generator=g)
