@@ -118,6 +118,39 @@ def layer_rows(w: FusedLayer, cfg: Eagle3Config, embeds: Tensor, feature: Tensor
     return mlp(out, w.post_norm, w.gate_up, w.down, eps)
 
 
+def best_nodes(score: Tensor, tok: Tensor, parent: Tensor, rank: Tensor, depth: Tensor, K: int, budget: int,
+               levels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """The `budget` best of each row's tree candidates [B, C] (their path scores, draft ids, parent
+    candidate (-1: the root), rank among siblings, depth; numbered level by level: the root's K
+    children, then K x K a level) as a tree: (their draft ids [B, budget], Tree.tensors a row each,
+    levels [D + 1] shared), on the device (a device topk and sort, the ancestor mask by indexing)."""
+    B, C = score.shape
+    index = torch.arange(C, device=score.device)
+    # The host sort's order, (-score, index): a child never scores above its parent and comes after
+    # it, so the best `budget` are a tree (parents first once sorted by index).
+    key = score.double() - index.double() * 1e-12
+    chosen = key.topk(budget, dim=1).indices.sort(dim=1).values  # [B, n]
+    eye = (index[:, None] == index[None, :]).expand(B, C, C)
+    ancestor = eye[:, :K, :].clone()  # candidate -> its ancestors and itself, level by level
+    for lo in range(K, C, K * K):
+        up = parent[:, lo : lo + K * K, None].expand(-1, -1, C)  # [B, K K, C]
+        ancestor = torch.cat([ancestor, ancestor.gather(1, up) | eye[:, lo : lo + K * K]], dim=1)
+    p = parent.gather(1, chosen)
+    zero = chosen[:, :1] * 0
+    node_parent = torch.cat([zero, torch.where(p >= 0, torch.searchsorted(chosen, p.clamp(min=0)) + 1, 0)], 1)
+    node_depth = torch.cat([zero, depth.gather(1, chosen)], 1)
+    node_rank = torch.cat([zero, rank.gather(1, chosen)], 1)
+    n = chosen.shape[1]
+    among = ancestor.gather(1, chosen[..., None].expand(-1, -1, C)).gather(2, chosen[:, None].expand(-1, n, -1))
+    # (built by concatenation: a Python scalar written into a CUDA tensor is a copy from the host)
+    anc = torch.cat([(node_depth >= 0)[..., None], torch.cat([among[:, :1] & False, among], 1)], 2)
+    node = node_depth > 0  # the root is nobody's sibling
+    earlier = (node_parent[:, :, None] == node_parent[:, None, :]) & (node_rank[:, None, :] < node_rank[:, :, None])
+    earlier = earlier & node[:, :, None] & node[:, None, :]
+    tensors = dict(parent=node_parent, depth=node_depth, rank=node_rank, ancestor=anc, earlier=earlier, levels=levels)
+    return tok.gather(1, chosen), tensors
+
+
 class Eagle3Drafter(Drafter):
     """Drafts with an EAGLE-3 model for a target (see the module docstring).
 
@@ -541,31 +574,7 @@ class Eagle3Drafter(Drafter):
             frontier, front_scores, front_toks = base + keep, cand[keep], toks[-1][keep]
             features, seen = out[r], seen[r]
             base += K * K
-        score, tok, parent, rank, depth = (torch.cat(x) for x in (scores, toks, parents, ranks, depths))
-        C = score.shape[0]
-        index = torch.arange(C, device=dev)
-        # The host sort's order, (-score, index): a child never scores above its parent and comes
-        # after it, so the best `budget` are a tree (parents first once sorted by index).
-        key = score.double() - index.double() * 1e-12
-        chosen = key.topk(budget).indices.sort().values  # [n]
-        ancestor = torch.zeros(C, C, dtype=torch.bool, device=dev)  # candidate -> its ancestors and itself
-        eye = index[:, None] == index[None, :]
-        ancestor[:K] = eye[:K]
-        for lo in range(K, C, K * K):
-            hi = lo + K * K
-            ancestor[lo:hi] = ancestor[parent[lo:hi]] | eye[lo:hi]
-        p = parent[chosen]
-        node_parent = torch.where(p >= 0, torch.searchsorted(chosen, p.clamp(min=0)) + 1, 0)
-        zero = index[:1] * 0
-        node_parent = torch.cat([zero, node_parent])
-        node_depth = torch.cat([zero, depth[chosen]])
-        node_rank = torch.cat([zero, rank[chosen]])
-        among = ancestor[chosen][:, chosen]  # [n, n]
-        # (built by concatenation: a Python scalar written into a CUDA tensor is a copy from the host)
-        anc = torch.cat([(node_depth >= 0)[:, None], torch.cat([among[:1] & False, among])], dim=1)
-        node = node_depth > 0  # the root is nobody's sibling
-        earlier = (node_parent[:, None] == node_parent[None, :]) & (node_rank[None, :] < node_rank[:, None])
-        earlier = earlier & node[:, None] & node[None, :]
-        tensors = dict(parent=node_parent, depth=node_depth, rank=node_rank, ancestor=anc, earlier=earlier,
-                       levels=self.slots[: levels + 1])  # fmt: skip
-        return self.draft_ids[tok[chosen]], node_depth.max(), tensors
+        candidates = (torch.cat(x)[None] for x in (scores, toks, parents, ranks, depths))  # (a row of one)
+        tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])
+        tensors = {k: v if k == "levels" else v[0] for k, v in tensors.items()}
+        return self.draft_ids[tok[0]], tensors["depth"].max(), tensors

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, MAX_DEPTH, Eagle3Drafter, layer_rows
+from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, MAX_DEPTH, Eagle3Drafter, best_nodes, layer_rows
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.graphs import CapturedStep
 from specdec_runtime.layers import linear, rms_norm, rope_table
@@ -237,31 +237,9 @@ class RowEagle3(RowDrafter):
             frontier, front_scores, front_toks = base + keep, cand.gather(1, keep), toks[-1].gather(1, keep)
             features, seen = out.gather(1, r[..., None].expand(B, K, H)), seen.gather(1, r[..., None].expand(B, K, W))
             base += K * K
-        score, tok, parent, rank, depth = (torch.cat(x, dim=1) for x in (scores, toks, parents, ranks, depths))
-        C = score.shape[1]
-        index = torch.arange(C, device=prenorm.device)
-        # one sequence's order, (-score, index): a child never scores above its parent and comes after it
-        key = score.double() - index.double() * 1e-12
-        chosen = key.topk(budget, dim=1).indices.sort(dim=1).values  # [B, n]
-        eye = (index[:, None] == index[None, :]).expand(B, C, C)
-        ancestor = eye[:, :K, :].clone()  # candidate -> its ancestors and itself, level by level
-        for lo in range(K, C, K * K):
-            up = parent[:, lo : lo + K * K, None].expand(-1, -1, C)  # [B, K K, C]
-            ancestor = torch.cat([ancestor, ancestor.gather(1, up) | eye[:, lo : lo + K * K]], dim=1)
-        p = parent.gather(1, chosen)
-        zero = chosen[:, :1] * 0
-        node_parent = torch.cat([zero, torch.where(p >= 0, torch.searchsorted(chosen, p.clamp(min=0)) + 1, 0)], 1)
-        node_depth = torch.cat([zero, depth.gather(1, chosen)], 1)
-        node_rank = torch.cat([zero, rank.gather(1, chosen)], 1)
-        n = chosen.shape[1]
-        among = ancestor.gather(1, chosen[..., None].expand(-1, -1, C)).gather(2, chosen[:, None].expand(-1, n, -1))
-        anc = torch.cat([(node_depth >= 0)[..., None], torch.cat([among[:, :1] & False, among], 1)], 2)
-        node = node_depth > 0  # the root is nobody's sibling
-        earlier = (node_parent[:, :, None] == node_parent[:, None, :]) & (node_rank[:, None, :] < node_rank[:, :, None])
-        earlier = earlier & node[:, :, None] & node[:, None, :]
-        tensors = dict(parent=node_parent, depth=node_depth, rank=node_rank, ancestor=anc, earlier=earlier,
-                       levels=self.slots[: levels + 1])  # fmt: skip
-        return self.d.draft_ids[tok.gather(1, chosen)], tensors
+        candidates = (torch.cat(x, dim=1) for x in (scores, toks, parents, ranks, depths))
+        tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])
+        return self.d.draft_ids[tok], tensors
 
     def _catch_up(self, tokens: Tensor, features: Tensor, start: Tensor, last: Tensor, *, span: int):
         """A captured catch-up: rows tokens [B, R] with the target's features [B, R, 3 H_t] at slots
