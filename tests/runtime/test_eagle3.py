@@ -534,8 +534,10 @@ def test_lookups_merged_with_the_drafters_best_nodes_are_lossless(budget):
 # ---------------------------------------------------------------- on the device (fixed shapes, captured steps)
 
 
-def node_paths(draft) -> list[tuple[int, ...]]:
-    """A draft's nodes as the target ids on the path from the root, sorted (a chain: its prefixes)."""
+def node_paths(draft) -> list[tuple]:
+    """A draft's nodes as the target ids on the path from the root, sorted (a chain: its prefixes);
+    a tree's with each node's rank among its siblings and the paths of its ancestors and of its
+    earlier siblings, as its index tensors say (what verification reads: any node order)."""
     tokens = draft.tokens.tolist()
     if draft.tree is None:
         return [tuple(tokens[: i + 1]) for i in range(len(tokens))]
@@ -543,7 +545,10 @@ def node_paths(draft) -> list[tuple[int, ...]]:
     paths = [()]
     for i in range(1, len(parent)):
         paths.append(paths[parent[i]] + (tokens[i - 1],))
-    return sorted(paths[1:])
+    t = {k: v.tolist() for k, v in draft.tree.tensors.items()}
+    of = lambda row: tuple(sorted(paths[j] for j, on in enumerate(row) if on))  # noqa: E731
+    facts = [(paths[i], t["rank"][i], of(t["ancestor"][i]), of(t["earlier"][i])) for i in range(1, len(parent))]
+    return sorted(facts)
 
 
 @pytest.mark.parametrize("budget, top_k, gamma", [(0, 3, 4), (5, 3, 3), (10, 4, 4), (16, 2, 6), (8, 3, 1)])
