@@ -65,7 +65,11 @@ LLAMA_8B = dict(
 )  # fmt: skip
 TINY = dict(LLAMA_1B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, num_hidden_layers=4)  # fmt: skip
-SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B, "tiny": TINY}
+SMOLLM2 = dict(  # the bundled target's shape (SmolLM2-135M), for the runtime's mechanics at its size
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+)  # fmt: skip
+SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B, "smollm2": SMOLLM2, "tiny": TINY}
 # Peak HBM bandwidth (GB/s) by device name, for the limit when --bandwidth-gbs is not given.
 BANDWIDTH = {"H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100 NVL": 3900, "H200": 4800,
              "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555, "L4": 300}  # fmt: skip

@@ -1,7 +1,7 @@
 """Batched speculative decoding at forced acceptance: what the runtime's batched rounds cost at each
-batch size, on a Llama-3.1-8B- or Llama-3.2-1B-shaped target built on the spot (scripts/bench_gpu.py's:
-random weights, no download) with a random EAGLE-3 drafter drafting chains (or, with --tree-budget,
-a tree a row) on the device.
+batch size, on a Llama-3.1-8B-, Llama-3.2-1B- or SmolLM2-135M-shaped (the bundled target's) target built
+on the spot (scripts/bench_gpu.py's: random weights, no download) with a random EAGLE-3 drafter drafting
+chains (or, with --tree-budget, a tree a row) on the device.
 
     python scripts/bench_gpu_batch.py --shape 8b --accept-rate 0.8 --batch-sizes 1,4,16,64
     python scripts/bench_gpu_batch.py --shape 8b --accept-rate 0.8 --tree-budget 8 --top-k 4 --gamma 5  # trees
@@ -56,7 +56,7 @@ def forwards_of(target, decode) -> SimpleNamespace:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=["1b", "8b", "tiny"], default="8b")
+    ap.add_argument("--shape", choices=["1b", "8b", "smollm2", "tiny"], default="8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="auto: on CUDA")

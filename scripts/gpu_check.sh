@@ -23,6 +23,10 @@
 #   ./scripts/gpu_check.sh --ab       # --products, then the 8B EAGLE-3 round's step costs (bench_gpu.py
 #                                     # --costs-only) as they are, with the drafter's steps compiled, with
 #                                     # inductor's one-row products, with our weights [out, in]: one log
+#   ./scripts/gpu_check.sh --all      # one call for a whole 15-minute lease: the gpu tests, the batched 8B and
+#                                     # SmolLM2-shaped tables, the 8B EAGLE-3 bench, then --ab's runs, in that
+#                                     # order under one deadline (GPU_CHECK_SECONDS, default 560): each step
+#                                     # gets at most its cap of what is left; three logs come back
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0"
@@ -63,6 +67,35 @@ if [ "${1:-}" = "--ab" ]; then
     exit $failed
   } 2>&1 | tee "$OUT/ab.log" || status=1
   echo "gpu_check: the A/B runs took ${SECONDS}s"
+  exit $status
+fi
+if [ "${1:-}" = "--all" ]; then
+  deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-560}))
+  step() {  # step CAP LOG COMMAND...: COMMAND under min(CAP, the time left), appended to $OUT/LOG
+    local cap=$1 log="$OUT/$2" left=$((deadline - SECONDS)); shift 2
+    [ "$left" -lt "$cap" ] && cap=$left
+    if [ "$cap" -lt 30 ]; then echo "gpu_check: no time left for: $*" | tee -a "$log"; return 1; fi
+    echo "=== $* (at most ${cap}s; $((deadline - SECONDS))s left)" | tee -a "$log"
+    local t0=$SECONDS
+    timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== took $((SECONDS - t0))s, exit $rc" | tee -a "$log"
+    return "$rc"
+  }
+  batch=(--batch-sizes 1,4,16,64 --accept-rate 0.8 --prompts-per-row 2 --max-new-tokens 128)
+  eagle=(--shape 8b --drafter eagle3 --tree-budget 8 --top-k 4 --gamma 5 --accept-rate 0.83 --no-hf)
+  ab=("${eagle[@]}" --costs-only --prompts 1 --max-new-tokens 256)
+  step 240 gpu_tests.log $PY -m pytest -m gpu -v -p no:cacheprovider --durations=12 tests || status=1
+  step 150 batch.log $PY scripts/bench_gpu_batch.py --shape 8b "${batch[@]}" --gamma 4 --output-dir runs/all/8b_chains || status=1
+  step 90 batch.log $PY scripts/bench_gpu_batch.py --shape smollm2 "${batch[@]}" --gamma 4 --output-dir runs/all/smollm2 || status=1
+  step 120 bench.log $PY scripts/bench_gpu.py "${eagle[@]}" --prompts 4 --max-new-tokens 256 --output-dir runs/all/8b_eagle3 || status=1
+  step 100 ab.log $PY scripts/bench_gpu_products.py --shape 8b --output-dir runs/all/products || status=1
+  step 80 ab.log $PY scripts/bench_gpu.py "${ab[@]}" --compile-drafter --output-dir runs/all/drafter_compiled || status=1
+  step 80 ab.log env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 $PY scripts/bench_gpu.py "${ab[@]}" --output-dir runs/all/cdt || status=1
+  step 80 ab.log $PY scripts/bench_gpu.py "${ab[@]}" --layout out-in --output-dir runs/all/out_in || status=1
+  step 120 batch.log $PY scripts/bench_gpu_batch.py --shape 8b "${batch[@]}" --tree-budget 8 --top-k 4 --gamma 5 \
+    --output-dir runs/all/8b_trees || status=1
+  echo "gpu_check: --all took ${SECONDS}s"
   exit $status
 fi
 if [ "${1:-}" = "--products" ]; then
