@@ -223,9 +223,10 @@ def live_length_costs(model: Decoder, lengths: list[int], capacity: int, reps: i
 
 
 def syncs_per_round(fn, device: torch.device) -> float | None:
-    """Host syncs per target forward of fn() -> GenerationStats (CUDA's sync debug mode; None off CUDA)."""
+    """Host syncs per target forward of fn() -> GenerationStats (CUDA's sync debug mode; None off CUDA,
+    where fn still runs: a smoke run on a CPU goes through the path the GPU's run takes)."""
     if device.type != "cuda":
-        return None
+        return fn() and None
     import warnings
 
     torch.cuda.set_sync_debug_mode("warn")

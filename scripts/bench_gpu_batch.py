@@ -33,6 +33,7 @@ from bench_gpu import build, device_bandwidth, eagle3_drafter, syncs_per_round, 
 from specdec_runtime import graphs, rows  # noqa: E402
 from specdec_runtime.batched import generate_many  # noqa: E402
 from specdec_runtime.drafters.batched import RowEagle3  # noqa: E402
+from specdec_runtime.generate import generate  # noqa: E402
 from specdec_runtime.measure import measure  # noqa: E402
 from specdec_runtime.sampling import Sampler  # noqa: E402
 
@@ -101,8 +102,11 @@ def main() -> None:
                          progress=progress, **kw)  # fmt: skip
         timed = [b - a for a, b in zip(timed_from[0], graphs.compile_counts())]
         spec, ar = report.total(), report.total("baseline")
-        decode = lambda d=d, p=prompts[:B], B=B: generate_many(target, p, d, Sampler(seed=0), rows=B,  # noqa: E731
-                                                               capacity=capacity, **kw)  # fmt: skip
+        if B == 1:  # (measure's batch of one: generate with the drafter itself)
+            decode = lambda p=prompts[0]: [generate(target, p, drafter, Sampler(seed=0), capacity=capacity, **kw)]  # noqa: E731
+        else:
+            decode = lambda d=d, p=prompts[:B], B=B: generate_many(target, p, d, Sampler(seed=0), rows=B,  # noqa: E731
+                                                                   capacity=capacity, **kw)  # fmt: skip
         syncs = syncs_per_round(lambda decode=decode: forwards_of(target, decode), device)
         results.append({"batch": B, "ar_tok_s": ar.tokens_per_s, "spec_tok_s": spec.tokens_per_s, "tau": spec.tau,
                         "speedup": report.speedup(), "timed_compiles_captures": timed, "syncs_per_forward": syncs,

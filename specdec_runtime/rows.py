@@ -125,8 +125,8 @@ def keep_rows(decoder, rows: list[int]) -> None:
 def one_row(decoder, b: int):
     """Forwards (at starts [0]) on row b of a batch's cache alone: a prompt prefilled into a row
     its sequence left (batched decoding's queue), the other rows untouched. Row b starts at slot 0."""
-    if decoder.row_start is not None:
-        decoder.row_start[b] = 0
+    if decoder.row_start is not None:  # (a view's fill: a Python scalar written in is a host copy, a sync)
+        decoder.row_start[b : b + 1].zero_()
     # (a row_start, never None: one row without one would be the one-sequence kernel's)
     return _on_rows(decoder, slice(b, b + 1), torch.zeros(1, dtype=torch.long, device=decoder.device))
 
