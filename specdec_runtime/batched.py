@@ -117,10 +117,10 @@ def generate_many(
         for j in range(B):
             stats[j].prefill_s = (time.perf_counter() - start) / B
         while True:
-            t0 = time.perf_counter()
             for b in range(B):  # a row whose prompt is done takes the next one waiting
                 while done[b] and queue:
-                    j = row_of[b] = queue.pop(0)
+                    t0, j = time.perf_counter(), queue.pop(0)
+                    row_of[b] = j
                     with one_row(target, b):
                         prompt = torch.tensor([prompts[j]]).to(device, non_blocking=True)
                         pre = prefill_rows(target, prompt, logits_to_keep=1, taps=taps)
@@ -131,16 +131,16 @@ def generate_many(
                         drafter.observe_tokens(b, out[j])
                         if taps:
                             drafter.observe(b, pre.hidden[0])
-                    stats[j].prefill_s = time.perf_counter() - t0
+                    stats[j].prefill_s = time.perf_counter() - t0  # (its own: a round can refill every row)
             running = [row_of[b] for b in range(B) if not done[b]]
             if not running:
                 break
+            t1 = time.perf_counter()
             if len(running) < B and not queue and not target.compiled:  # the live rows alone (below)
                 live = [b for b in range(B) if not done[b]]
                 if drafter is None or drafter.keep(live):
                     keep_rows(target, live)
                     B, row_of, slot, done = len(live), running, [slot[b] for b in live], [False] * len(live)
-            t1 = time.perf_counter()
             gammas = [0 if done[b] else min(gamma, max_new_tokens - len(out[row_of[b]]) - 1) for b in range(B)]
             if drafter is not None and max(gammas) > 0:
                 drafts, lengths, q = drafter.draft(gammas, sampler)

@@ -3,6 +3,8 @@ rows equal generate()'s output (itself the target's greedy output) with every ba
 rows of different prompt lengths, ragged acceptance and stops; sampled rows follow the target's
 distribution (chi-square); the per-row forward equals a row decoded alone."""
 
+import time
+
 import pytest
 import torch
 
@@ -210,6 +212,25 @@ def test_the_targets_own_drafters_draft_for_each_row_what_they_draft_alone(monke
         else:
             assert ours == theirs and g.stats.accepted_at == alone.stats.accepted_at
     assert sum(g.stats.accepted for g in many) > 5
+
+
+@pytest.mark.parametrize("drafter", [None, "model"], ids=["autoregressive", "model"])
+def test_the_prompts_times_add_up_to_no_more_than_the_batchs_wall_time(drafter):
+    """Each prompt's time is its prefill and its share of every round it ran in, so that their sum
+    (GenerationStats.total: a batch's tokens/s) is what a clock around the call sees. Four rows
+    that stop together refill together: each refill counts its own prefill (it counted the
+    round's refills so far, and a GPU's 8B batch of 64 read 4-10x its wall time)."""
+    target = tiny_decoder("qwen3", seed=3)
+    row_drafter = None if drafter is None else RowModel(perturbed(tiny_decoder("qwen3", seed=3)))
+    prompts = [[1 + (i + k) % 60 for k in range(120)] for i in range(12)]  # long prompts, 2 tokens each
+    generate_many(target, prompts[:4], row_drafter, max_new_tokens=2, gamma=1, rows=4)  # warm-up
+    start = time.perf_counter()
+    many = generate_many(target, prompts, row_drafter, max_new_tokens=2, gamma=1, rows=4)
+    wall = time.perf_counter() - start
+    spent = sum(g.stats.total_s for g in many)
+    assert all(len(g.tokens) == 2 for g in many)
+    assert spent <= wall, (spent, wall)
+    assert spent > 0.5 * wall, (spent, wall)  # (what is not counted: the call's own set-up)
 
 
 @pytest.mark.parametrize("kind", ["none", "model", "eagle3 tree", "mtp", "lookup first"])
