@@ -226,7 +226,8 @@ def syncs_per_round(fn, device: torch.device) -> float | None:
     """Host syncs per target forward of fn() -> GenerationStats (CUDA's sync debug mode; None off CUDA,
     where fn still runs: a smoke run on a CPU goes through the path the GPU's run takes)."""
     if device.type != "cuda":
-        return fn() and None
+        fn()
+        return None
     import warnings
 
     torch.cuda.set_sync_debug_mode("warn")

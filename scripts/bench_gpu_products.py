@@ -139,9 +139,9 @@ def main() -> None:
     for p in us:
         cells = [f"{us[p][v]:.1f} ({mb[p] / us[p][v] * 1e3:.0f}{frac(mb[p] / us[p][v] * 1e3)})" for v in variants]
         lines.append(f"| {p} | {mb[p]:.1f} | " + " | ".join(cells) + " |")
-    L = shape["num_hidden_layers"]
+    L = shape["num_hidden_layers"]  # (step in ms: MB / ms is GB/s)
     step = {v: (L * sum(us[p][v] for p in us if p != "head") + us["head"][v]) / 1e3 for v in variants}
-    cells = [f"{step[v]:.3f} ms ({step_mb / step[v] / 1e3:.0f}{frac(step_mb / step[v] / 1e3)})" for v in variants]
+    cells = [f"{step[v]:.3f} ms ({step_mb / step[v]:.0f}{frac(step_mb / step[v])})" for v in variants]
     lines.append(f"| a decode step's products ({L} layers + head) | {step_mb:.0f} | " + " | ".join(cells) + " |")
     data = {"device": name, "shape": args.shape, "dtype": args.dtype, "us": us, "mb": mb, "step_ms": step}
     write_report(args.output_dir, lines, data | {"bandwidth_gbs": bandwidth}, t_start)
