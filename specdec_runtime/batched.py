@@ -145,6 +145,8 @@ def generate_many(
             if drafter is not None and max(gammas) > 0:
                 drafts, lengths, q = drafter.draft(gammas, sampler)
                 looked, tree = drafter.lookup_rows, drafter.tree  # (RowLookupFirst's looked-up rows; trees)
+                if tree is not None and 0 in lengths:  # (a row with no room to draft: none of its nodes accepted)
+                    tree = _idle(tree, lengths)
             else:
                 drafts, lengths, q = torch.zeros(B, 0, dtype=torch.long, device=device), [0] * B, None
                 looked, tree = frozenset(), None
@@ -219,9 +221,21 @@ def _verify_trees(x: Tensor, tree: dict[str, Tensor], logits: Tensor, sampler: S
         else:
             u = torch.rand(x.shape[0], tree["levels"].shape[0], device=x.device, generator=forced[1]) < forced[0]
             chosen = ~tree["earlier"].any(dim=-1) & u.gather(1, tree["depth"])
+        if "alive" in tree:  # (a row drafting a chain in its tree: drafters.batched.chain_rows)
+            chosen = chosen & tree["alive"]
         path, n = walk_rows(tree, chosen)
         return n, choice.gather(1, path.gather(1, n[:, None])).squeeze(1), path
     return verify_rows_tree_sample(x, tree, sampler.probs(logits), sampler)
+
+
+def _idle(tree: dict[str, Tensor], lengths: list[int]) -> dict[str, Tensor]:
+    """The tree's tensors with every node of the rows that drafted nothing (lengths[b] == 0: at their
+    budget, or done) dead (tree["alive"]), so that verification takes the target's token after the
+    root: their trees were drafted only because the round's other rows draft."""
+    depth = tree["depth"]
+    idle = torch.tensor([n == 0 for n in lengths]).to(depth.device, non_blocking=True)[:, None]
+    alive = ~(idle & (torch.arange(depth.shape[1], device=depth.device) > 0))
+    return tree | {"alive": alive & tree["alive"] if "alive" in tree else alive}
 
 
 def _move_rows(target: Decoder, slot: list[int], path: Tensor) -> None:

@@ -5,15 +5,15 @@ and drafter, measured on the runtime, and the same settings as vLLM and SGLang t
 
 Per batch size and temperature: autoregressive decoding at that batch size once, then each
 candidate on the same prompts: chains of each gamma (Medusa and MTP heads: no longer than their
-heads); an EAGLE-3 export's own tree (in batches, a tree a row); for model drafters, prompt lookup first
-(SPEC+lookup, with the export's phrase table where it has one) before its own drafting at batch 1,
-before the chain that measured fastest in batches. The best (tokens/s) is written to tune.json with
-the speedup it measured, beside every candidate's figures and the engines' settings for it
-(`serving`); where the best is the runtime's own (lookup first), the best an engine serves too
-(best_served). The engines count differently: vLLM's num_speculative_tokens is the draft length
-(a chain; vLLM drafts greedily at any temperature), SGLang's num_draft_tokens counts the verified
-root too (a chain of gamma: gamma + 1; a tree of n nodes: n + 1) and its eagle-topk is 1 for
-chains.
+heads); an EAGLE-3 export's own tree (in batches, a tree a row); for model drafters, prompt lookup
+first (SPEC+lookup, with the export's phrase table where it has one) before its own drafting (in
+batches, a lookup's chain in its row's tree), and in batches before the chain that measured fastest
+too. The best (tokens/s) is written to tune.json with the speedup it measured, beside every
+candidate's figures and the engines' settings for it (`serving`); where the best is the runtime's
+own (lookup first), the best an engine serves too (best_served). The engines count differently:
+vLLM's num_speculative_tokens is the draft length (a chain; vLLM drafts greedily at any
+temperature), SGLang's num_draft_tokens counts the verified root too (a chain of gamma: gamma + 1;
+a tree of n nodes: n + 1) and its eagle-topk is 1 for chains.
 """
 
 import json
@@ -51,14 +51,16 @@ def candidates(spec: str, target: LoadedModel, batch: int, gammas: Sequence[int]
         top_k = getattr(own, "top_k", 0)
         out.append(dict(name=f"tree:{budget}:{g}", drafter=own if batch == 1 else batch_drafter(own), gamma=g,
                         tree_budget=budget, top_k=top_k, lookup=False))  # fmt: skip
-    if batch > 1:  # then lookup first before the chain that measured fastest (gamma None: tune sets it)
-        if not isinstance(own, NgramDrafter):
-            first = batch_drafter(LookupFirst(chain, table=table))
-            out.append(dict(name=LOOKUP, drafter=first, gamma=None, tree_budget=0, top_k=1, lookup=True))
+    if isinstance(own, NgramDrafter):
         return out
-    if not isinstance(own, NgramDrafter):  # prompt lookup first, then its own drafting
-        out.append(dict(name=("tree" if budget else f"chain:{g}") + LOOKUP, drafter=LookupFirst(own, table=table),
-                        gamma=g, tree_budget=budget, top_k=getattr(own, "top_k", 1), lookup=True))  # fmt: skip
+    if batch > 1:  # lookup first before the chain that measured fastest (gamma None: tune sets it)
+        first = batch_drafter(LookupFirst(chain, table=table))
+        out.append(dict(name=LOOKUP, drafter=first, gamma=None, tree_budget=0, top_k=1, lookup=True))
+    if batch == 1 or budget:  # prompt lookup first, then its own drafting (batched: a lookup's chain in its tree)
+        first = LookupFirst(own, table=table)
+        name = ("tree" if budget else f"chain:{g}") + LOOKUP
+        out.append(dict(name=name, drafter=first if batch == 1 else batch_drafter(first), gamma=g,
+                        tree_budget=budget, top_k=getattr(own, "top_k", 1), lookup=True))  # fmt: skip
     return out
 
 

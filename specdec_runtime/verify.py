@@ -244,22 +244,26 @@ def verify_rows_tree_sample(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """verify_tree_sample for every row of a batch at once (batched.generate_many's token trees): a
     few kernels a round whatever the batch size. nodes [B, N + 1] each row's root and nodes; tree the
-    tensors of a tree a row (parent, depth, ancestor, earlier with a row dimension; levels [D + 1]
-    shared); probs [B, N + 1, V] the target's warped distributions after each node. Returns (the
-    accepted lengths n [B], the tokens after them [B], the accepted branches [B, D + 1]), each row
-    as verify_tree_sample decides it with the same uniform draws (to rounding: the sums of earlier
-    siblings' mass run in another order)."""
+    tensors of a tree a row (parent, depth, ancestor, earlier with a row dimension, and optionally
+    alive: nodes never tried where False; levels [D + 1] shared); probs [B, N + 1, V] the target's
+    warped distributions after each node. Returns (the accepted lengths n [B], the tokens after
+    them [B], the accepted branches [B, D + 1]), each row as verify_tree_sample decides it with the
+    same uniform draws (to rounding: the sums of earlier siblings' mass run in another order)."""
     B, T = nodes.shape
     rows = torch.arange(B, device=nodes.device)
     p_tok = probs[rows[:, None], tree["parent"], nodes]  # [B, N + 1] p_parent(token)
     tried_mass = (tree["earlier"].to(probs.dtype) @ p_tok[..., None]).squeeze(-1)  # earlier siblings' mass
     u = sampler.uniform(B * T, nodes.device).view(B, T)
     ok = u * (1 - tried_mass).clamp_(min=0) < p_tok
+    if "alive" in tree:  # (dead nodes, no node's earlier siblings: never tried)
+        ok = ok & tree["alive"]
     first_ok = ok & ~(tree["earlier"] & ok[:, None, :]).any(-1)
     path, n = walk_rows(tree, first_ok)
     last = path.gather(1, n[:, None]).squeeze(1)  # [B]
     p_last = probs[rows, last]  # [B, V]
     children = (tree["parent"] == last[:, None]) & (torch.arange(T, device=nodes.device) > 0)
+    if "alive" in tree:
+        children = children & tree["alive"]
     tried = torch.zeros_like(p_last).scatter_add_(1, nodes, children.to(p_last.dtype))  # its rejected children
     row = torch.where(tried > 0, 0.0, p_last)
     row = torch.where(row.sum(-1, keepdim=True) > 0, row, p_last)  # p entirely on rejected children

@@ -62,7 +62,8 @@ def validate(
     """Greedy speculative vs autoregressive decoding of every prompt; the numbers a model card reports.
     threads: the CPU threads to decode on (a run's choice for decoding, Run.threads), restored after.
     batch_sizes: beside batch 1, the prompts decoded that many at a time too (batched.generate_many,
-    the autoregressive baseline at the same size; chains of gamma, lookups no longer than gamma), each
+    the autoregressive baseline at the same size; the drafter batched: its trees a row each, lookups
+    no longer than gamma beside chains, a lookup's chain in its row's tree beside trees), each
     size's figures as tau_batch{B}, speedup_batch{B}, ...: what the drafter buys where serving
     batches requests."""
     bar = (lambda it: tqdm(it, desc="validate", unit="prompt")) if progress else None

@@ -25,7 +25,6 @@ from specdec_runtime.layers import rms_norm
 from specdec_runtime.model import Decoder, KVCache
 from specdec_runtime.rows import keep_rows, one_row, prefill
 from specdec_runtime.sampling import Sampler, argmax
-from specdec_runtime.tree import Tree
 
 
 class RowLookup(RowDrafter):
@@ -67,16 +66,19 @@ class RowLookupFirst(RowDrafter):
     max_ngram tokens) drafts what followed them, else the phrase table's chain where it has one,
     else the model's draft. The model drafts every row every round all the same (its rows are one
     batched step, and it keeps up with every row's tokens and states); a looked-up row's draft
-    replaces its row. Unlike one sequence's, a lookup drafts no more than the round's gamma and is
-    not merged with the model's nodes (chains)."""
+    replaces its row, unmerged with the model's nodes. Beside chains a lookup drafts no more than
+    the round's gamma (a longer one would widen the verify step); beside trees (EAGLE-3's, Medusa's)
+    it drafts as one sequence's does, up to the tree's nodes, as a chain in its row's tree
+    (chain_rows): the other rows keep their trees."""
 
     def __init__(self, first: LookupFirst, drafter: RowDrafter):
         """first: the runtime drafter (a batch of one decodes with it); drafter: its model's rows."""
         self.first, self.d, self.table = first, drafter, first.table
         self.lookup = RowLookup(first.lookup.max_ngram, first.lookup.min_ngram)
         self.name = f"{drafter.name}+lookup" + ("+phrases" if first.table is not None else "")
-        self.hidden_layers = drafter.hidden_layers
+        self.hidden_layers, self.tree_nodes = drafter.hidden_layers, drafter.tree_nodes
         self.lookup_rows: frozenset[int] = frozenset()
+        self.tree: dict[str, Tensor] | None = None
 
     def start(self, prompts: list[list[int]], row_start: list[int], capacity: int) -> None:
         self.lookup.start(prompts, row_start, capacity)
@@ -98,16 +100,23 @@ class RowLookupFirst(RowDrafter):
 
     def draft(self, gammas: list[int], sampler: Sampler) -> tuple[Tensor, list[int], Tensor | None]:
         tokens, lengths, q = self.d.draft(gammas, sampler)
-        longest = self.first.tokens  # (the match one sequence's lookup takes, cut to the round's gamma)
-        found = [row.continuation(max(g, longest))[:g] for row, g in zip(self.lookup.rows, gammas, strict=True)]
+        self.tree = self.d.tree
+        longest = self.first.tokens  # (the match one sequence's lookup takes: cut to the round's gamma beside
+        # chains, to the tree's nodes beside a tree)
+        cuts = [(min(max(g, longest), tokens.shape[1]) if g else 0) if self.tree is not None else g for g in gammas]
+        found = [row.continuation(max(g, longest))[:cut] for row, g, cut in
+                 zip(self.lookup.rows, gammas, cuts, strict=True)]  # fmt: skip
         if self.table is not None:
-            found = [f or (self.table.chain_ids(row.seq, g) if g else []) for f, row, g in
-                     zip(found, self.lookup.rows, gammas, strict=True)]  # fmt: skip
+            found = [f or (self.table.chain_ids(row.seq, cut) if cut else []) for f, row, cut in
+                     zip(found, self.lookup.rows, cuts, strict=True)]  # fmt: skip
         self.lookup_rows = frozenset(b for b, f in enumerate(found) if f)
         if not self.lookup_rows:
             return tokens, lengths, q
         for b in self.lookup_rows:
             self.d.pass_row(b)
+        if self.tree is not None:
+            tokens, self.tree = chain_rows(tokens, self.tree, found)
+            return tokens, [len(f) or n for f, n in zip(found, lengths, strict=True)], q
         B, W = len(found), max(tokens.shape[1], *map(len, found))
         chains = torch.tensor([f + [0] * (W - len(f)) for f in found])
         looked = torch.tensor([bool(f) for f in found])  # (host tensors, copied without waiting)
@@ -121,6 +130,33 @@ class RowLookupFirst(RowDrafter):
 
     def alone(self) -> Drafter:
         return self.first
+
+
+def chain_rows(tokens: Tensor, tree: dict[str, Tensor], chains: list[list[int]]) -> tuple[Tensor, dict[str, Tensor]]:
+    """A batch's tree draft (node tokens [B, N], the tree's tensors a row) where each row with a
+    chain (chains[b], at most N tokens) drafts that chain instead: its nodes first, one a depth, the
+    row's other nodes dead (tree["alive"] False: verification never accepts them, and they are no
+    node's earlier siblings). The other rows keep their trees."""
+    B, N = tokens.shape
+    device = tokens.device
+    lengths = torch.tensor([len(c) for c in chains]).to(device, non_blocking=True)  # (from the host: no wait)
+    padded = torch.tensor([c + [0] * (N - len(c)) for c in chains]).to(device, non_blocking=True)
+    looked = (lengths > 0)[:, None]  # [B, 1]
+    i = torch.arange(N + 1, device=device)  # node index, the root 0
+    on = i <= lengths[:, None]  # [B, N + 1] the root and the chain's nodes
+    j = i[None, None, :]
+    chain = {
+        "parent": torch.where(on, (i - 1).clamp(min=0), 0),
+        "depth": torch.where(on, i, 1),  # (a dead node: a child of the root, never reached)
+        "rank": torch.where(on, 0, i),
+        "ancestor": (on[..., None] & (j <= i[:, None])) | (j == i[:, None]) | (j == 0),
+        "earlier": torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=device),
+    }
+    out = {k: torch.where(looked.view(B, *[1] * (v.dim() - 1)), v, tree[k]) for k, v in chain.items()}
+    out["alive"] = on | ~looked if "alive" not in tree else torch.where(looked, on, tree["alive"])
+    depth = max(tree["levels"].shape[0] - 1, *map(len, chains))
+    out["levels"] = tree["levels"] if depth < tree["levels"].shape[0] else torch.arange(depth + 1, device=device)
+    return torch.where(looked, padded, tokens), out
 
 
 class RowModel(RowDrafter):
@@ -376,11 +412,6 @@ def batch_drafter(drafter: Drafter) -> RowDrafter | None:
         return RowLookup(drafter.max_ngram, drafter.min_ngram)
     if isinstance(drafter, LookupFirst):
         inner = batch_drafter(drafter.drafter)
-        if isinstance(inner, RowMedusa) and inner.tree_nodes:  # (a lookup replaces a row's chain: its chains)
-            d = inner.d
-            inner = RowMedusa(MedusaDrafter(d.heads, d.target, Tree.chain(d.heads.num_heads), name=d.name))
-        if isinstance(inner, RowEagle3) and inner.tree_nodes:
-            inner = RowEagle3(inner.d, chains=True)
         return None if inner is None else RowLookupFirst(drafter, inner)
     if isinstance(drafter, MedusaDrafter):
         return RowMedusa(drafter)

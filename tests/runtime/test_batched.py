@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec_runtime import graphs, rows
-from specdec_runtime.batched import generate_many
+from specdec_runtime.batched import _verify_trees, generate_many
 from specdec_runtime.drafters.batched import (
     RowEagle3,
     RowLookup,
@@ -19,6 +19,7 @@ from specdec_runtime.drafters.batched import (
     RowMTP,
     RowSelf,
     batch_drafter,
+    chain_rows,
 )
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
@@ -32,10 +33,12 @@ from specdec_runtime.measure import measure
 from specdec_runtime.model import LayerSkip
 from specdec_runtime.sampling import Sampler
 from specdec_runtime.tree import Tree
+from specdec_runtime.verify import verify_tree_sample
 from tests.conftest import assert_sequences_follow, runtime_from_hf, sequence_joint, tiny_decoder, tiny_hf_model
 from tests.runtime.test_eagle3 import tiny as eagle3_tiny
 from tests.runtime.test_fast_path import mtp_drafter
 from tests.runtime.test_medusa import PATHS, random_heads
+from tests.runtime.test_verify import Scripted
 
 PROMPTS = [[1, 5, 9, 5, 9], [1, 7, 7, 7, 30, 12, 40, 41, 42, 43, 7, 7, 7], [1, 4], [1, 20, 21, 22, 23, 20, 21], [3]]
 
@@ -122,7 +125,9 @@ def test_greedy_rows_equal_each_prompt_decoded_alone(kind, overrides, drafter, r
     assert generate(target, PROMPTS[0], max_new_tokens=20).tokens == free[0]  # nothing left behind
 
 
-@pytest.mark.parametrize("kind", ["model", *EAGLE3, "medusa", "medusa tree", "mtp", "truncate", "lookup first"])
+@pytest.mark.parametrize(
+    "kind", ["model", *EAGLE3, "medusa", "medusa tree", "mtp", "truncate", "lookup first", "lookup first, eagle3 tree"]
+)
 def test_sampled_rows_follow_the_targets_distribution(kind):
     """Short prompts beside a long one, a sampling drafter: their first two tokens (the second
     from speculative sampling of a draft) follow the exact joint of the target's warped
@@ -138,6 +143,12 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
         # drafts a certain token there, one-hot beside the others' truncate:2 draws)
         hf, target = heads_target("llama", seed=5)
         rows, short = batch_drafter(LookupFirst(own_drafter("truncate", target, hf))), [9, 5, 9, 13, 9, 7, 1, 5, 9]
+    elif kind == "lookup first, eagle3 tree":  # (two of this target's top-3 first tokens, 4 and 8, follow a 9 in
+        # the prompt: those rows draft a lookup's chain in their tree, the others EAGLE-3's trees)
+        hf, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
+        drafter = Eagle3Drafter(model, target, cpu_bf16=False, **EAGLE3["eagle3 tree"])
+        rows, short = batch_drafter(LookupFirst(drafter)), [9, 4, 9, 8, 9, 10, 1, 5, 9]
+        assert rows.tree_nodes == 5
     else:  # (a prompt after which its random drafts are accepted at times)
         hf, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
         rows, short = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False, **EAGLE3[kind])), [1, 2, 3, 4]
@@ -145,7 +156,9 @@ def test_sampled_rows_follow_the_targets_distribution(kind):
     sampler = Sampler(1.0, top_k=3, seed=0)
     out = generate_many(target, [long] + [short] * 799, rows, sampler, max_new_tokens=3, gamma=2, rows=700)
     assert sum(g.stats.drafted for g in out) >= 799 and 0 < sum(g.stats.accepted for g in out) < 799
-    assert (0 < sum(g.stats.lookup_rounds for g in out) < 799) == (kind == "lookup first")
+    assert (0 < sum(g.stats.lookup_rounds for g in out) < 799) == kind.startswith("lookup first")
+    # (a row with no room left to draft accepts none of the nodes its tree has for the others' sake)
+    assert all(a <= d for g in out for a, d in zip(g.stats.accepted_at, g.stats.drafted_at, strict=True))
 
     def next_logits(ids):
         with torch.no_grad():
@@ -336,10 +349,11 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
         for b, n in enumerate(lengths):
             if not n:
                 continue
-            if self.tree is None:
+            if self.tree is None or b in getattr(self, "lookup_rows", ()):  # (a lookup's chain: its live nodes)
                 row = tokens[b, :n].tolist()
-            else:  # (a tree: its depth, every node, their parents)
-                row = (self.tree["levels"].shape[0] - 1, tokens[b].tolist(), self.tree["parent"][b, 1:].tolist())
+            else:  # (a tree: its depth, every node, their parents; beside lookups the inner drafter's own depth)
+                levels = (self.d.tree if isinstance(self, RowLookupFirst) else self.tree)["levels"]
+                row = (levels.shape[0] - 1, tokens[b].tolist(), self.tree["parent"][b, 1:].tolist())
             drafted["rows"].setdefault(row_prompt[b], []).append(row)
         return tokens, lengths, q
 
@@ -348,6 +362,8 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
         if draft.tokens.numel():
             if not rows.tree_nodes:  # (a chain, or Medusa's chain tree)
                 row = draft.tokens[:gamma].tolist()
+            elif draft.lookup:  # (a lookup's chain beside trees: as long as one sequence's)
+                row = draft.tokens.tolist()
             else:
                 parents = draft.tree.tensors_on(draft.tokens.device)["parent"][1:].tolist()
                 row = (draft.tree.depth, draft.tokens.tolist(), parents)
@@ -362,19 +378,22 @@ def record_drafts(monkeypatch, rows: RowDrafter, drafter):
     return drafted, row_prompt
 
 
-@pytest.mark.parametrize("inner", ["model", "eagle3", "mtp"])
+@pytest.mark.parametrize("inner", ["model", "eagle3", "mtp", "eagle3 tree", "medusa tree"])
 @pytest.mark.parametrize("batch", [None, 2], ids=["one-batch", "queue"])
 def test_lookup_first_drafts_for_each_row_what_it_drafts_alone(monkeypatch, inner, batch):
-    """Lookup first (n-grams, then a phrase table, then the model's chain) before a stand-alone
-    model, EAGLE-3 or MTP heads: every row's output is the target's greedy output, each round drafted for it
-    the tokens LookupFirst drafts for that prompt alone (lookups as long as gamma, not merged), and
+    """Lookup first (n-grams, then a phrase table, then the model's draft) before a stand-alone
+    model, EAGLE-3 (chains or trees) or MTP or Medusa heads: every row's output is the target's
+    greedy output, each round drafted for it the tokens LookupFirst drafts for that prompt alone
+    (lookups as long as gamma, not merged; beside trees a chain in the row's tree, the other rows'
+    trees kept: round by round while one sequence's tree is as deep, as in the trees' own test), and
     as many rounds were lookups'."""
-    if inner == "eagle3":
+    if inner.startswith("eagle3"):  # (trees drafted on the device: as deep as their levels, as the rows')
         _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
-        model_drafter, prompts = Eagle3Drafter(model, target, cpu_bf16=False), [[t % 16 for t in p] for p in PROMPTS]
-    elif inner == "mtp":  # (2 heads: lookups of 3 are wider than its chains)
+        model_drafter = Eagle3Drafter(model, target, cpu_bf16=False, on_device=inner == "eagle3 tree", **EAGLE3[inner])
+        prompts = [[t % 16 for t in p] for p in PROMPTS]
+    elif inner in ("mtp", "medusa tree"):  # (MTP's 2 heads: lookups of 3 are wider than its chains)
         hf, target = heads_target()
-        model_drafter, prompts = own_drafter("mtp", target, hf), [[t % 16 for t in p] for p in PROMPTS]
+        model_drafter, prompts = own_drafter(inner, target, hf), [[t % 16 for t in p] for p in PROMPTS]
     else:
         target, prompts = tiny_decoder("qwen3", seed=3), PROMPTS
         model_drafter = ModelDrafter(perturbed(tiny_decoder("qwen3", seed=3)))
@@ -385,13 +404,66 @@ def test_lookup_first_drafts_for_each_row_what_it_drafts_alone(monkeypatch, inne
     assert isinstance(rows, RowLookupFirst) and rows.alone() is drafter and rows.name.endswith("+lookup+phrases")
     drafted, row_prompt = record_drafts(monkeypatch, rows, drafter)
     many = generate_many(target, prompts, rows, max_new_tokens=20, gamma=3, rows=batch)
+    compared = {False: 0, True: 0}  # rounds compared: chains, trees
     for p, g in zip(prompts, many, strict=True):
         row_prompt[:] = [tuple(p)]
         alone = generate(target, p, drafter, max_new_tokens=20, gamma=3)
         assert g.tokens == alone.tokens == generate(target, p, max_new_tokens=20).tokens
-        assert drafted["rows"][tuple(p)] == drafted["alone"][tuple(p)]
-        assert (g.stats.lookup_rounds, g.stats.accepted_at) == (alone.stats.lookup_rounds, alone.stats.accepted_at)
+        if not rows.tree_nodes:
+            assert drafted["rows"][tuple(p)] == drafted["alone"][tuple(p)]
+            assert (g.stats.lookup_rounds, g.stats.accepted_at) == (alone.stats.lookup_rounds, alone.stats.accepted_at)
+            continue
+        for ours, theirs in zip(drafted["rows"][tuple(p)], drafted["alone"][tuple(p)]):
+            if isinstance(theirs, tuple) and theirs[0] < 3:  # (a tree cut near the budget)
+                break
+            assert ours == theirs
+            compared[isinstance(theirs, tuple)] += 1
     assert sum(g.stats.lookup_rounds for g in many) > 5 and sum(g.stats.lookup_accepted for g in many) > 3
+    assert not rows.tree_nodes or min(compared.values()) > 3, compared  # (lookups' chains and trees alike)
+
+
+def test_a_lookups_chain_in_a_row_of_trees_is_verified_as_that_chain_alone():
+    """chain_rows: row 0 keeps its tree of 6 nodes, row 1 drafts a chain of 3 in its place, its 3 other
+    nodes dead (token 0, which the target likes best after the root). Sampled, with the same uniform
+    draws, each row decides as verify_tree_sample does for its own tree or chain alone; greedy, row 1
+    accepts its chain as far as the target agrees and never a dead node; at forced acceptance 1 it
+    accepts its 3 tokens, row 0 its deepest first children. Nodes are their parents' likeliest or
+    second tokens, so that rounds end at every depth."""
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    N, V = 6, 9
+    trees = {k: v[None].expand(2, *v.shape) for k, v in tree.tensors.items() if k != "levels"}
+    trees["levels"] = tree.tensors["levels"]
+    parent, rank = tree.tensors["parent"], tree.tensors["rank"]
+    seen = set()
+    for trial in range(40):
+        gen = torch.Generator().manual_seed(trial)
+        probs = (torch.randn(2, N + 1, V, generator=gen) * (1 + trial % 3)).softmax(-1)
+        probs[1, 0, 0] += 2.0  # (token 0 likeliest after row 1's root: a dead node would be accepted)
+        probs = probs / probs.sum(-1, keepdim=True)
+        top = probs.argsort(dim=-1, descending=True)
+        own = torch.tensor([[int(top[0, parent[i], rank[i]]) for i in range(1, N + 1)], [1] * N])
+        chain = [int(top[1, i, int((trial + i) % 4 == 0)]) for i in range(3)]  # (row 1's nodes: replaced)
+        tokens, rows = chain_rows(own, trees, [[], chain])
+        assert tokens[1].tolist() == [*chain, 0, 0, 0]
+        assert rows["alive"].tolist() == [[True] * 7, [True] * 4 + [False] * 3]
+        nodes = torch.cat([torch.zeros(2, 1, dtype=torch.long), tokens], dim=1)  # [2, N + 1] roots first
+        u = torch.rand(2, N + 1, generator=gen)
+        batch = Scripted(u.flatten())
+        n, _, path = _verify_trees(nodes, rows, probs.log(), batch)
+        alone = [(tree, nodes[0], probs[0], u[0]), (Tree.chain(3), nodes[1, :4], probs[1, :4], u[1, :4])]
+        for b, (t, x, p, draws) in enumerate(alone):
+            one = Scripted(draws)
+            verdict = verify_tree_sample(t, x, p, one)
+            k = int(verdict.accept_len)
+            assert int(n[b]) == k and path[b, : k + 1].tolist() == verdict.path[: k + 1].tolist(), (trial, b)
+            torch.testing.assert_close(batch.rows[0][b], one.rows[0], rtol=0, atol=1e-6)
+            seen.add((b, k))
+        n, _, path = _verify_trees(nodes, rows, probs.log(), Sampler())  # greedy
+        agree = int((top[1, :3, 0] == torch.tensor(chain)).long().cumprod(0).sum())
+        assert int(n[1]) == agree and path[1, 1 : agree + 1].tolist() == list(range(1, agree + 1)), trial
+    assert {k for b, k in seen if b == 1} >= {0, 1, 2, 3}, seen  # the chain: rejected at every depth, and whole
+    n, _, path = _verify_trees(nodes, rows, probs.log(), Sampler(), forced=(1.0, torch.Generator()))
+    assert n.tolist() == [3, 3] and path.tolist() == [[0, 1, 3, 6], [0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["eager", "captured"])

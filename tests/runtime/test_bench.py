@@ -281,7 +281,8 @@ def test_tune_measures_medusa_chains_at_every_batch_size_and_writes_vllms_medusa
 def test_tune_measures_an_eagle3_exports_trees_in_batches_too(tmp_path):
     """An EAGLE-3 export drafting trees of 5 nodes (top-3, 3 deep): at batch 2 its tree is a
     candidate beside the chains (a tree a row), with SGLang's settings for it (topk 3, 6 draft
-    tokens: the root counted)."""
+    tokens: the root counted), and lookup first before the fastest chain and before its trees (a
+    lookup's chain in its row's tree)."""
     from specdec_runtime.drafters.eagle3_format import save_speculators
     from specdec_runtime.drafters.eagle3_model import Eagle3Config, Eagle3Model
     from specdec_runtime.loading import load_model
@@ -302,7 +303,9 @@ def test_tune_measures_an_eagle3_exports_trees_in_batches_too(tmp_path):
     tree = {c["name"]: c for c in setting["candidates"]}["tree:5:3"]
     assert tree["tau"] >= 1 and tree["tree_budget"] == 5 and tree["top_k"] == 3
     assert "--speculative-eagle-topk 3 --speculative-num-draft-tokens 6" in tree["sglang"]
-    assert [c["name"] for c in setting["candidates"]] == ["chain:2", "tree:5:3", "chain:2+lookup"]
+    assert [c["name"] for c in setting["candidates"]] == ["chain:2", "tree:5:3", "chain:2+lookup", "tree+lookup"]
+    looked = {c["name"]: c for c in setting["candidates"]}["tree+lookup"]
+    assert looked["tau"] >= 1 and looked["tree_budget"] == 5 and looked["sglang"] is None
 
 
 def test_tune_refuses_bad_lists_before_loading(tmp_path, capsys):
