@@ -55,7 +55,7 @@ OWN = ["medusa", "medusa tree", "mtp", "truncate", "layer skip"]  # drafters tha
 # The fast path's tests, by drafter: the kinds whose steps are the mechanisms of others (a model's, a tree's)
 # run with -m slow, to keep the default run short; the gpu tests take them all.
 FAST = ["none", "lookup", "model", "lookup first", *EAGLE3, "medusa tree"]
-FAST_SLOW = [pytest.param(k, marks=pytest.mark.slow) for k in [*OWN, *COMPILED] if k not in FAST]
+FAST_SLOW = [pytest.param(k, marks=pytest.mark.slow) for k in [*OWN, *COMPILED, "eagle3 tree + lookup"] if k not in FAST]
 
 
 def own_drafter(kind: str, target, hf):
@@ -577,9 +577,11 @@ def fast_target(drafter: str, device: str = "cpu"):
         (_, eager, model), (_, fast, _) = eagle3_tiny(vocab=16, draft_vocab=12), eagle3_tiny(vocab=16, draft_vocab=12)
         prompts = [[t % 16 for t in p] for p in PROMPTS]
         fast = compile_(fast)
-        kw = (EAGLE3 | COMPILED)[drafter]
-        drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True, **kw)
-        return eager.to(device), fast, RowEagle3(drafter), prompts
+        kw = (EAGLE3 | COMPILED)[drafter.removesuffix(" + lookup")]
+        model_drafter = Eagle3Drafter(model.to(device), fast, cpu_bf16=False, on_device=True, **kw)
+        if drafter.endswith(" + lookup"):  # (lookups' chains in rows of captured trees)
+            return eager.to(device), fast, batch_drafter(LookupFirst(model_drafter, merge=0)), prompts
+        return eager.to(device), fast, RowEagle3(model_drafter), prompts
     if drafter in OWN:
         (hf, eager), (_, fast) = heads_target(), heads_target()
         fast = compile_(fast)
@@ -613,8 +615,10 @@ def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothin
     assert {key[1][0] for key in target.steps} == {4} and target.cache.kv.shape[1] == 4
     alone = [generate(eager, p, max_new_tokens=20).tokens for p in prompts]
     assert [g.tokens for g in report.spec] == [g.tokens for g in report.baseline] == alone
-    if drafter in ("model", "lookup first", *EAGLE3, *OWN):
+    if drafter in ("model", "lookup first", *EAGLE3, "eagle3 tree + lookup", *OWN):
         assert sum(g.stats.accepted for g in report.spec) > 5
+    if drafter.endswith("lookup first") or drafter.endswith("+ lookup"):
+        assert sum(g.stats.lookup_rounds for g in report.spec) > 3
 
 
 def test_a_stream_at_forced_acceptance_captures_nothing_after_warm_up():
@@ -678,7 +682,9 @@ def test_one_host_sync_per_target_forward(monkeypatch, compiled, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, *COMPILED, *OWN])
+@pytest.mark.parametrize(
+    "drafter", ["none", "lookup", "model", "lookup first", *EAGLE3, "eagle3 tree + lookup", *COMPILED, *OWN]
+)
 def test_cuda_streams_in_cuda_graphs_equal_each_prompt_alone_and_sync_once_a_forward(monkeypatch, drafter):
     """Real CUDA graphs in fp32 (3 rows in a captured batch size of 4): every output is the target's
     own greedy output, every round's step is a graph, and the host waits for the device at most
