@@ -55,7 +55,8 @@ OWN = ["medusa", "medusa tree", "mtp", "truncate", "layer skip"]  # drafters tha
 # The fast path's tests, by drafter: the kinds whose steps are the mechanisms of others (a model's, a tree's)
 # run with -m slow, to keep the default run short; the gpu tests take them all.
 FAST = ["none", "lookup", "model", "lookup first", *EAGLE3, "medusa tree"]
-FAST_SLOW = [pytest.param(k, marks=pytest.mark.slow) for k in [*OWN, *COMPILED, "eagle3 tree + lookup"] if k not in FAST]
+SLOW = [*OWN, *COMPILED, "eagle3 tree + lookup"]
+FAST_SLOW = [pytest.param(k, marks=pytest.mark.slow) for k in SLOW if k not in FAST]
 
 
 def own_drafter(kind: str, target, hf):
