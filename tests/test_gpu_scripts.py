@@ -16,12 +16,12 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 def run_script(name: str, *args: str, out: Path) -> dict:
     """scripts/<name> run in this process with these arguments (tiny shape, CPU), its results.json."""
-    argv = sys.argv
+    argv, path = sys.argv, list(sys.path)  # (the scripts put their folder on the path)
     sys.argv = [name, "--shape", "tiny", "--device", "cpu", *args, "--output-dir", str(out)]
     try:
         runpy.run_path(str(SCRIPTS / name), run_name="__main__")
     finally:
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
     return json.loads((out / "results.json").read_text())
 
 
