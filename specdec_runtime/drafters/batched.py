@@ -153,7 +153,7 @@ def chain_rows(tokens: Tensor, tree: dict[str, Tensor], chains: list[list[int]])
         "earlier": torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=device),
     }
     out = {k: torch.where(looked.view(B, *[1] * (v.dim() - 1)), v, tree[k]) for k, v in chain.items()}
-    out["alive"] = on | ~looked if "alive" not in tree else torch.where(looked, on, tree["alive"])
+    out["alive"] = on | ~looked  # (a drafter's own trees have no dead nodes: the loop's _idle marks some after)
     depth = max(tree["levels"].shape[0] - 1, *map(len, chains))
     out["levels"] = tree["levels"] if depth < tree["levels"].shape[0] else torch.arange(depth + 1, device=device)
     return torch.where(looked, padded, tokens), out
