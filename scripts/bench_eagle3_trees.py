@@ -2,6 +2,7 @@
 
     python scripts/bench_eagle3_trees.py runs/quickstart/export
     python scripts/bench_eagle3_trees.py runs/quickstart/export --drafting chain:2,chain:3,tree:4x4:2,tree:8x4:3
+    python scripts/bench_eagle3_trees.py runs/quickstart/export --device cuda --lookup only --compiled both
 
 Drafting settings: `chain:G` (chains of G tokens), `chain:G@C` (up to G, stopping after a token
 the drafter gives a probability below C) or `tree:BxK:D` (a tree of B nodes at most D
@@ -69,6 +70,12 @@ def main() -> None:
         default="both",
         help="each setting alone and with prompt lookup first (both), alone (off), or with lookup (only)",
     )
+    p.add_argument(
+        "--compiled",
+        choices=["off", "both", "only"],
+        default="off",
+        help="on CUDA, each setting with the drafter's captured steps compiled by inductor too (both) or only",
+    )
     p.add_argument("--per-category", type=int, default=2, help="validation prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
@@ -84,14 +91,19 @@ def main() -> None:
     model, _ = read_speculators(args.export)
     phrases = Path(args.export) / PhraseTable.FILE
     table = PhraseTable.load(phrases, target.model.device) if phrases.is_file() else None
+    if args.compiled != "off" and target.model.device.type != "cuda":
+        raise SystemExit("--compiled: the drafter's steps are captured (and so compiled) on CUDA only")
     settings = [Setting("autoregressive", None, 1)]
-    for spec, (budget, top_k, depth, conf) in drafting:
-        drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth, confidence=conf)
+    compiled = {"off": [False], "both": [False, True], "only": [True]}[args.compiled]
+    for (spec, (budget, top_k, depth, conf)), steps in [(d, c) for d in drafting for c in compiled]:
+        drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth, confidence=conf,
+                                compile_steps=steps)  # fmt: skip
+        tail = " (compiled steps)" if steps else ""
         if args.lookup != "only":
-            settings.append(Setting(spec, drafter, depth))
+            settings.append(Setting(spec + tail, drafter, depth))
         if args.lookup != "off":
             lookup = LookupFirst(drafter, table=table)
-            settings.append(Setting(spec + lookup.name.removeprefix(drafter.name), lookup, depth))
+            settings.append(Setting(spec + lookup.name.removeprefix(drafter.name) + tail, lookup, depth))
     prompts = first_per_category(read_prompts(builtin_prompts("prompts-val")), args.per_category)
     ids = [encode_prompt(target.tokenizer, q.text, chat=True) for q in prompts]
     room = max(map(len, ids)) + args.max_new_tokens

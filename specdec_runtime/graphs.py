@@ -22,7 +22,9 @@ checks them instead (test_fast_path).
 A step made with a `compile` backend runs fn compiled by torch.compile (fullgraph, static shapes:
 its small ops fused into fewer kernels). Compiled code can read a value on the host without a sign
 (dynamo traces `.item()` into the graph), so off CUDA such a step first runs fn once uncompiled
-under NoHostReads.
+under NoHostReads. `dynamic` names input dimensions that differ between steps of one function (a
+drafter's catch-up rows, 1-16): those are compiled once with the dimension symbolic (2 and up; a
+size of 1 gets its own static version) and captured per size, rather than compiled per size.
 """
 
 from collections.abc import Callable
@@ -121,6 +123,7 @@ class CapturedStep:
         warmup: int = 2,
         host_reads: bool = True,
         compile: str | None = None,
+        dynamic: dict[str, int] | None = None,
     ):
         global captures
         self.inputs = {k: v.clone() for k, v in inputs.items()}  # the static input buffers
@@ -129,7 +132,10 @@ class CapturedStep:
             if not host_reads:
                 _guarded(fn)(**self.inputs)
             allow_many_compiles()
-            fn, host_reads = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile), True
+            marked = {k: d for k, d in (dynamic or {}).items() if self.inputs[k].shape[d] > 1}  # (a 1 is specialized)
+            for name, dim in marked.items():
+                torch._dynamo.mark_dynamic(self.inputs[name], dim)
+            fn, host_reads = torch.compile(fn, fullgraph=True, dynamic=None if marked else False, backend=compile), True
         self.fn = fn if host_reads else _guarded(fn)
         self.graph: torch.cuda.CUDAGraph | None = None
         if device.type == "cuda":

@@ -40,6 +40,7 @@ from specdec_runtime.verify import pick
 
 MAX_DEPTH = 16  # the deepest tree the drafter builds
 CATCH_UP_ROWS = (1, 2, 4, 8, 16)  # on_device: the row counts a catch-up step is captured for (padded up)
+CATCH_UP_DIMS = {"tokens": 0, "taps": 0}  # its inputs' row dimension (compile_steps: compiled once for all)
 
 
 class FusedLayer(NamedTuple):
@@ -472,7 +473,9 @@ class Eagle3Drafter(Drafter):
     def _step(self, key: tuple, fn: Callable[..., Any], inputs: dict[str, Tensor]) -> graphs.CapturedStep:
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = graphs.CapturedStep(fn, inputs, host_reads=False, compile=self.step_backend)
+            rows = CATCH_UP_DIMS if key[0] == "catch-up" else None  # (one compiled version for its row counts)
+            step = self.steps[key] = graphs.CapturedStep(fn, inputs, host_reads=False, compile=self.step_backend,
+                                                         dynamic=rows)  # fmt: skip
         return step
 
     @torch.inference_mode()
@@ -502,16 +505,25 @@ class Eagle3Drafter(Drafter):
         prenorm, logits = self._step(("catch-up", R), self._catch_up, inputs)(**inputs)
         levels = min(gamma, MAX_DEPTH)
         start = self.slots[L - 1]
+        inputs = dict(prenorm=prenorm, logits=logits, start=start)
         if not self.tree_budget:
-            chain = self._step(("chain", levels), partial(self._chain_on_device, gamma=levels),
-                               dict(prenorm=prenorm, logits=logits, start=start))  # fmt: skip
-            return Draft(chain(prenorm=prenorm, logits=logits, start=L - 1), None)
+            deeper = self._deepest("chain", levels)
+            chain = self._step(("chain", deeper), partial(self._chain_on_device, gamma=deeper), inputs)
+            return Draft(chain(prenorm=prenorm, logits=logits, start=L - 1)[:levels], None)
         budget = min(self.tree_budget, self.top_k + (levels - 1) * self.top_k**2)
-        key = ("tree", levels, budget)
-        tree = self._step(key, partial(self._tree_on_device, levels=levels, budget=budget),
-                          dict(prenorm=prenorm, logits=logits, start=start))  # fmt: skip
-        tokens, reached, tensors = tree(prenorm=prenorm, logits=logits, start=L - 1)
+        deeper = self._deepest("tree", levels, budget)
+        tree = self._step(("tree", deeper, budget), partial(self._tree_on_device, levels=deeper, budget=budget),
+                          inputs | dict(cap=self.slots[levels]))  # fmt: skip
+        tokens, reached, tensors = tree(prenorm=prenorm, logits=logits, start=L - 1, cap=levels)
         return Draft(tokens, None, tree=DeviceTree(tensors, levels, reached))
+
+    def _deepest(self, kind: str, levels: int, *shape: int) -> int:
+        """The levels of the shallowest step of this kind and shape made so far as deep as `levels` or
+        deeper (else `levels`): near a prompt's budget the loop asks for shallower drafts, which the
+        deeper step drafts too (a chain's first tokens; a tree's nodes up to a depth cap, the same
+        `budget` best), rather than each depth being a step of its own, compiled and captured."""
+        have = [key[1] for key in self.steps if key[0] == kind and key[2:] == shape and key[1] >= levels]
+        return min(have, default=levels)
 
     def _catch_up(self, tokens: Tensor, taps: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
         """Rows tokens [R] and features taps [R, 3 H_t] at slots and positions first + 0..R-1, causal
@@ -536,13 +548,14 @@ class Eagle3Drafter(Drafter):
         return torch.cat(tokens)
 
     def _tree_on_device(
-        self, prenorm: Tensor, logits: Tensor, start: Tensor, *, levels: int, budget: int
+        self, prenorm: Tensor, logits: Tensor, start: Tensor, cap: Tensor | None = None, *, levels: int, budget: int
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """_tree's EAGLE-2 tree with fixed shapes: the root row's prenorm [H] and logits [N] ->
         (the chosen nodes' target ids [budget], the depth they reach, the tree's index tensors as
         Tree.tensors). Candidates are numbered level by level (the root's top_k, then top_k x top_k
         per level: frontier row r's child of rank c is r * top_k + c), their rows at slots start +
-        (depth - 1) * top_k + r, each seeing the prefix (slots < start) and its ancestors' rows."""
+        (depth - 1) * top_k + r, each seeing the prefix (slots < start) and its ancestors' rows.
+        Candidates deeper than cap (0-dim, at most levels), if given, are left out: the tree of cap levels."""
         K, dev, S = self.top_k, prenorm.device, self.slots.shape[0]
         ar = self.slots[:K]
         top = logits.float().log_softmax(-1).topk(K)
@@ -574,7 +587,10 @@ class Eagle3Drafter(Drafter):
             frontier, front_scores, front_toks = base + keep, cand[keep], toks[-1][keep]
             features, seen = out[r], seen[r]
             base += K * K
-        candidates = (torch.cat(x)[None] for x in (scores, toks, parents, ranks, depths))  # (a row of one)
-        tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])
+        score, depth_of = torch.cat(scores), torch.cat(depths)
+        if cap is not None:  # the tree of cap levels: the best of its own candidates, whose scores these are
+            score = score.masked_fill(depth_of > cap, -torch.inf)
+        candidates = (x[None] for x in (score, torch.cat(toks), torch.cat(parents), torch.cat(ranks), depth_of))
+        tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])  # (a row of one)
         tensors = {k: v if k == "levels" else v[0] for k, v in tensors.items()}
         return self.draft_ids[tok[0]], tensors["depth"].max(), tensors

@@ -167,11 +167,16 @@ class RowEagle3(RowDrafter):
         inputs = dict(tokens=tokens, features=features, start=starts + pad, last=[k - 1 for k in counts] + pad)
         prenorm, logits = self._replay("catch-up", m, self._catch_up, inputs, max(newest))
         inputs = dict(prenorm=prenorm, logits=logits, start=newest + pad)
-        if not self.tree_nodes:
-            return self._replay("chain", g, partial(self._chain, gamma=g), inputs, max(newest) + g - 1)[:B]
-        levels, budget = self._tree_shape(g)
-        end = max(newest) + max(levels - 1, 1) * self.d.top_k - 1
-        tokens, tree = self._replay("tree", levels, partial(self._tree, levels=levels, budget=budget), inputs, end)
+        if not self.tree_nodes:  # (a deeper chain's first g tokens: Eagle3Drafter._deepest)
+            deeper = min((key[1] for key in self.steps if key[0] == "chain" and key[1] >= g), default=g)
+            chain = self._replay("chain", deeper, partial(self._chain, gamma=deeper), inputs, max(newest) + deeper - 1)
+            return chain[:B, :g]
+        levels, budget = self._tree_shape(g)  # (a deeper tree of as many nodes, cut at `levels`: _deepest)
+        deeper = min((key[1] for key in self.steps if key[0] == "tree" and key[1] >= levels
+                      and self._tree_shape(key[1])[1] == budget), default=levels)  # fmt: skip
+        end = max(newest) + max(deeper - 1, 1) * self.d.top_k - 1
+        tokens, tree = self._replay("tree", deeper, partial(self._tree, levels=deeper, budget=budget),
+                                    inputs | dict(cap=levels), end)  # fmt: skip
         self.tree = {k: v if k == "levels" else v[:B] for k, v in tree.items()}
         return tokens[:B]
 
@@ -182,14 +187,15 @@ class RowEagle3(RowDrafter):
         spans = cache_spans(self.kv.shape[2], True)
         span = next(s for s in spans if s >= end)
         if (kind, size, span) not in self.steps:
-            as_tensor = lambda v: torch.tensor(v, device=self.kv.device) if isinstance(v, list) else v  # noqa: E731
+            as_tensor = lambda v: torch.tensor(v, device=self.kv.device) if isinstance(v, list | int) else v  # noqa: E731
             tensors = {k: as_tensor(v) for k, v in inputs.items()}
             for other in CATCH_UP_ROWS if kind == "catch-up" else (size,):
                 shaped = _resized(tensors, other) if kind == "catch-up" else tensors
                 for s in spans:
                     if (kind, other, s) not in self.steps:
                         self.steps[(kind, other, s)] = CapturedStep(
-                            partial(fn, span=s), shaped, host_reads=False, compile=self.d.step_backend
+                            partial(fn, span=s), shaped, host_reads=False, compile=self.d.step_backend,
+                            dynamic={"tokens": 1, "features": 1} if kind == "catch-up" else None,  # (compiled once)
                         )
         return self.steps[(kind, size, span)](**inputs)
 
@@ -198,14 +204,15 @@ class RowEagle3(RowDrafter):
         levels, K = min(g, MAX_DEPTH), self.d.top_k
         return levels, min(self.d.tree_budget, K + (levels - 1) * K * K)
 
-    def _tree(self, prenorm: Tensor, logits: Tensor, start: Tensor, *, levels: int, budget: int, span: int,
-              kv: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    def _tree(self, prenorm: Tensor, logits: Tensor, start: Tensor, cap: Tensor | None = None, *, levels: int,
+              budget: int, span: int, kv: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
         """Every row's EAGLE-2 tree (Eagle3Drafter._tree_on_device with a row dimension): the root
         rows' prenorm [B, H] and logits [B, N], the first tree rows' slots start [B] -> (the chosen
         nodes' target ids [B, budget], the trees' tensors as Tree.tensors a row each, levels shared).
         Candidates are numbered level by level (frontier row r's child of rank c is r * top_k + c);
         row b's level-d frontier at slots start[b] + (d - 1) * top_k + r and position start[b] + d - 1,
-        each seeing its row's prefix (slots < start[b]) and its ancestors' rows, within `span` slots."""
+        each seeing its row's prefix (slots < start[b]) and its ancestors' rows, within `span` slots.
+        cap (0-dim): as Eagle3Drafter._tree_on_device's."""
         K, B, H = self.d.top_k, prenorm.shape[0], prenorm.shape[-1]
         kv = self.kv if kv is None else kv
         ar = self.slots[:K]
@@ -237,7 +244,10 @@ class RowEagle3(RowDrafter):
             frontier, front_scores, front_toks = base + keep, cand.gather(1, keep), toks[-1].gather(1, keep)
             features, seen = out.gather(1, r[..., None].expand(B, K, H)), seen.gather(1, r[..., None].expand(B, K, W))
             base += K * K
-        candidates = (torch.cat(x, dim=1) for x in (scores, toks, parents, ranks, depths))
+        score, depth_of = torch.cat(scores, dim=1), torch.cat(depths, dim=1)
+        if cap is not None:
+            score = score.masked_fill(depth_of > cap, -torch.inf)
+        candidates = (score, *(torch.cat(x, dim=1) for x in (toks, parents, ranks)), depth_of)
         tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])
         return self.d.draft_ids[tok], tensors
 
