@@ -43,16 +43,20 @@ def test_the_batched_bench_runs_every_batch_size_on_captured_steps(drafting, tmp
         assert r["timed_compiles_captures"] == [0, 0]
 
 
-@pytest.mark.parametrize("variant", [[], ["--layout", "out-in", "--costs-only"]], ids=["whole", "out-in costs"])
+@pytest.mark.parametrize(
+    "variant", [["--compile-drafter"], ["--layout", "out-in", "--costs-only"]], ids=["whole", "out-in costs"]
+)
 def test_the_eagle3_bench_runs_at_forced_acceptance(variant, tmp_path):
-    """scripts/bench_gpu.py with a random EAGLE-3 drafter's trees: the whole run, and --costs-only
-    with the weights stored [out, in] (the A/B runs of gpu_check.sh --ab)."""
+    """scripts/bench_gpu.py with a random EAGLE-3 drafter's trees: the whole run with the drafter's
+    steps compiled (gpu_check.sh --all's second step: nothing compiled inside the timed prompts, the
+    shallower trees near their budget included), and --costs-only with the weights stored [out, in]
+    (the A/B runs of gpu_check.sh --ab)."""
     args = ["--compile", "on", "--drafter", "eagle3", "--tree-budget", "4", "--top-k", "2", "--gamma", "3",
             "--accept-rate", "0.8", "--no-hf", "--prompts", "1", "--max-new-tokens", "12"]  # fmt: skip
     results = run_script("bench_gpu.py", *args, *variant, out=tmp_path)
     assert results["tau"] > 1 and all(ms > 0 for ms in results["step_ms"].values())
-    if not variant:
-        assert results["timed_compiles_captures"] == [0, 0]
+    if "--compile-drafter" in variant:
+        assert results["drafter_steps_compiled"] and results["timed_compiles_captures"] == [0, 0]
 
 
 def test_the_products_bench_times_every_product(tmp_path):
