@@ -298,6 +298,7 @@ def test_built_once_per_cache(monkeypatch, tmp_path):
 @pytest.mark.skipif(
     "avx512vl" not in Path("/proc/cpuinfo").read_text(), reason="this CPU's own build is already its AVX2 path"
 )
+@pytest.mark.slow  # (a second build and a pytest of its own, ~22 s: AVX2 machines run that path by default)
 def test_the_avx2_build_passes_the_same_checks(tmp_path):
     """CPUs without AVX-512 run the kernel's other path (16 vector registers: panels of 16 columns,
     passes of up to 6 rows). Built here for x86-64-v3 (SPECDEC_CPU_MARCH), it passes this file's checks against float64
