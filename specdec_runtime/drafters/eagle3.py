@@ -20,7 +20,7 @@ with masks. The draft carries the tree's tensors (tree.DeviceTree): the loop's o
 after verification, is the only one. The nodes are the host tree's (_tree) up to tie order.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -117,6 +117,15 @@ def layer_rows(w: FusedLayer, cfg: Eagle3Config, embeds: Tensor, feature: Tensor
     residual = h if cfg.norm_before_residual else feature
     out = self_attention(x, residual, B, w.qkv, w.o, cos, sin, kv, slots, mask, bound)
     return mlp(out, w.post_norm, w.gate_up, w.down, eps)
+
+
+def deepest_step(keys: Iterable[tuple], kind: str, levels: int, fits: Callable[[tuple], bool]) -> int:
+    """The levels of the shallowest captured step made so far (keys (kind, levels, ...)) that is as
+    deep as `levels` or deeper and fits, else `levels`: near a prompt's budget the loop asks for
+    shallower drafts, which a deeper step drafts too (a chain's first tokens; a tree of as many
+    nodes, cut at a depth cap), rather than each depth being a step of its own, compiled and
+    captured."""
+    return min((key[1] for key in keys if key[0] == kind and key[1] >= levels and fits(key)), default=levels)
 
 
 def best_nodes(score: Tensor, tok: Tensor, parent: Tensor, rank: Tensor, depth: Tensor, K: int, budget: int,
@@ -518,12 +527,8 @@ class Eagle3Drafter(Drafter):
         return Draft(tokens, None, tree=DeviceTree(tensors, levels, reached))
 
     def _deepest(self, kind: str, levels: int, *shape: int) -> int:
-        """The levels of the shallowest step of this kind and shape made so far as deep as `levels` or
-        deeper (else `levels`): near a prompt's budget the loop asks for shallower drafts, which the
-        deeper step drafts too (a chain's first tokens; a tree's nodes up to a depth cap, the same
-        `budget` best), rather than each depth being a step of its own, compiled and captured."""
-        have = [key[1] for key in self.steps if key[0] == kind and key[2:] == shape and key[1] >= levels]
-        return min(have, default=levels)
+        """deepest_step over this drafter's steps of this kind and shape (key (kind, levels, *shape))."""
+        return deepest_step(self.steps, kind, levels, lambda key: key[2:] == shape)
 
     def _catch_up(self, tokens: Tensor, taps: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
         """Rows tokens [R] and features taps [R, 3 H_t] at slots and positions first + 0..R-1, causal

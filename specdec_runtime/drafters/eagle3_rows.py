@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, MAX_DEPTH, Eagle3Drafter, best_nodes, layer_rows
+from specdec_runtime.drafters.eagle3 import (
+    CATCH_UP_ROWS,
+    MAX_DEPTH,
+    Eagle3Drafter,
+    best_nodes,
+    deepest_step,
+    layer_rows,
+)
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.graphs import CapturedStep
 from specdec_runtime.layers import linear, rms_norm, rope_table
@@ -167,13 +174,12 @@ class RowEagle3(RowDrafter):
         inputs = dict(tokens=tokens, features=features, start=starts + pad, last=[k - 1 for k in counts] + pad)
         prenorm, logits = self._replay("catch-up", m, self._catch_up, inputs, max(newest))
         inputs = dict(prenorm=prenorm, logits=logits, start=newest + pad)
-        if not self.tree_nodes:  # (a deeper chain's first g tokens: Eagle3Drafter._deepest)
-            deeper = min((key[1] for key in self.steps if key[0] == "chain" and key[1] >= g), default=g)
+        if not self.tree_nodes:  # (a deeper chain's first g tokens)
+            deeper = deepest_step(self.steps, "chain", g, lambda key: True)
             chain = self._replay("chain", deeper, partial(self._chain, gamma=deeper), inputs, max(newest) + deeper - 1)
             return chain[:B, :g]
-        levels, budget = self._tree_shape(g)  # (a deeper tree of as many nodes, cut at `levels`: _deepest)
-        deeper = min((key[1] for key in self.steps if key[0] == "tree" and key[1] >= levels
-                      and self._tree_shape(key[1])[1] == budget), default=levels)  # fmt: skip
+        levels, budget = self._tree_shape(g)  # (a deeper tree of as many nodes, cut at `levels`)
+        deeper = deepest_step(self.steps, "tree", levels, lambda key: self._tree_shape(key[1])[1] == budget)
         end = max(newest) + max(deeper - 1, 1) * self.d.top_k - 1
         tokens, tree = self._replay("tree", deeper, partial(self._tree, levels=deeper, budget=budget),
                                     inputs | dict(cap=levels), end)  # fmt: skip
