@@ -37,7 +37,8 @@
 # A lease, in two calls on one warm machine (`--stage` here first; the second call within the 30 s the
 # machine waits):
 #   carry .whl and the first part:  OUT=$OUT GPU_CHECK_SECONDS=500 ./scripts/gpu_check.sh --all
-#   carry .whl and the second part: OUT=$OUT ./scripts/gpu_check.sh --bundled
+#   carry .whl and the second part: OUT=$OUT ./scripts/gpu_check.sh --bundled   (its bench capped at
+#                                   GPU_CHECK_SECONDS, default 300)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0"
@@ -66,10 +67,11 @@ if [ "${1:-}" = "--stage" ]; then
   travels=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- | tail -1 | cut -f1)
   wheels=$(du -cb .whl 2>/dev/null | tail -1 | cut -f1)
   room=$((64 * 1024 * 1024 - travels - ${wheels:-0} - 1024 * 1024))  # (a MiB to spare)
+  [ "$room" -gt 0 ] || { echo "gpu_check --stage: the working tree and .whl leave no room under 64 MiB a call"; exit 1; }
   size=$(stat -c %s "$STAGE/bundled.tar")
   n=$(( (size + room - 1) / room ))
   sum=$(sha256sum "$STAGE/bundled.tar" | cut -c1-16)
-  (cd "$STAGE" && split -n "$n" -d -a 1 bundled.tar "bundled-$sum.of$n.") && rm "$STAGE/bundled.tar" || exit 1
+  (cd "$STAGE" && split -n "$n" -d -a "${#n}" bundled.tar "bundled-$sum.of$n.") && rm "$STAGE/bundled.tar" || exit 1
   echo "gpu_check --stage: $((size / 1000000)) MB in $n parts (each call carries the working tree, $((travels / 1000000)) MB, and .whl):"
   for part in "$STAGE"/bundled-*; do
     echo "  carry [\".whl\", \"$part\"]   ($(($(stat -c %s "$part") / 1000000)) MB)"
@@ -162,7 +164,7 @@ if [ "${1:-}" = "--bundled" ]; then
   [ "$got" = "$sum" ] || { echo "gpu_check --bundled: the joined parts' sha256 starts $got, not $sum"; exit 1; }
   tar -C "$dest" -xf "$dest.tar" && rm "$dest.tar" || exit 1
   export PYTHONPATH="$dest:$PYTHONPATH" SPECDEC_CACHE=/tmp/specdec-cache
-  $PY scripts/bench_eagle3_trees.py "$dest/export" --device cuda --dtype float32 --drafting tree:5x3:2,tree:8x4:4 \
+  timeout -k 10 "${GPU_CHECK_SECONDS:-300}" $PY scripts/bench_eagle3_trees.py "$dest/export" --device cuda --dtype float32 --drafting tree:5x3:2,tree:8x4:4 \
     --lookup only --compiled both --per-category 2 --max-new-tokens 128 2>&1 | tee "$OUT/bundled.log"
   status=${PIPESTATUS[0]}
   echo "gpu_check: the bundled target's bench took ${SECONDS}s"

@@ -133,9 +133,9 @@ class CapturedStep:
                 _guarded(fn)(**self.inputs)
             allow_many_compiles()
             marked = {k: d for k, d in (dynamic or {}).items() if self.inputs[k].shape[d] > 1}  # (a 1 is specialized)
-            for name, dim in marked.items():
+            for name, dim in marked.items():  # (dynamic=False keeps every other dimension and int static)
                 torch._dynamo.mark_dynamic(self.inputs[name], dim)
-            fn, host_reads = torch.compile(fn, fullgraph=True, dynamic=None if marked else False, backend=compile), True
+            fn, host_reads = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile), True
         self.fn = fn if host_reads else _guarded(fn)
         self.graph: torch.cuda.CUDAGraph | None = None
         if device.type == "cuda":

@@ -176,7 +176,7 @@ def warm_up(
     longest = drafter.longest(max_gamma if adaptive_gamma else gamma)
     merged = drafter.tokens + drafter.merge if isinstance(drafter, LookupFirst) and drafter.merge else 0
     short = min(max_new_tokens, max(8, longest + 2, merged + 2))  # room for a full draft of every length
-    for g in range(max(longest, merged), 0, -1):  # (deepest first: an EAGLE-3 drafter's serves the shallower)
+    for g in range(1, max(longest, merged) + 1):
         if g <= longest:
             generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
             if isinstance(drafter, LookupFirst):
@@ -207,7 +207,7 @@ def warm_up_rows(
         generate_many(target, prompts, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma,
                       **many_kwargs)  # fmt: skip
         return
-    for g in range(gamma, -1, -1):  # g = 0: rounds of the newest tokens alone, with the drafter's taps
+    for g in range(gamma + 1):  # g = 0: rounds of the newest tokens alone, with the drafter's taps
         short = min(max_new_tokens, max(8, g + 2))
         for d in [drafter, _RowChains(drafter)] if g else [drafter]:
             generate_many(target, prompts, d, sampler(), max_new_tokens=short, gamma=g, **many_kwargs)

@@ -20,7 +20,7 @@ with masks. The draft carries the tree's tensors (tree.DeviceTree): the loop's o
 after verification, is the only one. The nodes are the host tree's (_tree) up to tie order.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -117,15 +117,6 @@ def layer_rows(w: FusedLayer, cfg: Eagle3Config, embeds: Tensor, feature: Tensor
     residual = h if cfg.norm_before_residual else feature
     out = self_attention(x, residual, B, w.qkv, w.o, cos, sin, kv, slots, mask, bound)
     return mlp(out, w.post_norm, w.gate_up, w.down, eps)
-
-
-def deepest_step(keys: Iterable[tuple], kind: str, levels: int, fits: Callable[[tuple], bool]) -> int:
-    """The levels of the shallowest captured step made so far (keys (kind, levels, ...)) that is as
-    deep as `levels` or deeper and fits, else `levels`: near a prompt's budget the loop asks for
-    shallower drafts, which a deeper step drafts too (a chain's first tokens; a tree of as many
-    nodes, cut at a depth cap), rather than each depth being a step of its own, compiled and
-    captured."""
-    return min((key[1] for key in keys if key[0] == kind and key[1] >= levels and fits(key)), default=levels)
 
 
 def best_nodes(score: Tensor, tok: Tensor, parent: Tensor, rank: Tensor, depth: Tensor, K: int, budget: int,
@@ -514,21 +505,16 @@ class Eagle3Drafter(Drafter):
         prenorm, logits = self._step(("catch-up", R), self._catch_up, inputs)(**inputs)
         levels = min(gamma, MAX_DEPTH)
         start = self.slots[L - 1]
-        inputs = dict(prenorm=prenorm, logits=logits, start=start)
         if not self.tree_budget:
-            deeper = self._deepest("chain", levels)
-            chain = self._step(("chain", deeper), partial(self._chain_on_device, gamma=deeper), inputs)
-            return Draft(chain(prenorm=prenorm, logits=logits, start=L - 1)[:levels], None)
+            chain = self._step(("chain", levels), partial(self._chain_on_device, gamma=levels),
+                               dict(prenorm=prenorm, logits=logits, start=start))  # fmt: skip
+            return Draft(chain(prenorm=prenorm, logits=logits, start=L - 1), None)
         budget = min(self.tree_budget, self.top_k + (levels - 1) * self.top_k**2)
-        deeper = self._deepest("tree", levels, budget)
-        tree = self._step(("tree", deeper, budget), partial(self._tree_on_device, levels=deeper, budget=budget),
-                          inputs | dict(cap=self.slots[levels]))  # fmt: skip
-        tokens, reached, tensors = tree(prenorm=prenorm, logits=logits, start=L - 1, cap=levels)
+        key = ("tree", levels, budget)
+        tree = self._step(key, partial(self._tree_on_device, levels=levels, budget=budget),
+                          dict(prenorm=prenorm, logits=logits, start=start))  # fmt: skip
+        tokens, reached, tensors = tree(prenorm=prenorm, logits=logits, start=L - 1)
         return Draft(tokens, None, tree=DeviceTree(tensors, levels, reached))
-
-    def _deepest(self, kind: str, levels: int, *shape: int) -> int:
-        """deepest_step over this drafter's steps of this kind and shape (key (kind, levels, *shape))."""
-        return deepest_step(self.steps, kind, levels, lambda key: key[2:] == shape)
 
     def _catch_up(self, tokens: Tensor, taps: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
         """Rows tokens [R] and features taps [R, 3 H_t] at slots and positions first + 0..R-1, causal
@@ -553,14 +539,13 @@ class Eagle3Drafter(Drafter):
         return torch.cat(tokens)
 
     def _tree_on_device(
-        self, prenorm: Tensor, logits: Tensor, start: Tensor, cap: Tensor | None = None, *, levels: int, budget: int
+        self, prenorm: Tensor, logits: Tensor, start: Tensor, *, levels: int, budget: int
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """_tree's EAGLE-2 tree with fixed shapes: the root row's prenorm [H] and logits [N] ->
         (the chosen nodes' target ids [budget], the depth they reach, the tree's index tensors as
         Tree.tensors). Candidates are numbered level by level (the root's top_k, then top_k x top_k
         per level: frontier row r's child of rank c is r * top_k + c), their rows at slots start +
-        (depth - 1) * top_k + r, each seeing the prefix (slots < start) and its ancestors' rows.
-        Candidates deeper than cap (0-dim, at most levels), if given, are left out: the tree of cap levels."""
+        (depth - 1) * top_k + r, each seeing the prefix (slots < start) and its ancestors' rows."""
         K, dev, S = self.top_k, prenorm.device, self.slots.shape[0]
         ar = self.slots[:K]
         top = logits.float().log_softmax(-1).topk(K)
@@ -592,10 +577,7 @@ class Eagle3Drafter(Drafter):
             frontier, front_scores, front_toks = base + keep, cand[keep], toks[-1][keep]
             features, seen = out[r], seen[r]
             base += K * K
-        score, depth_of = torch.cat(scores), torch.cat(depths)
-        if cap is not None:  # the tree of cap levels: the best of its own candidates, whose scores these are
-            score = score.masked_fill(depth_of > cap, -torch.inf)
-        candidates = (x[None] for x in (score, torch.cat(toks), torch.cat(parents), torch.cat(ranks), depth_of))
-        tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])  # (a row of one)
+        candidates = (torch.cat(x)[None] for x in (scores, toks, parents, ranks, depths))  # (a row of one)
+        tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])
         tensors = {k: v if k == "levels" else v[0] for k, v in tensors.items()}
         return self.draft_ids[tok[0]], tensors["depth"].max(), tensors

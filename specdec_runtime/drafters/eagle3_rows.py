@@ -12,14 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from specdec_runtime.drafters.eagle3 import (
-    CATCH_UP_ROWS,
-    MAX_DEPTH,
-    Eagle3Drafter,
-    best_nodes,
-    deepest_step,
-    layer_rows,
-)
+from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, MAX_DEPTH, Eagle3Drafter, best_nodes, layer_rows
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.graphs import CapturedStep
 from specdec_runtime.layers import linear, rms_norm, rope_table
@@ -174,15 +167,11 @@ class RowEagle3(RowDrafter):
         inputs = dict(tokens=tokens, features=features, start=starts + pad, last=[k - 1 for k in counts] + pad)
         prenorm, logits = self._replay("catch-up", m, self._catch_up, inputs, max(newest))
         inputs = dict(prenorm=prenorm, logits=logits, start=newest + pad)
-        if not self.tree_nodes:  # (a deeper chain's first g tokens)
-            deeper = deepest_step(self.steps, "chain", g, lambda key: True)
-            chain = self._replay("chain", deeper, partial(self._chain, gamma=deeper), inputs, max(newest) + deeper - 1)
-            return chain[:B, :g]
-        levels, budget = self._tree_shape(g)  # (a deeper tree of as many nodes, cut at `levels`)
-        deeper = deepest_step(self.steps, "tree", levels, lambda key: self._tree_shape(key[1])[1] == budget)
-        end = max(newest) + max(deeper - 1, 1) * self.d.top_k - 1
-        tokens, tree = self._replay("tree", deeper, partial(self._tree, levels=deeper, budget=budget),
-                                    inputs | dict(cap=levels), end)  # fmt: skip
+        if not self.tree_nodes:
+            return self._replay("chain", g, partial(self._chain, gamma=g), inputs, max(newest) + g - 1)[:B]
+        levels, budget = self._tree_shape(g)
+        end = max(newest) + max(levels - 1, 1) * self.d.top_k - 1
+        tokens, tree = self._replay("tree", levels, partial(self._tree, levels=levels, budget=budget), inputs, end)
         self.tree = {k: v if k == "levels" else v[:B] for k, v in tree.items()}
         return tokens[:B]
 
@@ -193,7 +182,7 @@ class RowEagle3(RowDrafter):
         spans = cache_spans(self.kv.shape[2], True)
         span = next(s for s in spans if s >= end)
         if (kind, size, span) not in self.steps:
-            as_tensor = lambda v: torch.tensor(v, device=self.kv.device) if isinstance(v, list | int) else v  # noqa: E731
+            as_tensor = lambda v: torch.tensor(v, device=self.kv.device) if isinstance(v, list) else v  # noqa: E731
             tensors = {k: as_tensor(v) for k, v in inputs.items()}
             for other in CATCH_UP_ROWS if kind == "catch-up" else (size,):
                 shaped = _resized(tensors, other) if kind == "catch-up" else tensors
@@ -210,15 +199,14 @@ class RowEagle3(RowDrafter):
         levels, K = min(g, MAX_DEPTH), self.d.top_k
         return levels, min(self.d.tree_budget, K + (levels - 1) * K * K)
 
-    def _tree(self, prenorm: Tensor, logits: Tensor, start: Tensor, cap: Tensor | None = None, *, levels: int,
-              budget: int, span: int, kv: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    def _tree(self, prenorm: Tensor, logits: Tensor, start: Tensor, *, levels: int, budget: int, span: int,
+              kv: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
         """Every row's EAGLE-2 tree (Eagle3Drafter._tree_on_device with a row dimension): the root
         rows' prenorm [B, H] and logits [B, N], the first tree rows' slots start [B] -> (the chosen
         nodes' target ids [B, budget], the trees' tensors as Tree.tensors a row each, levels shared).
         Candidates are numbered level by level (frontier row r's child of rank c is r * top_k + c);
         row b's level-d frontier at slots start[b] + (d - 1) * top_k + r and position start[b] + d - 1,
-        each seeing its row's prefix (slots < start[b]) and its ancestors' rows, within `span` slots.
-        cap (0-dim): as Eagle3Drafter._tree_on_device's."""
+        each seeing its row's prefix (slots < start[b]) and its ancestors' rows, within `span` slots."""
         K, B, H = self.d.top_k, prenorm.shape[0], prenorm.shape[-1]
         kv = self.kv if kv is None else kv
         ar = self.slots[:K]
@@ -250,10 +238,7 @@ class RowEagle3(RowDrafter):
             frontier, front_scores, front_toks = base + keep, cand.gather(1, keep), toks[-1].gather(1, keep)
             features, seen = out.gather(1, r[..., None].expand(B, K, H)), seen.gather(1, r[..., None].expand(B, K, W))
             base += K * K
-        score, depth_of = torch.cat(scores, dim=1), torch.cat(depths, dim=1)
-        if cap is not None:
-            score = score.masked_fill(depth_of > cap, -torch.inf)
-        candidates = (score, *(torch.cat(x, dim=1) for x in (toks, parents, ranks)), depth_of)
+        candidates = (torch.cat(x, dim=1) for x in (scores, toks, parents, ranks, depths))
         tok, tensors = best_nodes(*candidates, K, budget, self.slots[: levels + 1])
         return self.d.draft_ids[tok], tensors
 

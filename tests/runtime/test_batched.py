@@ -522,38 +522,6 @@ def test_eagle3_trees_of_rows_are_one_sequences_tree_a_row_each():
         torch.testing.assert_close(rows.kv[b, :, s : s + W], alone.kv[0, :, s : s + W], rtol=1e-5, atol=1e-5)
 
 
-@torch.no_grad()
-def test_a_tree_cut_at_a_depth_cap_is_that_depths_own_tree():
-    """Near a prompt's budget the loop asks for shallower trees, which the deepest captured step of as
-    many nodes drafts, its candidates below the cap left out (Eagle3Drafter._deepest): for one
-    sequence and for rows, the nodes and tensors of a 4-level tree capped at c are those of a
-    c-level tree. A sharp drafter's best nodes reach past the cap, so leaving them in would fail."""
-    _, target, model = eagle3_tiny(vocab=16, draft_vocab=12)
-    model.norm.weight.mul_(40)  # (confident drafts: the best nodes are deep)
-    alone = Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3, on_device=True)
-    rows = RowEagle3(Eagle3Drafter(model, target, cpu_bf16=False, tree_budget=5, top_k=3))
-    alone.start(torch.tensor([1, 2]), 40)
-    rows.start([[1, 2], [1, 2]], [0, 0], 40)
-    S = min(alone.kv.shape[2], rows.kv.shape[2])
-    g = torch.Generator().manual_seed(0)
-    rows.kv[:, :, :S] = torch.randn(rows.kv[:, :, :S].shape, generator=g)
-    alone.kv[0, :, :S] = rows.kv[0, :, :S]
-    prenorm = torch.randn(2, model.config.layer.hidden_size, generator=g)
-    logits, start = alone._head(prenorm), torch.tensor([7, 12])
-    deep = alone._tree_on_device(prenorm[0], logits[0], start[0], levels=4, budget=5)
-    assert int(deep[1]) == 4  # (uncapped, its nodes reach the fourth level)
-    for cap in (2, 3):
-        own = alone._tree_on_device(prenorm[0], logits[0], start[0], levels=cap, budget=5)
-        cut = alone._tree_on_device(prenorm[0], logits[0], start[0], torch.tensor(cap), levels=4, budget=5)
-        own_rows = rows._tree(prenorm, logits, start, levels=cap, budget=5, span=S)
-        cut_rows = rows._tree(prenorm, logits, start, torch.tensor(cap), levels=4, budget=5, span=S)
-        for a, b in [(own, cut), (own_rows, cut_rows)]:
-            assert torch.equal(a[0], b[0]) and int(a[-1]["depth"].max()) <= cap
-            for key, value in a[-1].items():
-                if key != "levels":  # (the deeper step's levels [0..4]: verification's depth columns)
-                    assert torch.equal(b[-1][key], value), (cap, key)
-
-
 def test_drafters_that_decode_a_prompt_at_a_time_say_so():
     target = tiny_decoder(seed=0)
     assert isinstance(batch_drafter(NgramDrafter(4)), RowLookup)

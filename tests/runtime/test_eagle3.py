@@ -567,8 +567,6 @@ def test_device_drafts_are_the_host_drafts_round_by_round(budget, top_k, gamma):
         d.kernel, seen, real = None, [], d.draft  # host: the torch ops (the kernel's trees are tested apart)
         # (read at once: a captured step's outputs live until it runs again)
         d.draft = lambda *a, seen=seen, real=real: seen.append(node_paths(x := real(*a))) or x
-        served = []  # (depth asked for, depth of the step that drafted it)
-        d._deepest = lambda kind, n, *shape, f=d._deepest, s=served: s.append((n, got := f(kind, n, *shape))) or got
         out = generate(target, prompt, d, Sampler(seed=0), max_new_tokens=60, gamma=gamma, accept_rate=0.7)
         drafts[on_device] = (out, seen)
         del d.draft
@@ -576,10 +574,6 @@ def test_device_drafts_are_the_host_drafts_round_by_round(budget, top_k, gamma):
         assert generate(target, prompt, d, max_new_tokens=40, gamma=gamma).tokens == ar
     (host, host_nodes), (dev, dev_nodes) = drafts[False], drafts[True]
     assert dev_nodes == host_nodes and len(dev_nodes) == dev.stats.rounds_with_draft
-    # near the budget the loop asks for shallower drafts: a deeper step of as many nodes drafted them
-    assert gamma == 1 or any(got > asked for asked, got in served), served
-    steps = [key for key in d.steps if key[0] != "catch-up"]
-    assert len(steps) == len({key[2:] for key in steps}), steps
     assert dev.tokens == host.tokens and dev.stats.drafted_at == host.stats.drafted_at
     assert dev.stats.accepted_at == host.stats.accepted_at and dev.stats.accepted_at[0] > 5
 

@@ -247,12 +247,11 @@ def test_an_emulated_step_refuses_every_host_read(inference):
 
 
 def test_a_drafters_compiled_steps_are_compiled_once_and_refuse_host_reads(monkeypatch):
-    """compile_steps: the EAGLE-3 drafter's captured steps are compiled with the target's backend, few
-    times and none again on later prompts: the catch-up twice for its 5 row counts (1, and the rest
-    with the rows symbolic), a tree once per node count (the shallower trees near a prompt's budget
-    are the deepest one's, cut); a host read inside one fails as in the steps it does not compile
-    (off CUDA each runs once uncompiled under NoHostReads first: compiled code reads a value without
-    a sign)."""
+    """compile_steps: the EAGLE-3 drafter's captured steps are compiled with the target's backend, once
+    and none again on later prompts: the catch-up twice for its 5 row counts (1, and the rest with
+    the rows symbolic), each tree once (trees cut near the end: a shape each); a host read inside one
+    fails as in the steps it does not compile (off CUDA each runs once uncompiled under NoHostReads
+    first: compiled code reads a value without a sign)."""
     torch._dynamo.reset()  # (an earlier test's drafter of the same shapes leaves compiled steps to reuse)
     _, target, hf = pair()
     generate(target, PROMPT, eagle3_tree(target, hf, on_device=True), max_new_tokens=20, gamma=3)  # the target's
@@ -263,8 +262,7 @@ def test_a_drafters_compiled_steps_are_compiled_once_and_refuse_host_reads(monke
         generate(target, PROMPT, d, max_new_tokens=20, gamma=3)
         counts.append(graphs.compile_counts()[0] - before)
     trees = [key for key in d.steps if key[0] == "tree"]
-    assert len({budget for _, _, budget in trees}) == len(trees) == 2, trees  # trees of 5 nodes, and 3 (one level)
-    assert counts == [0, 2 + len(trees)], (counts, list(d.steps))
+    assert len(trees) >= 2 and counts == [0, 2 + len(trees)], (counts, list(d.steps))
     before = graphs.compile_counts()
     generate(target, PROMPT[:7] + [1, 2], d, max_new_tokens=20, gamma=3)
     assert graphs.compile_counts() == before
