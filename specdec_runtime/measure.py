@@ -173,15 +173,21 @@ def warm_up(
     if drafter is None or not target.compiled:
         generate(target, prompt, drafter, sampler(), max_new_tokens=min(8, max_new_tokens), gamma=gamma, **kw)
         return
-    longest = drafter.longest(max_gamma if adaptive_gamma else gamma)
-    merged = drafter.tokens + drafter.merge if isinstance(drafter, LookupFirst) and drafter.merge else 0
+    top = max_gamma if adaptive_gamma else gamma  # the most the loop asks a drafter for
+    longest = drafter.longest(top)
+    lookup_first = isinstance(drafter, LookupFirst)
+    own = drafter.drafter.longest(top) if lookup_first else longest  # its model's drafts: never deeper
+    merged = drafter.tokens + drafter.merge if lookup_first and drafter.merge else 0
     short = min(max_new_tokens, max(8, longest + 2, merged + 2))  # room for a full draft of every length
     for g in range(1, max(longest, merged) + 1):
-        if g <= longest:
+        # (a LookupFirst asked for more than `top` only drafts its model deeper than any timed round:
+        # lookups of every length are _Chains' below, and an EAGLE-3 model's deeper steps were
+        # captured, and with compile_steps compiled, for nothing)
+        if g <= own:
             generate(target, prompt, drafter, sampler(), max_new_tokens=short, gamma=g, **kw)
-            if isinstance(drafter, LookupFirst):
-                generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
-        if isinstance(drafter, LookupFirst) and g <= drafter.drafter.longest(max_gamma if adaptive_gamma else gamma):
+        if lookup_first and g <= longest:
+            generate(target, prompt, _Chains(drafter), sampler(), max_new_tokens=short, gamma=g, **kw)
+        if lookup_first and g <= own:
             # its model alone: where lookups or phrases draft every round of `prompt`, the model's own
             # captured steps (an EAGLE-3 tree's on a GPU) would otherwise be captured in a timed prompt
             generate(target, prompt, drafter.drafter, sampler(), max_new_tokens=short, gamma=g, **kw)

@@ -161,6 +161,9 @@ def warm_then_rerun(target, hf, drafters, capacity: int):
         for p in prompts:
             for s in (Sampler(), Sampler(1.0, seed=3)):
                 generate(target, p, d, s, gamma=3, **kw)
+    for d in made.values():  # a lookup's 8 tokens warmed up, but no model step deeper than gamma 3 made
+        steps = getattr(getattr(d, "drafter", d), "steps", {})
+        assert all(key[1] <= 3 for key in steps if key[0] in ("tree", "chain")), list(steps)
     return warm, graphs.compile_counts(), (address, target.cache.kv.data_ptr())
 
 
