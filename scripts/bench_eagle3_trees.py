@@ -16,6 +16,7 @@ whether every output was the autoregressive one.
 """
 
 import argparse
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def main() -> None:
         raise SystemExit("--compiled: the drafter's steps are captured (and so compiled) on CUDA only")
     settings = [Setting("autoregressive", None, 1)]
     compiled = {"off": [False], "both": [False, True], "only": [True]}[args.compiled]
-    for (spec, (budget, top_k, depth, conf)), steps in [(d, c) for d in drafting for c in compiled]:
+    for (spec, (budget, top_k, depth, conf)), steps in itertools.product(drafting, compiled):
         drafter = Eagle3Drafter(model, target.model, tree_budget=budget, top_k=top_k, gamma=depth, confidence=conf,
                                 compile_steps=steps)  # fmt: skip
         tail = " (compiled steps)" if steps else ""

@@ -164,8 +164,9 @@ if [ "${1:-}" = "--bundled" ]; then
   [ "$got" = "$sum" ] || { echo "gpu_check --bundled: the joined parts' sha256 starts $got, not $sum"; exit 1; }
   tar -C "$dest" -xf "$dest.tar" && rm "$dest.tar" || exit 1
   export PYTHONPATH="$dest:$PYTHONPATH" SPECDEC_CACHE=/tmp/specdec-cache
-  timeout -k 10 "${GPU_CHECK_SECONDS:-300}" $PY scripts/bench_eagle3_trees.py "$dest/export" --device cuda --dtype float32 --drafting tree:5x3:2,tree:8x4:4 \
-    --lookup only --compiled both --per-category 2 --max-new-tokens 128 2>&1 | tee "$OUT/bundled.log"
+  timeout -k 10 "${GPU_CHECK_SECONDS:-300}" $PY scripts/bench_eagle3_trees.py "$dest/export" --device cuda \
+    --dtype float32 --drafting tree:5x3:2,tree:8x4:4 --lookup only --compiled both --per-category 2 \
+    --max-new-tokens 128 2>&1 | tee "$OUT/bundled.log"
   status=${PIPESTATUS[0]}
   echo "gpu_check: the bundled target's bench took ${SECONDS}s"
   exit "$status"

@@ -1,8 +1,7 @@
 """EAGLE-3 for batched decoding (specdec_runtime.batched): the drafter's chains or trees for every
 row, each row at slots of its own in the drafter's cache (drafters/batched.py builds it).
 
-    rows = RowEagle3(eagle3_drafter)               # its trees (tree_budget > 0) or chains
-    rows = RowEagle3(eagle3_drafter, chains=True)  # chains of gamma whatever its tree settings
+    rows = RowEagle3(eagle3_drafter)  # its trees (tree_budget > 0) or chains
 """
 
 from functools import partial
@@ -26,7 +25,7 @@ class RowEagle3(RowDrafter):
     own cache a row a sequence, row b's position p at slot p. A round first runs each row's accepted
     positions with the target's features (the catch-up, padded to the longest row's), then drafts
     for all rows: chains of max(gammas) tokens, each reading the previous one's prenorm, or (a
-    drafter of trees, unless chains=True) every row's EAGLE-2 tree of the drafter's budget as one
+    drafter of trees) every row's EAGLE-2 tree of the drafter's budget as one
     sequence's is drafted on the device (Eagle3Drafter._tree_on_device, a row each: a fixed top-k
     frontier per level, max(gammas) levels deep).
 
@@ -37,9 +36,9 @@ class RowEagle3(RowDrafter):
     span of the cache (the target's rule, model.py), every span and catch-up size at once. A prompt
     just taken from the queue runs its rows eagerly first."""
 
-    def __init__(self, drafter: Eagle3Drafter, chains: bool = False):
+    def __init__(self, drafter: Eagle3Drafter):
         self.d, self.hidden_layers = drafter, drafter.hidden_layers
-        self.tree_nodes = 0 if chains else drafter.tree_budget
+        self.tree_nodes = drafter.tree_budget
         self.name = drafter.name if self.tree_nodes else f"{drafter.name} (chains)"
         self.tree: dict[str, Tensor] | None = None
         self.steps: dict[tuple, CapturedStep] = {}  # on_device: by (kind, size, span); they point at self.kv
