@@ -203,22 +203,28 @@ def eagle3_costs(target: Decoder, drafter: Eagle3Drafter, gamma: int, tau: float
     return {name: device_ms(fn, dev, reps) for name, fn in steps.items()}
 
 
+LIVE_VARIANTS = ("SDPA, whole cache", "SDPA, the span that holds them", "flex, the live blocks")
+
+
 @torch.inference_mode()
 def live_length_costs(model: Decoder, lengths: list[int], capacity: int, reps: int = 50) -> dict[int, tuple]:
-    """Device milliseconds of a decode step at each live length in a cache of `capacity` slots:
-    attending over the whole cache (live_spans False, the fast path before spans) and over the span
-    that holds the live slots. {length: (whole, span)}. Leaves the model with that cache."""
-    dev = model.device
-    model.setup_cache(1, capacity)
-    model.cache.kv.normal_()  # (stale slots are masked: any values do, but not zeros)
+    """Device milliseconds of a decode step at each live length in a cache of `capacity` slots, in
+    each of LIVE_VARIANTS: torch's SDPA over the whole cache (live_spans False, the fast path before
+    spans) and over the span that holds the live slots, and flex attention over the whole cache's
+    blocks up to the newest slot (compile(attention="flex"), its layers compiled here). {length:
+    (whole, span, flex)}. Leaves the model compiled as it was, with that cache."""
+    dev, kept = model.device, model.attention_kernel
     one = torch.zeros(1, 1, dtype=torch.long, device=dev)
     out = {}
-    for spans in (False, True):
+    for attention, spans in (("sdpa", False), ("sdpa", True), ("flex", False)):
+        model.compile(model.compile_backend, attention=attention)
         model.live_spans = spans
-        model.steps.clear()
+        model.setup_cache(1, capacity)
+        model.cache.kv.normal_()  # (stale slots are masked: any values do, but not zeros)
         for n in lengths:
             out.setdefault(n, []).append(device_ms(lambda n=n: model(one, n), dev, reps))
     model.live_spans = True
+    model.compile(model.compile_backend, attention=kept)
     return {n: tuple(v) for n, v in out.items()}
 
 
@@ -308,6 +314,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip every transformers method (large shapes)")
     ap.add_argument("--layout", choices=["in-out", "out-in"], default="in-out",
                     help="our weights: the runtime's [in, out], or nn.Linear's [out, in] through a view")  # fmt: skip
+    ap.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa",
+                    help="the fast path's attention: SDPA over spans, or flex over the live blocks (Decoder.compile)")
     ap.add_argument("--compile-drafter", action="store_true", help="eagle3: its captured steps compiled too")
     ap.add_argument("--costs-only", action="store_true", help="the round's step costs alone (A/B runs)")
     ap.add_argument("--profile", type=Path, default=None, help="write a profiler trace of a few rounds here")
@@ -329,7 +337,7 @@ def main() -> None:
     hf, ours = build(args, device, dtype)
     weights = weight_bytes(ours)
     if fast:
-        ours.compile(**({} if device.type == "cuda" else {"backend": "aot_eager"}))
+        ours.compile("inductor" if device.type == "cuda" else "aot_eager", attention=args.attention)
     if eagle3:
         drafter = eagle3_drafter(ours, args)
         spec_name = f"ours speculative (eagle3 trees of {args.tree_budget}, top-{args.top_k}, depth {args.gamma})"
@@ -352,8 +360,9 @@ def main() -> None:
         cost, bound, cost_line = round_costs(ours, drafter, args, tau)
         cdt = torch._inductor.config.coordinate_descent_tuning  # (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1)
         lines = [
-            f"{name}, {args.shape} shape, {args.dtype}, weights {args.layout}, drafter steps compiled "
-            f"{steps_compiled or 'no'}, inductor's coordinate descent {cdt}: {spec_name}, tau {tau:.2f} on one prompt",
+            f"{name}, {args.shape} shape, {args.dtype}, weights {args.layout}, attention {args.attention}, drafter "
+            f"steps compiled {steps_compiled or 'no'}, inductor's coordinate descent {cdt}: {spec_name}, tau {tau:.2f} "
+            "on one prompt",
             "",
             cost_line,
         ]
@@ -361,8 +370,9 @@ def main() -> None:
             lines.append(
                 f"decode step: its weights at {weights / (bandwidth * 1e6) / cost['decode']:.0%} of {bandwidth} GB/s"
             )
-        data = {"device": name, "shape": args.shape, "layout": args.layout, "drafter_steps_compiled": steps_compiled,
-                "coordinate_descent_tuning": cdt, "tau": tau, "step_ms": cost, "bound": bound}  # fmt: skip
+        data = {"device": name, "shape": args.shape, "layout": args.layout, "attention": args.attention,
+                "drafter_steps_compiled": steps_compiled, "coordinate_descent_tuning": cdt, "tau": tau,
+                "step_ms": cost, "bound": bound}  # fmt: skip
         return write_report(args.output_dir, lines, data, t_start)
 
     def speculative(ids, keep=True):
@@ -451,9 +461,9 @@ def main() -> None:
             fp32_identical = sum(same) / len(same)
 
     lines = [
-        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, weights {args.layout}, drafter steps compiled "
-        f"{steps_compiled or 'no'}, {args.prompts} random prompts of {args.prompt_len} "
-        f"tokens, {N} new tokens, batch 1; {weights / 1e9:.2f} GB of weights read per "
+        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, weights {args.layout}, attention "
+        f"{args.attention}, drafter steps compiled {steps_compiled or 'no'}, {args.prompts} random prompts of "
+        f"{args.prompt_len} tokens, {N} new tokens, batch 1; {weights / 1e9:.2f} GB of weights read per "
         f"token; speculative tau {tau:.2f}",
         "",
         "| method | tok/s | identical to ours autoregressive |",
@@ -506,8 +516,8 @@ def main() -> None:
     if live:
         size = ours.config.max_position_embeddings
         lines += ["", f"decode step by live length, cache of {size} slots (ms, alone on the device):", "",
-                  f"| live slots | whole cache ({size}) | the span that holds them |", "|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {n} | {whole:.3f} | {span:.3f} |" for n, (whole, span) in live.items()]
+                  f"| live slots | {' | '.join(LIVE_VARIANTS)} |", "|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {n} | " + " | ".join(f"{ms:.3f}" for ms in v) + " |" for n, v in live.items()]
     if table is not None:
         lines.append(f"\nprofile of {min(N, 24)} speculative tokens ({args.profile}):\n{table}")
     write_report(
@@ -517,6 +527,7 @@ def main() -> None:
             "device": name,
             "shape": args.shape,
             "layout": args.layout,
+            "attention": args.attention,
             "drafter_steps_compiled": steps_compiled,
             "drafter": args.drafter,
             "accept_rate": args.accept_rate,
@@ -527,7 +538,7 @@ def main() -> None:
             "step_ms": cost,
             "timed_compiles_captures": timed_compiles,
             "syncs_per_forward": {"speculative": syncs, "autoregressive": ar_syncs},
-            "decode_ms_by_live_length": {n: {"whole": w, "span": s} for n, (w, s) in live.items()},
+            "decode_ms_by_live_length": {n: dict(zip(LIVE_VARIANTS, v, strict=True)) for n, v in live.items()},
             "identical": identical,
             "divergences": report,
             "fp32_identical": fp32_identical,

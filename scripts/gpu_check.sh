@@ -30,10 +30,11 @@
 #                                     # staged here by `./scripts/gpu_check.sh --stage [EXPORT]` has come, a part a
 #                                     # call on one warm machine (the first call can be --all)
 #   ./scripts/gpu_check.sh --all      # one call for most of a 15-minute lease: the gpu tests, the 8B EAGLE-3 bench
-#                                     # with the drafter's steps compiled, the batched tables (8B chains, SmolLM2
-#                                     # shape, 8B trees), then the [out, in] + inductor A/B run, in that order under
-#                                     # one deadline (GPU_CHECK_SECONDS, default 560): each step gets at most its
-#                                     # cap of what is left; four logs come back
+#                                     # with the drafter's steps compiled, the 8B chains' batch table, the 8B bench
+#                                     # with flex attention (and a step by live length: SDPA, spans, flex), the
+#                                     # other batch tables (SmolLM2 shape, 8B trees), the [out, in] + inductor A/B
+#                                     # run, in that order under one deadline (GPU_CHECK_SECONDS, default 560):
+#                                     # each step gets at most its cap of what is left; four logs come back
 # A lease, in two calls on one warm machine (`--stage` here first; the second call within the 30 s the
 # machine waits):
 #   carry .whl and the first part:  OUT=$OUT GPU_CHECK_SECONDS=500 ./scripts/gpu_check.sh --all
@@ -136,6 +137,10 @@ if [ "${1:-}" = "--all" ]; then
   step 200 bench.log $PY scripts/bench_gpu.py "${eagle[@]}" --compile-drafter --prompts 4 --max-new-tokens 256 \
     --output-dir runs/all/8b_eagle3_compiled || status=1
   step 150 batch.log $PY scripts/bench_gpu_batch.py --shape 8b "${batch[@]}" --gamma 4 --output-dir runs/all/8b_chains || status=1
+  # (flex attention over the live blocks, never run on a GPU: the same bench with it, and a decode step by live
+  # length with SDPA over the whole cache, over spans, and flex; SDPA at 4,096 slots cost 2.3 ms a step in 7.35)
+  step 150 bench.log $PY scripts/bench_gpu.py "${eagle[@]}" --attention flex --prompts 4 --max-new-tokens 256 \
+    --live-lengths 256,1024,2048,4000 --output-dir runs/all/8b_eagle3_flex || status=1
   step 90 batch.log $PY scripts/bench_gpu_batch.py --shape smollm2 "${batch[@]}" --gamma 4 --output-dir runs/all/smollm2 || status=1
   step 150 batch.log $PY scripts/bench_gpu_batch.py --shape 8b "${batch[@]}" --tree-budget 8 --top-k 4 --gamma 5 \
     --output-dir runs/all/8b_trees || status=1

@@ -18,9 +18,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from specdec_runtime import cpu
 from specdec_runtime.config import DecoderConfig, rope_inv_freq
+
+LIVE_BLOCK = 128  # attend_live's blocks of slots (flex attention's default block size)
 
 
 def rms_norm(x: Tensor, weight2: Tensor, eps: float) -> Tensor:
@@ -189,6 +192,32 @@ def attend(q: Tensor, kv: Tensor, mask: Tensor | None, bound: int) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def attend_live(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+    """attend() over the whole of the keys and values k, v [B, Hkv, S, D] (a cache layer's halves)
+    by flex attention, reading only their blocks of LIVE_BLOCK slots up to each row's newest new slot
+    (slots [T], or [B, T] a row each): one shape, so one compiled kernel and one captured step, for
+    every live length, where attend() needs a span per length, and a kernel that splits the slots
+    among blocks at one query row (cuDNN's masked SDPA over 4,096 slots read 16 MB a layer in 72 us
+    on an H200: docs/results.md). mask: bool, [group * T, S] or [B, 1, group * T, S]. Compiled only
+    (eagerly flex attention computes every score), with k and v views passed in: inductor copied the
+    whole layer to hand flex attention the halves of a cache it was given (split_attention)."""
+    B, S, G = q.shape[0], k.shape[2], q.shape[2]
+    if S % LIVE_BLOCK:  # (the fast path's caches are: setup_cache sizes them in steps of 256 slots)
+        raise ValueError(f"attend_live needs a cache of whole blocks of {LIVE_BLOCK} slots (got {S})")
+    newest = slots[..., -1].expand(B)  # [B] (a step's slots are consecutive: its last is its newest)
+    rows = -(-G // LIVE_BLOCK)  # blocks of query rows
+    live = (newest // LIVE_BLOCK + 1).to(torch.int32)[:, None, None].expand(B, 1, rows)
+    blocks = torch.arange(S // LIVE_BLOCK, dtype=torch.int32, device=k.device).expand(B, 1, rows, -1)
+    if mask.dim() == 2:
+        mask_mod = lambda b, h, i, j: mask[i, j]  # noqa: E731
+    else:
+        mask_mod = lambda b, h, i, j: mask[b, 0, i, j]  # noqa: E731
+    live_mask = BlockMask.from_kv_blocks(
+        live, blocks, BLOCK_SIZE=LIVE_BLOCK, mask_mod=mask_mod, seq_lengths=(G, S), compute_q_blocks=False
+    )
+    return flex_attention(q, k, v, block_mask=live_mask)
+
+
 def projected(out: Tensor, residual: Tensor, B: int, o: Weights) -> Tensor:
     """residual + o(out) for attend()'s [B, Hkv, group*T, D] -> [B*T, H*D] (CUDA's kernels may hand
     it back in another memory layout, the memory-efficient one's [B, group*T, Hkv, D]: reshape
@@ -199,12 +228,16 @@ def projected(out: Tensor, residual: Tensor, B: int, o: Weights) -> Tensor:
     return linear(out, o, residual=residual)
 
 
-def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, bound, eps) -> Tensor:
+def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, bound, eps, live=None) -> Tensor:
     """attention() on the fast path: its compiled halves (first: norm and queries(); last:
     projected()) around the SDPA over the step's span, which runs as it is inside the captured step,
-    so that one compiled version serves every span (Decoder.forward)."""
+    so that one compiled version serves every span (Decoder.forward); or around live, attend_live()
+    compiled on its own (Decoder.compile(attention="flex")): compiled with the K/V write before it,
+    inductor copied the whole cache layer to hand flex attention its keys and values."""
     q = first(x, B, norm, qkv, cos, sin, kv, slots, eps)
-    return last(attend(q, kv, mask, bound), x, B, o)
+    if live is None:
+        return last(attend(q, kv, mask, bound), x, B, o)
+    return last(live(q, *kv.split(kv.shape[1] // 2, dim=1), mask, slots), x, B, o)
 
 
 def normed_queries(x, B, norm, qkv, cos, sin, kv, slots, eps) -> Tensor:

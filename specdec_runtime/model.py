@@ -22,6 +22,9 @@ span: the smallest of 256, 512, 1024, ... slots (and the whole cache) that holds
 span its own captured step, so a step reads about the live slots while its shapes stay fixed. All
 spans of a step are captured together, and only its attention depends on the span: the compiled
 functions are the same for every span (the attention's two halves, with the SDPA between them).
+With compile(attention="flex") a step attends over the whole cache instead, by flex attention
+compiled between the two halves, which reads the cache's blocks of 128 slots up to the newest slot
+only (layers.attend_live): one captured step a shape, whatever the live length.
 
 The fast path (`model.compile()`; `specdec generate --compile`, on by default on CUDA). Each
 distinct step, a role and a token count T (decode T = 1, a chain's g + 1, a tree's nodes, a
@@ -56,6 +59,7 @@ from specdec_runtime.graphs import CapturedStep, allow_many_compiles
 from specdec_runtime.layers import (
     Block,
     Linear,
+    attend_live,
     attention,
     block_state_dict,
     mlp,
@@ -150,6 +154,7 @@ class Decoder(nn.Module):
         self.layer_fns = (attention, mlp)  # compile() swaps in compiled versions for the captured steps
         self.compile_backend: str | None = None  # compile()'s (a drafter's steps may be compiled with it)
         self.live_spans = True  # fast-path steps attend over a span of the cache (spans()); False: all of it
+        self.attention_kernel = "sdpa"  # compile()'s: "flex" attends over the live blocks of the whole cache
         self._native: cpu.DecoderKernel | None = None  # the CPU kernel's view of the layers (native())
         # A bf16 model on a CPU with the kernel: fp32 parameters holding bf16 values, packed in bf16
         # for the kernel (from_hf_state_dict). Activations, cache and logits are fp32.
@@ -208,17 +213,23 @@ class Decoder(nn.Module):
             row_start = None  # (a slot per row reads its rows' first slots whatever they are: no host read)
         self.row_start = row_start
 
-    def compile(self, backend: str = "inductor") -> None:
+    def compile(self, backend: str = "inductor", attention: str = "sdpa") -> None:
         """Turn on the fast path (module docstring): captured steps, with the layers' attention and
         MLP compiled by torch.compile (fullgraph, static shapes). CUDA graphs on CUDA; elsewhere
-        the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager')."""
+        the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager').
+        attention: "sdpa", torch's SDPA over the span that holds the live slots (a captured step per
+        span), or "flex", flex attention compiled into the layer's attention over the whole cache,
+        reading its blocks up to the newest slot (layers.attend_live: one captured step a shape)."""
         if not self.can_compile:
             raise SpecdecError("the fast path captures no mixture-of-experts layers yet: --compile off")
+        if attention not in ("sdpa", "flex"):
+            raise SpecdecError(f"attention is 'sdpa' or 'flex' (got {attention!r})")
         allow_many_compiles()
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
-        self.compile_backend = backend
+        self.compile_backend, self.attention_kernel = backend, attention
+        live = torch.compile(attend_live, **opts) if attention == "flex" else None
         halves = torch.compile(normed_queries, **opts), torch.compile(projected, **opts)
-        self.layer_fns = (partial(split_attention, *halves), torch.compile(mlp, **opts))
+        self.layer_fns = (partial(split_attention, *halves, live=live), torch.compile(mlp, **opts))
         self.steps = {}
 
     def keep_cpu_copies(self) -> None:
@@ -403,7 +414,7 @@ class Decoder(nn.Module):
     def _replay(self, key: tuple, opts: dict, inputs: dict[str, Tensor], T: int, start: int | list[int]):
         """Step `key` over the span holding its slots, on inputs at `start` (a slot, or one per row); first
         seen, captured for every span at once, so none is captured inside a timed prompt (rows.capture)."""
-        spans = cache_spans(self.cache.size, self.live_spans)
+        spans = cache_spans(self.cache.size, self._by_span)
         starts = start if isinstance(start, list) else [start]
         span = next(s for s in spans if s >= max(starts) + T)
         if key + (span,) not in self.steps:
@@ -415,8 +426,13 @@ class Decoder(nn.Module):
 
     def spans(self) -> list[int]:
         """The cache spans a fast-path step attends over (module docstring): 256, 512, ... below the
-        cache's size, and the size (live_spans False: the whole cache only)."""
-        return list(cache_spans(self.cache.size, self.live_spans))
+        cache's size, and the size (live_spans False, or flex attention, which reads the live blocks
+        of the whole cache: the whole cache only)."""
+        return list(cache_spans(self.cache.size, self._by_span))
+
+    @property
+    def _by_span(self) -> bool:
+        return self.live_spans and self.attention_kernel == "sdpa"
 
     def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None,
               row_start: Tensor | None = None, *, span: int, **opts):  # fmt: skip
@@ -475,7 +491,7 @@ class Decoder(nn.Module):
         if first_layer == 0 and not in_kernel:
             x = self.embed_tokens(x)
         a = self.attention_inputs(start, T, bound, tree, fold=not in_kernel, span=span, row_start=row_start)
-        if span is not None and a.mask is not None:  # the fast path: an additive mask, made once a step
+        if span is not None and a.mask is not None and self.attention_kernel == "sdpa":  # an additive mask, once a step
             # (the SDPA converts a boolean one in every layer, outside the compiled code: docs/log/gpu.md)
             additive = torch.zeros(a.mask.shape, dtype=self.dtype, device=a.mask.device)
             a = a._replace(mask=additive.masked_fill_(~a.mask, float("-inf")))

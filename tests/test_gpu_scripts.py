@@ -44,19 +44,30 @@ def test_the_batched_bench_runs_every_batch_size_on_captured_steps(drafting, tmp
 
 
 @pytest.mark.parametrize(
-    "variant", [["--compile-drafter"], ["--layout", "out-in", "--costs-only"]], ids=["whole", "out-in costs"]
+    "variant",
+    [
+        ["--compile-drafter"],
+        ["--attention", "flex", "--live-lengths", "100,300"],
+        ["--layout", "out-in", "--costs-only"],
+    ],
+    ids=["whole", "flex", "out-in costs"],
 )
 def test_the_eagle3_bench_runs_at_forced_acceptance(variant, tmp_path):
     """scripts/bench_gpu.py with a random EAGLE-3 drafter's trees: the whole run with the drafter's
     steps compiled (gpu_check.sh --all's second step: nothing compiled inside the timed prompts, the
-    shallower trees near their budget included), and --costs-only with the weights stored [out, in]
-    (the A/B runs of gpu_check.sh --ab)."""
+    shallower trees near their budget included), the whole run with flex attention and a decode step
+    by live length in each attention (--all's fourth), and --costs-only with the weights stored [out,
+    in] (the A/B runs of gpu_check.sh --ab)."""
     args = ["--compile", "on", "--drafter", "eagle3", "--tree-budget", "4", "--top-k", "2", "--gamma", "3",
             "--accept-rate", "0.8", "--no-hf", "--prompts", "1", "--max-new-tokens", "12"]  # fmt: skip
     results = run_script("bench_gpu.py", *args, *variant, out=tmp_path)
     assert results["tau"] > 1 and all(ms > 0 for ms in results["step_ms"].values())
     if "--compile-drafter" in variant:
         assert results["drafter_steps_compiled"] and results["timed_compiles_captures"] == [0, 0]
+    if "flex" in variant:
+        assert results["attention"] == "flex" and results["timed_compiles_captures"] == [0, 0]
+        live = results["decode_ms_by_live_length"]
+        assert set(live) == {"100", "300"} and all(len(v) == 3 and min(v.values()) > 0 for v in live.values())
 
 
 def test_the_products_bench_times_every_product(tmp_path):

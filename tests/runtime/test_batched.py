@@ -568,12 +568,14 @@ class Copies(RowDrafter):
         return torch.tensor([[s[-1]] * max(lengths) for s in self.seqs], dtype=torch.long), lengths, None
 
 
-def fast_target(drafter: str, device: str = "cpu"):
-    """(eager target, compiled target, their row drafter, prompts): on a CPU, emulated captured steps.
-    The layers are traced by aot_eager on CUDA too: real CUDA graphs, without inductor's minutes of
-    compiling a dozen shapes in gpu_check (scripts/bench_gpu_batch.py runs inductor's batches; a drafter's
-    steps compiled by inductor in CUDA graphs: test_fast_path's gpu test)."""
-    compile_ = lambda m: m.to(device).compile(backend="aot_eager") or m  # noqa: E731
+def fast_target(drafter: str, device: str = "cpu", attention: str = "sdpa"):
+    """(eager target, compiled target (with this attention), their row drafter, prompts): on a CPU,
+    emulated captured steps. The layers are traced by aot_eager on CUDA too: real CUDA graphs,
+    without inductor's minutes of compiling a dozen shapes in gpu_check (scripts/bench_gpu_batch.py
+    runs inductor's batches; a drafter's steps compiled by inductor in CUDA graphs: test_fast_path's
+    gpu test), but flex attention, which only inductor compiles into its kernel."""
+    backend = "inductor" if attention == "flex" and device == "cuda" else "aot_eager"
+    compile_ = lambda m: m.to(device).compile(backend=backend, attention=attention) or m  # noqa: E731
     if drafter.startswith("eagle3"):  # a vocabulary small enough for random drafts to hit
         (_, eager, model), (_, fast, _) = eagle3_tiny(vocab=16, draft_vocab=12), eagle3_tiny(vocab=16, draft_vocab=12)
         prompts = [[t % 16 for t in p] for p in PROMPTS]
@@ -620,6 +622,16 @@ def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothin
         assert sum(g.stats.accepted for g in report.spec) > 5
     if drafter.endswith("lookup first") or drafter.endswith("+ lookup"):
         assert sum(g.stats.lookup_rounds for g in report.spec) > 3
+
+
+@pytest.mark.parametrize("drafter", ["none", "eagle3 tree"])
+def test_flex_attention_decodes_a_stream_as_each_prompt_alone(drafter):
+    """attention="flex": a row's live blocks from its own newest slot (rows at different slots, padded
+    rows at slot 0, prompts refilled into a row), every output the target's own greedy output."""
+    eager, target, row_drafter, prompts = fast_target(drafter, attention="flex")
+    outs = generate_many(target, prompts, row_drafter, Sampler(), rows=3, gamma=3, max_new_tokens=20)
+    assert [g.tokens for g in outs] == [generate(eager, p, max_new_tokens=20).tokens for p in prompts]
+    assert target.spans() == [target.cache.size] and target.cache.kv.shape[1] == 4
 
 
 def test_a_stream_at_forced_acceptance_captures_nothing_after_warm_up():

@@ -105,21 +105,24 @@ def standalone(target):
 COMPILE_BACKEND = {"cpu": "aot_eager", "cuda": "inductor"}
 
 
-def pair(kind: str = "llama", device: str = "cpu", dtype=torch.float32, layers: int = 4, **overrides):
-    """The same tiny target twice, eager and compiled, and its transformers model (4 layers: EAGLE-3
-    taps 3 distinct ones)."""
+def pair(kind: str = "llama", device: str = "cpu", dtype=torch.float32, layers: int = 4, attention: str = "sdpa",
+         **overrides):  # fmt: skip
+    """The same tiny target twice, eager and compiled (with this attention), and its transformers
+    model (4 layers: EAGLE-3 taps 3 distinct ones)."""
     hf = tiny_hf_model(kind, 0, num_hidden_layers=layers, **overrides)
     eager, fast = (runtime_from_hf(hf).to(device, dtype) for _ in range(2))
-    fast.compile(backend=COMPILE_BACKEND[device])
+    fast.compile(backend=COMPILE_BACKEND[device], attention=attention)
     return eager, fast, hf
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})])
-def test_forwards_equal_the_eager_path(kind, overrides):
-    """Decode, chain-verify and tree-verify logits at the same slots, stale slots in the cache."""
-    a, b, _ = pair(kind, layers=3, **overrides)
+def test_forwards_equal_the_eager_path(kind, overrides, attention):
+    """Decode, chain-verify and tree-verify logits at the same slots, stale slots in the cache (over
+    the span that holds them, or flex attention's live blocks of the whole cache)."""
+    a, b, _ = pair(kind, layers=3, attention=attention, **overrides)
     for m in (a, b):
-        m.setup_cache(1, 64)
+        m.setup_cache(1, 300)  # (the fast path's: 512 slots, two spans or four blocks)
         with torch.inference_mode():
             m.cache.kv.normal_()  # stale entries from "earlier prompts" must be masked out
         m.prefill(torch.tensor([PROMPT]))
@@ -145,6 +148,39 @@ def test_generate_equals_the_eager_path(drafter):
             warnings.simplefilter("error")
             rb = generate(b, PROMPT, DRAFTERS[drafter](b, hf), sampler(), max_new_tokens=30, gamma=3)
         assert rb.tokens == ra.tokens and rb.stats.target_forwards == ra.stats.target_forwards
+
+
+@pytest.mark.parametrize("drafter", ["truncate", "medusa tree"])
+def test_flex_attention_generates_as_the_eager_path(drafter):
+    """attention="flex" (layers.attend_live): one span, the whole cache, and the eager path's tokens
+    for decode steps, an exit layer's drafts, chains and trees verified, greedy and sampled."""
+    a, b, hf = pair(attention="flex")
+    for sampler in (lambda: Sampler(), lambda: Sampler(0.8, seed=1)):
+        ra = generate(a, PROMPT, DRAFTERS[drafter](a, hf), sampler(), max_new_tokens=30, gamma=3, capacity=256)
+        rb = generate(b, PROMPT, DRAFTERS[drafter](b, hf), sampler(), max_new_tokens=30, gamma=3, capacity=256)
+        assert rb.tokens == ra.tokens and rb.stats.target_forwards == ra.stats.target_forwards
+    assert b.spans() == [b.cache.size] and {key[-1] for key in b.steps} == {b.cache.size}  # (256 or 512)
+
+
+@pytest.mark.slow  # (inductor's CPU kernels: ~15 s; on a GPU, test_cuda_flex_attention_reads_only_the_live_blocks)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_flex_attention_reads_only_the_live_blocks(per_row):
+    """attend_live compiled by inductor: with NaN in every block of the cache past the newest slot's,
+    the output is attend()'s over the clean cache (a block it read would put NaN in the output)."""
+    from specdec_runtime.layers import attend, attend_live
+
+    torch.manual_seed(0)
+    B, Hkv, group, T, S, D = (2, 2, 3, 2, 512, 16) if per_row else (1, 2, 3, 4, 512, 16)
+    q, kv = torch.randn(B, Hkv, group * T, D), torch.randn(B, 2 * Hkv, S, D)
+    start = torch.tensor([100, 200][:B])
+    slots = start[:, None] + torch.arange(T)  # [B, T]
+    mask = torch.arange(S) <= slots.repeat(1, group)[..., None]  # [B, group * T, S]
+    mask, slots = (mask[:, None], slots) if per_row else (mask[0], slots[0])
+    want = attend(q, kv, mask, S)
+    kv[:, :, 256:] = float("nan")
+    live = torch.compile(attend_live, fullgraph=True, dynamic=False, backend="inductor")
+    got = live(q, *kv.split(Hkv, dim=1), mask, slots)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def warm_then_rerun(target, hf, drafters, capacity: int):
@@ -373,6 +409,23 @@ def test_cuda_fp32_greedy_equals_autoregressive_for_every_drafter(drafter):
     spec = generate(target, PROMPT, DRAFTERS[drafter](target, hf), max_new_tokens=40, gamma=3)
     assert spec.tokens == ar.tokens
     assert graphs.captures > 0 and all(s.graph is not None for s in target.steps.values())
+
+
+@pytest.mark.gpu
+def test_cuda_flex_attention_reads_only_the_live_blocks():
+    """attention="flex" in real CUDA graphs, fp32: with NaN in every slot of the cache past the first
+    block (which the prompt and 40 new tokens stay in), the output is the target's own greedy output
+    (a block past the newest slot's that its kernel read would put NaN in every logit), for
+    autoregressive decoding, an exit layer's chains and trees; one span, one step per shape."""
+    eager, target, hf = pair(device="cuda", attention="flex")
+    ar = generate(eager, PROMPT, None, max_new_tokens=40)
+    for name in ("autoregressive", "truncate", "medusa tree"):
+        target.setup_cache(1, 512)
+        with torch.inference_mode():
+            target.cache.kv[..., 128:, :] = float("nan")
+        out = generate(target, PROMPT, DRAFTERS[name](target, hf), max_new_tokens=40, gamma=3, capacity=512)
+        assert out.tokens == ar.tokens, name
+    assert target.spans() == [512] and all(s.graph is not None for s in target.steps.values())
 
 
 @pytest.mark.gpu
