@@ -218,8 +218,9 @@ class Decoder(nn.Module):
         MLP compiled by torch.compile (fullgraph, static shapes). CUDA graphs on CUDA; elsewhere
         the steps are emulated (the CPU tests trace the compiled functions with backend='aot_eager').
         attention: "sdpa", torch's SDPA over the span that holds the live slots (a captured step per
-        span), or "flex", flex attention compiled into the layer's attention over the whole cache,
-        reading its blocks up to the newest slot (layers.attend_live: one captured step a shape)."""
+        span), or "flex", flex attention over the whole cache, compiled on its own between the
+        attention's halves, reading the cache's blocks up to the newest slot (layers.attend_live:
+        one captured step a shape)."""
         if not self.can_compile:
             raise SpecdecError("the fast path captures no mixture-of-experts layers yet: --compile off")
         if attention not in ("sdpa", "flex"):
