@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from specdec_runtime.cache import KVCache
 from specdec_runtime.drafters.eagle3 import Eagle3Drafter
 from specdec_runtime.drafters.eagle3_rows import RowEagle3
 from specdec_runtime.drafters.lookup import LookupFirst, NgramDrafter
@@ -22,7 +23,7 @@ from specdec_runtime.drafters.standalone import ModelDrafter, in_target_vocab
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
 from specdec_runtime.layers import rms_norm
-from specdec_runtime.model import Decoder, KVCache
+from specdec_runtime.model import Decoder
 from specdec_runtime.rows import keep_rows, one_row, prefill
 from specdec_runtime.sampling import Sampler, argmax
 

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from specdec_runtime.cache import cache_spans
 from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, MAX_DEPTH, Eagle3Drafter, best_nodes, layer_rows
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.graphs import CapturedStep
 from specdec_runtime.layers import linear, rms_norm, rope_table
-from specdec_runtime.model import cache_spans
 from specdec_runtime.rows import captured_rows
 from specdec_runtime.sampling import Sampler, argmax
 

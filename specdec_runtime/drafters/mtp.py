@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from specdec_runtime.cache import KVCache
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.drafters.protocol import Draft, Drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.layers import Block, Linear, attention, block_state_dict, mlp, rms_norm
 from specdec_runtime.loading import LoadedModel
-from specdec_runtime.model import Decoder, KVCache
+from specdec_runtime.model import Decoder
 from specdec_runtime.paths import SIDE_FOLDER
 from specdec_runtime.sampling import Sampler
 
