@@ -300,7 +300,7 @@ def wandb_records(path: Path) -> list:
             pos += 32768 - pos % 32768
             continue
         length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
-        if kind == 0 and length == 0:
+        if kind == 0 and length == 0 or pos + 7 + length > len(data):  # (the end, or a record still being written)
             break
         part += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
