@@ -624,6 +624,7 @@ def test_the_fast_path_decodes_a_stream_as_each_prompt_alone_and_captures_nothin
         assert sum(g.stats.lookup_rounds for g in report.spec) > 3
 
 
+@pytest.mark.slow  # (flex attention is off by default; the default run stays under 10 minutes)
 @pytest.mark.parametrize("drafter", ["none", "eagle3 tree"])
 def test_flex_attention_decodes_a_stream_as_each_prompt_alone(drafter):
     """attention="flex": a row's live blocks from its own newest slot (rows at different slots, padded

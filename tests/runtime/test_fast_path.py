@@ -115,8 +115,17 @@ def pair(kind: str = "llama", device: str = "cpu", dtype=torch.float32, layers: 
     return eager, fast, hf
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
-@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})])
+KINDS = [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})]
+# flex attention (off by default) on Llama in the default run, the rest with -m slow: the default stays under 10 minutes
+FLEX_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "kind,overrides,attention",
+    [(*k, "sdpa") for k in KINDS]
+    + [(*KINDS[0], "flex")]
+    + [pytest.param(*k, "flex", marks=FLEX_SLOW) for k in KINDS[1:]],
+)
 def test_forwards_equal_the_eager_path(kind, overrides, attention):
     """Decode, chain-verify and tree-verify logits at the same slots, stale slots in the cache (over
     the span that holds them, or flex attention's live blocks of the whole cache)."""
@@ -150,6 +159,7 @@ def test_generate_equals_the_eager_path(drafter):
         assert rb.tokens == ra.tokens and rb.stats.target_forwards == ra.stats.target_forwards
 
 
+@FLEX_SLOW
 @pytest.mark.parametrize("drafter", ["truncate", "medusa tree"])
 def test_flex_attention_generates_as_the_eager_path(drafter):
     """attention="flex" (layers.attend_live): one span, the whole cache, and the eager path's tokens
