@@ -205,6 +205,8 @@ class Decoder(nn.Module):
         halves = torch.compile(normed_queries, **opts), torch.compile(projected, **opts)
         self.layer_fns = (partial(split_attention, *halves, live=live), torch.compile(mlp, **opts))
         self.steps = {}
+        if self.cache is not None and self.cache.size % 256:  # (an eager cache: the next setup_cache sizes it anew)
+            self.cache, self.kv_layers = None, []
 
     def keep_cpu_copies(self) -> None:
         """Keep every weight also in the layout a CPU's products of a few rows stream once (twice

@@ -159,6 +159,19 @@ def test_generate_equals_the_eager_path(drafter):
         assert rb.tokens == ra.tokens and rb.stats.target_forwards == ra.stats.target_forwards
 
 
+def test_compiling_drops_an_eager_cache_the_fast_path_cannot_span():
+    """A cache of 300 slots set up eagerly, then compile(attention="flex"), whose blocks of 128 slots
+    need the fast path's sizes (multiples of 256): the next setup_cache sizes it anew (256 slots here),
+    and generate gives the eager path's tokens."""
+    a, _, hf = pair(layers=2)
+    b = runtime_from_hf(hf)
+    b.setup_cache(1, 300)
+    b.compile(COMPILE_BACKEND["cpu"], attention="flex")
+    assert b.cache is None
+    assert generate(b, PROMPT, None, max_new_tokens=10).tokens == generate(a, PROMPT, None, max_new_tokens=10).tokens
+    assert b.cache.size == 256
+
+
 @FLEX_SLOW
 @pytest.mark.parametrize("drafter", ["truncate", "medusa tree"])
 def test_flex_attention_generates_as_the_eager_path(drafter):
