@@ -206,8 +206,10 @@ def attend_live(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, slots: Tensor) ->
         raise ValueError(f"attend_live needs a cache of whole blocks of {LIVE_BLOCK} slots (got {S})")
     newest = slots[..., -1].expand(B)  # [B] (a step's slots are consecutive: its last is its newest)
     rows = -(-G // LIVE_BLOCK)  # blocks of query rows
-    live = (newest // LIVE_BLOCK + 1).to(torch.int32)[:, None, None].expand(B, 1, rows)
-    blocks = torch.arange(S // LIVE_BLOCK, dtype=torch.int32, device=k.device).expand(B, 1, rows, -1)
+    # (contiguous: flex attention's kernel for 128 query rows or more indexes these as if they were, a
+    # broadcast view would hand every row the first row's block count)
+    live = (newest // LIVE_BLOCK + 1).to(torch.int32)[:, None, None].expand(B, 1, rows).contiguous()
+    blocks = torch.arange(S // LIVE_BLOCK, dtype=torch.int32, device=k.device).expand(B, 1, rows, -1).contiguous()
     if mask.dim() == 2:
         mask_mod = lambda b, h, i, j: mask[i, j]  # noqa: E731
     else:

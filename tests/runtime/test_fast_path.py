@@ -185,25 +185,32 @@ def test_flex_attention_generates_as_the_eager_path(drafter):
     assert b.spans() == [b.cache.size] and {key[-1] for key in b.steps} == {b.cache.size}  # (256 or 512)
 
 
-@pytest.mark.slow  # (inductor's CPU kernels: ~15 s; on a GPU, test_cuda_flex_attention_reads_only_the_live_blocks)
-@pytest.mark.parametrize("per_row", [False, True])
-def test_flex_attention_reads_only_the_live_blocks(per_row):
-    """attend_live compiled by inductor: with NaN in every block of the cache past the newest slot's,
-    the output is attend()'s over the clean cache (a block it read would put NaN in the output)."""
+def check_live_blocks(device: str, B: int, T: int, group: int = 3) -> None:
+    """attend_live compiled by inductor on `device`: with NaN in every block of the cache past each
+    row's newest slot's (the rows' newest slots in different blocks), the output is attend()'s over
+    the clean cache (a block it read would put NaN in the output). group * T queries of 128 or more
+    take flex attention's kernel for many rows, fewer its decoding kernel."""
     from specdec_runtime.layers import attend, attend_live
 
     torch.manual_seed(0)
-    B, Hkv, group, T, S, D = (2, 2, 3, 2, 512, 16) if per_row else (1, 2, 3, 4, 512, 16)
-    q, kv = torch.randn(B, Hkv, group * T, D), torch.randn(B, 2 * Hkv, S, D)
-    start = torch.tensor([100, 200][:B])
-    slots = start[:, None] + torch.arange(T)  # [B, T]
-    mask = torch.arange(S) <= slots.repeat(1, group)[..., None]  # [B, group * T, S]
-    mask, slots = (mask[:, None], slots) if per_row else (mask[0], slots[0])
+    Hkv, S, D = 2, 512, 16
+    q, kv = torch.randn(B, Hkv, group * T, D, device=device), torch.randn(B, 2 * Hkv, S, D, device=device)
+    start = torch.tensor([200, 60][:B], device=device)
+    slots = start[:, None] + torch.arange(T, device=device)  # [B, T]
+    mask = torch.arange(S, device=device) <= slots.repeat(1, group)[..., None]  # [B, group * T, S]
+    mask, slots = (mask[:, None], slots) if B > 1 else (mask[0], slots[0])
     want = attend(q, kv, mask, S)
-    kv[:, :, 256:] = float("nan")
+    for b, newest in enumerate(start.tolist()):
+        kv[b, :, (newest + T - 1) // 128 * 128 + 128 :] = float("nan")
     live = torch.compile(attend_live, fullgraph=True, dynamic=False, backend="inductor")
     got = live(q, *kv.split(Hkv, dim=1), mask, slots)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow  # (inductor's CPU kernels: ~15 s each; on a GPU, test_cuda_flex_attention_reads_only_the_live_blocks)
+@pytest.mark.parametrize("B,T", [(1, 4), (2, 2), (2, 44)], ids=["one sequence", "rows", "rows, 132 queries"])
+def test_flex_attention_reads_only_the_live_blocks(B, T):
+    check_live_blocks("cpu", B, T)
 
 
 def warm_then_rerun(target, hf, drafters, capacity: int):
@@ -449,6 +456,8 @@ def test_cuda_flex_attention_reads_only_the_live_blocks():
         out = generate(target, PROMPT, DRAFTERS[name](target, hf), max_new_tokens=40, gamma=3, capacity=512)
         assert out.tokens == ar.tokens, name
     assert target.spans() == [512] and all(s.graph is not None for s in target.steps.values())
+    for B, T in ((1, 4), (2, 2), (2, 44)):  # attend_live alone: its decoding kernel, and its kernel for many queries
+        check_live_blocks("cuda", B, T)
 
 
 @pytest.mark.gpu
