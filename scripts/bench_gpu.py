@@ -203,29 +203,37 @@ def eagle3_costs(target: Decoder, drafter: Eagle3Drafter, gamma: int, tau: float
     return {name: device_ms(fn, dev, reps) for name, fn in steps.items()}
 
 
-LIVE_VARIANTS = ("SDPA, whole cache", "SDPA, the span that holds them", "flex, the live blocks")
+LIVE_VARIANTS = {  # results.json's keys: the table's columns
+    "sdpa_whole": "SDPA, whole cache",
+    "sdpa_span": "SDPA, the span that holds them",
+    "flex": "flex, the live blocks",
+}
 
 
 @torch.inference_mode()
-def live_length_costs(model: Decoder, lengths: list[int], capacity: int, reps: int = 50) -> dict[int, tuple]:
+def live_length_costs(model: Decoder, lengths: list[int], capacity: int, reps: int = 50) -> dict[int, dict]:
     """Device milliseconds of a decode step at each live length in a cache of `capacity` slots, in
     each of LIVE_VARIANTS: torch's SDPA over the whole cache (live_spans False, the fast path before
     spans) and over the span that holds the live slots, and flex attention over the whole cache's
-    blocks up to the newest slot (compile(attention="flex"), its layers compiled here). {length:
-    (whole, span, flex)}. Leaves the model compiled as it was, with that cache."""
+    blocks up to the newest slot (compile(attention="flex")). {length: {variant: ms}}. Leaves the
+    model with its own attention and that cache, and its captured steps dropped."""
     dev, kept = model.device, model.attention_kernel
     one = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    out = {}
-    for attention, spans in (("sdpa", False), ("sdpa", True), ("flex", False)):
-        model.compile(model.compile_backend, attention=attention)
+    out = {n: {} for n in lengths}
+    variants = [("sdpa_whole", "sdpa", False), ("sdpa_span", "sdpa", True), ("flex", "flex", False)]
+    for name, attention, spans in sorted(variants, key=lambda v: v[1] != kept):  # the model's own first
+        if attention != model.attention_kernel:
+            model.compile(model.compile_backend, attention=attention)
         model.live_spans = spans
+        model.steps.clear()
         model.setup_cache(1, capacity)
         model.cache.kv.normal_()  # (stale slots are masked: any values do, but not zeros)
         for n in lengths:
-            out.setdefault(n, []).append(device_ms(lambda n=n: model(one, n), dev, reps))
+            out[n][name] = device_ms(lambda n=n: model(one, n), dev, reps)
     model.live_spans = True
-    model.compile(model.compile_backend, attention=kept)
-    return {n: tuple(v) for n, v in out.items()}
+    if model.attention_kernel != kept:
+        model.compile(model.compile_backend, attention=kept)
+    return out
 
 
 def syncs_per_round(fn, device: torch.device) -> float | None:
@@ -451,7 +459,7 @@ def main() -> None:
             ours = drafter = None
             gc.collect()
             if fast:
-                reference.compile(**({} if device.type == "cuda" else {"backend": "aot_eager"}))
+                reference.compile("inductor" if device.type == "cuda" else "aot_eager", attention=args.attention)
             d32 = ModelDrafter(reference, exit_layer=args.k, shares_target_cache=True)
             same = [
                 generate(reference, p, None, max_new_tokens=N, capacity=cap).tokens
@@ -515,9 +523,10 @@ def main() -> None:
         lines.append(f"float32 speculative output identical to autoregressive: {fp32_identical:.0%}")
     if live:
         size = ours.config.max_position_embeddings
+        header = f"| live slots | {' | '.join(LIVE_VARIANTS.values())} |"
         lines += ["", f"decode step by live length, cache of {size} slots (ms, alone on the device):", "",
-                  f"| live slots | {' | '.join(LIVE_VARIANTS)} |", "|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {n} | " + " | ".join(f"{ms:.3f}" for ms in v) + " |" for n, v in live.items()]
+                  header, "|---:" * (len(LIVE_VARIANTS) + 1) + "|"]  # fmt: skip
+        lines += [f"| {n} | " + " | ".join(f"{v[k]:.3f}" for k in LIVE_VARIANTS) + " |" for n, v in live.items()]
     if table is not None:
         lines.append(f"\nprofile of {min(N, 24)} speculative tokens ({args.profile}):\n{table}")
     write_report(
@@ -538,7 +547,7 @@ def main() -> None:
             "step_ms": cost,
             "timed_compiles_captures": timed_compiles,
             "syncs_per_forward": {"speculative": syncs, "autoregressive": ar_syncs},
-            "decode_ms_by_live_length": {n: dict(zip(LIVE_VARIANTS, v, strict=True)) for n, v in live.items()},
+            "decode_ms_by_live_length": live,
             "identical": identical,
             "divergences": report,
             "fp32_identical": fp32_identical,

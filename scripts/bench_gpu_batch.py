@@ -66,7 +66,6 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4, help="the drafter's chains (trees: its levels)")
     ap.add_argument("--tree-budget", type=int, default=0, help="> 0: trees of this many nodes, a tree a row")
     ap.add_argument("--top-k", type=int, default=4, help="the trees' frontier")
-    ap.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa", help="the target's (Decoder.compile)")
     ap.add_argument("--compile-drafter", action="store_true", help="the drafter's captured steps compiled too")
     ap.add_argument("--prompts-per-row", type=int, default=2, help="prompts per batch row, streamed")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -81,7 +80,7 @@ def main() -> None:
     args.top_k = args.top_k if args.tree_budget else 1
     _, target = build(args, device, dtype)
     if fast:
-        target.compile("inductor" if device.type == "cuda" else "aot_eager", attention=args.attention)
+        target.compile(**({} if device.type == "cuda" else {"backend": "aot_eager"}))
     drafter = eagle3_drafter(target, args)  # on the device where the target's steps are captured
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
@@ -117,10 +116,10 @@ def main() -> None:
     name, bandwidth = device_bandwidth(device)
     drafting = f"trees of {args.tree_budget}, top-{args.top_k}, depth" if args.tree_budget else "chains of"
     lines = [
-        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, attention {args.attention}, random prompts of "
-        f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens, {args.prompts_per_row} prompts per row; "
-        f"EAGLE-3 {drafting} {args.gamma} (random weights, steps compiled {drafter.step_backend or 'no'}), "
-        f"forced acceptance {args.accept_rate}; "
+        f"{name}, {args.shape} shape, {args.dtype}, fast path {fast}, random prompts of {args.prompt_len} tokens, "
+        f"{args.max_new_tokens} new tokens, {args.prompts_per_row} prompts per row; EAGLE-3 {drafting} "
+        f"{args.gamma} (random weights, steps compiled {drafter.step_backend or 'no'}), forced acceptance "
+        f"{args.accept_rate}; "
         f"{weight_bytes(target) / 1e9:.2f} GB of weights" + (f", {bandwidth} GB/s" if bandwidth else ""),
         "",
         "| batch | autoregressive tok/s | speculative tok/s | tau | speedup | compiled / captured in timed runs "

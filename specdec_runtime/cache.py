@@ -37,9 +37,12 @@ class KVCache(nn.Module):
         self.kv[:, :, :, dst : dst + src.numel()] = self.kv.index_select(3, src)
 
 
+SPAN = 256  # the fast path's smallest span; its caches are sized in steps of it (Decoder.setup_cache)
+
+
 @lru_cache(maxsize=64)
 def cache_spans(size: int, live: bool) -> tuple[int, ...]:
     """Decoder.spans() for a cache of `size` slots, computed once per size (every fast-path step asks)."""
     if not live:
         return (size,)
-    return tuple(256 << i for i in range(max(0, (size - 1) // 256).bit_length()) if 256 << i < size) + (size,)
+    return tuple(SPAN << i for i in range(max(0, (size - 1) // SPAN).bit_length()) if SPAN << i < size) + (size,)

@@ -199,17 +199,16 @@ def attend_live(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, slots: Tensor) ->
     every live length, where attend() needs a span per length, and a kernel that splits the slots
     among blocks at one query row (cuDNN's masked SDPA over 4,096 slots read 16 MB a layer in 72 us
     on an H200: docs/results.md). mask: bool, [group * T, S] or [B, 1, group * T, S]. Compiled only
-    (eagerly flex attention computes every score), with k and v views passed in: inductor copied the
-    whole layer to hand flex attention the halves of a cache it was given (split_attention)."""
+    (eagerly flex attention computes every score), on its own (split_attention says why)."""
     B, S, G = q.shape[0], k.shape[2], q.shape[2]
     if S % LIVE_BLOCK:  # (the fast path's caches are: setup_cache sizes them in steps of 256 slots)
         raise ValueError(f"attend_live needs a cache of whole blocks of {LIVE_BLOCK} slots (got {S})")
     newest = slots[..., -1].expand(B)  # [B] (a step's slots are consecutive: its last is its newest)
-    rows = -(-G // LIVE_BLOCK)  # blocks of query rows
-    # (contiguous: flex attention's kernel for 128 query rows or more indexes these as if they were, a
-    # broadcast view would hand every row the first row's block count)
-    live = (newest // LIVE_BLOCK + 1).to(torch.int32)[:, None, None].expand(B, 1, rows).contiguous()
-    blocks = torch.arange(S // LIVE_BLOCK, dtype=torch.int32, device=k.device).expand(B, 1, rows, -1).contiguous()
+    q_blocks = -(-G // LIVE_BLOCK)  # blocks of queries
+    # (contiguous: flex attention's kernel for 128 queries or more indexes these as if they were; a
+    # broadcast view handed every batch row the first's block count)
+    live = (newest // LIVE_BLOCK + 1).to(torch.int32)[:, None, None].expand(B, 1, q_blocks).contiguous()
+    blocks = torch.arange(S // LIVE_BLOCK, dtype=torch.int32, device=k.device).expand(B, 1, q_blocks, -1).contiguous()
     if mask.dim() == 2:
         mask_mod = lambda b, h, i, j: mask[i, j]  # noqa: E731
     else:
@@ -230,16 +229,17 @@ def projected(out: Tensor, residual: Tensor, B: int, o: Weights) -> Tensor:
     return linear(out, o, residual=residual)
 
 
-def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, bound, eps, live=None) -> Tensor:
+def split_attention(first, last, x, B, norm, qkv, o, cos, sin, kv, slots, mask, bound, eps, flex=None) -> Tensor:
     """attention() on the fast path: its compiled halves (first: norm and queries(); last:
     projected()) around the SDPA over the step's span, which runs as it is inside the captured step,
-    so that one compiled version serves every span (Decoder.forward); or around live, attend_live()
-    compiled on its own (Decoder.compile(attention="flex")): compiled with the K/V write before it,
-    inductor copied the whole cache layer to hand flex attention its keys and values."""
+    so that one compiled version serves every span (Decoder.forward); or around flex, attend_live()
+    compiled on its own (Decoder.compile(attention="flex")), given the keys and values as views:
+    compiled with the K/V write before it, or given the cache layer to split, inductor copied the
+    whole layer every step to hand flex attention its keys and values (its generated code, CPU)."""
     q = first(x, B, norm, qkv, cos, sin, kv, slots, eps)
-    if live is None:
+    if flex is None:
         return last(attend(q, kv, mask, bound), x, B, o)
-    return last(live(q, *kv.split(kv.shape[1] // 2, dim=1), mask, slots), x, B, o)
+    return last(flex(q, *kv.split(kv.shape[1] // 2, dim=1), mask, slots), x, B, o)
 
 
 def normed_queries(x, B, norm, qkv, cos, sin, kv, slots, eps) -> Tensor:

@@ -28,18 +28,19 @@ only (layers.attend_live): one captured step a shape, whatever the live length.
 
 The fast path (`model.compile()`; `specdec generate --compile`, on by default on CUDA). Each
 distinct step, a role and a token count T (decode T = 1, a chain's g + 1, a tree's nodes, a
-drafter's exit layer, a verification resuming at layer K, ...), is captured once per span (above)
-as one CUDA graph covering the whole forward, embedding to logits, with static input and output
-buffers (graphs.CapturedStep, one private memory pool each). A call copies its inputs in (the token
-ids, the start slot with one fill_ from the host's int: no host sync) and replays the graph. Lifetimes are
-explicit: a step's outputs are valid until that same step runs again, and whoever keeps one longer
-copies it. Inside the graphs the layers' attention and MLP are torch.compile'd functions of plain
-tensors (kernel fusion; one compiled artifact serves every layer of a given T), compiled while the
-step is first captured. The KV cache is allocated once for the largest capacity asked for and kept
-across generate calls; growing it drops the graphs (they point at the old cache), which a caller
-avoids by reserving the largest capacity up front (generate(..., capacity=)). After warm-up nothing
-is compiled or captured again (tests/runtime/test_fast_path.py counts both). Off CUDA the captured
-steps are emulated with the same buffers and lifetimes, which is what the CPU tests exercise.
+drafter's exit layer, a verification resuming at layer K, ...), is captured once per span (above;
+once with flex attention) as one CUDA graph covering the whole forward, embedding to logits, with
+static input and output buffers (graphs.CapturedStep, one private memory pool each). A call copies
+its inputs in (the token ids, the start slot with one fill_ from the host's int: no host sync) and
+replays the graph. Lifetimes are explicit: a step's outputs are valid until that same step runs
+again, and whoever keeps one longer copies it. Inside the graphs the layers' attention and MLP are
+torch.compile'd functions of plain tensors (kernel fusion; one compiled artifact serves every layer
+of a given T), compiled while the step is first captured. The KV cache is allocated once for the
+largest capacity asked for and kept across generate calls; growing it drops the graphs (they point
+at the old cache), which a caller avoids by reserving the largest capacity up front (generate(...,
+capacity=)). After warm-up nothing is compiled or captured again (tests/runtime/test_fast_path.py
+counts both). Off CUDA the captured steps are emulated with the same buffers and lifetimes, which
+is what the CPU tests exercise.
 
 The layers themselves, their weights' layout and the functions a step runs: layers.py.
 """
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec_runtime import cpu, rows
-from specdec_runtime.cache import KVCache, cache_spans
+from specdec_runtime.cache import SPAN, KVCache, cache_spans
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.graphs import CapturedStep, allow_many_compiles
@@ -166,7 +167,7 @@ class Decoder(nn.Module):
         if self.cache is not None and self.cache.size >= size and self.cache.kv.shape[1] == batch:
             return
         if self.steps is not None:
-            size = -(-size // 256) * 256
+            size = -(-size // SPAN) * SPAN
             self.steps.clear()
         self.cache, self.kv_layers = None, []  # free the old one before allocating
         self.cache = KVCache(self.config, batch, size, self.device, self.dtype)
@@ -201,11 +202,11 @@ class Decoder(nn.Module):
         allow_many_compiles()
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
         self.compile_backend, self.attention_kernel = backend, attention
-        live = torch.compile(attend_live, **opts) if attention == "flex" else None
+        flex = torch.compile(attend_live, **opts) if attention == "flex" else None
         halves = torch.compile(normed_queries, **opts), torch.compile(projected, **opts)
-        self.layer_fns = (partial(split_attention, *halves, live=live), torch.compile(mlp, **opts))
+        self.layer_fns = (partial(split_attention, *halves, flex=flex), torch.compile(mlp, **opts))
         self.steps = {}
-        if self.cache is not None and self.cache.size % 256:  # (an eager cache: the next setup_cache sizes it anew)
+        if self.cache is not None and self.cache.size % SPAN:  # (an eager cache: the next setup_cache sizes it anew)
             self.cache, self.kv_layers = None, []
 
     def keep_cpu_copies(self) -> None:
@@ -408,6 +409,7 @@ class Decoder(nn.Module):
 
     @property
     def _by_span(self) -> bool:
+        """Whether a fast-path step is captured per span (SDPA's), or once over the whole cache."""
         return self.live_spans and self.attention_kernel == "sdpa"
 
     def _step(self, x: Tensor, start: Tensor, depth: Tensor | None = None, ancestor: Tensor | None = None,

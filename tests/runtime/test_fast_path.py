@@ -127,8 +127,9 @@ FLEX_SLOW = pytest.mark.slow
     + [pytest.param(*k, "flex", marks=FLEX_SLOW) for k in KINDS[1:]],
 )
 def test_forwards_equal_the_eager_path(kind, overrides, attention):
-    """Decode, chain-verify and tree-verify logits at the same slots, stale slots in the cache (over
-    the span that holds them, or flex attention's live blocks of the whole cache)."""
+    """Decode, chain-verify and tree-verify logits at the same slots, stale slots in the cache (SDPA
+    over the span that holds them, or flex attention's mask over the whole cache: aot_eager ignores
+    its block counts, which check_live_blocks checks)."""
     a, b, _ = pair(kind, layers=3, attention=attention, **overrides)
     for m in (a, b):
         m.setup_cache(1, 300)  # (the fast path's: 512 slots, two spans or four blocks)
@@ -163,8 +164,8 @@ def test_compiling_drops_an_eager_cache_the_fast_path_cannot_span():
     """A cache of 300 slots set up eagerly, then compile(attention="flex"), whose blocks of 128 slots
     need the fast path's sizes (multiples of 256): the next setup_cache sizes it anew (256 slots here),
     and generate gives the eager path's tokens."""
-    a, _, hf = pair(layers=2)
-    b = runtime_from_hf(hf)
+    hf = tiny_hf_model("llama", 0, num_hidden_layers=2)
+    a, b = runtime_from_hf(hf), runtime_from_hf(hf)
     b.setup_cache(1, 300)
     b.compile(COMPILE_BACKEND["cpu"], attention="flex")
     assert b.cache is None
