@@ -47,7 +47,8 @@ def test_the_batched_bench_runs_every_batch_size_on_captured_steps(drafting, tmp
     "variant",
     [
         ["--compile-drafter"],
-        ["--attention", "flex", "--live-lengths", "100,300"],
+        # (9 s: -m slow, the default run stays under 10 minutes; flex attention is off by default)
+        pytest.param(["--attention", "flex", "--live-lengths", "100,300"], marks=pytest.mark.slow),
         ["--layout", "out-in", "--costs-only"],
     ],
     ids=["whole", "flex", "out-in costs"],
