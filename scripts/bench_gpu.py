@@ -203,10 +203,10 @@ def eagle3_costs(target: Decoder, drafter: Eagle3Drafter, gamma: int, tau: float
     return {name: device_ms(fn, dev, reps) for name, fn in steps.items()}
 
 
-LIVE_VARIANTS = {  # results.json's keys: the table's columns
-    "sdpa_whole": "SDPA, whole cache",
-    "sdpa_span": "SDPA, the span that holds them",
-    "flex": "flex, the live blocks",
+LIVE_VARIANTS = {  # results.json's key: (the table's column, the attention, live_spans)
+    "sdpa_whole": ("SDPA, whole cache", "sdpa", False),
+    "sdpa_span": ("SDPA, the span that holds them", "sdpa", True),
+    "flex": ("flex, the live blocks", "flex", False),
 }
 
 
@@ -220,8 +220,7 @@ def live_length_costs(model: Decoder, lengths: list[int], capacity: int, reps: i
     dev, kept = model.device, model.attention_kernel
     one = torch.zeros(1, 1, dtype=torch.long, device=dev)
     out = {n: {} for n in lengths}
-    variants = [("sdpa_whole", "sdpa", False), ("sdpa_span", "sdpa", True), ("flex", "flex", False)]
-    for name, attention, spans in sorted(variants, key=lambda v: v[1] != kept):  # the model's own first
+    for name, (_, attention, spans) in sorted(LIVE_VARIANTS.items(), key=lambda v: v[1][1] != kept):  # its own first
         if attention != model.attention_kernel:
             model.compile(model.compile_backend, attention=attention)
         model.live_spans = spans
@@ -344,8 +343,9 @@ def main() -> None:
     t_start = time.perf_counter()
     hf, ours = build(args, device, dtype)
     weights = weight_bytes(ours)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"  # (CPU smoke runs: traced, not compiled)
     if fast:
-        ours.compile("inductor" if device.type == "cuda" else "aot_eager", attention=args.attention)
+        ours.compile(backend, attention=args.attention)
     if eagle3:
         drafter = eagle3_drafter(ours, args)
         spec_name = f"ours speculative (eagle3 trees of {args.tree_budget}, top-{args.top_k}, depth {args.gamma})"
@@ -459,7 +459,7 @@ def main() -> None:
             ours = drafter = None
             gc.collect()
             if fast:
-                reference.compile("inductor" if device.type == "cuda" else "aot_eager", attention=args.attention)
+                reference.compile(backend, attention=args.attention)
             d32 = ModelDrafter(reference, exit_layer=args.k, shares_target_cache=True)
             same = [
                 generate(reference, p, None, max_new_tokens=N, capacity=cap).tokens
@@ -523,7 +523,7 @@ def main() -> None:
         lines.append(f"float32 speculative output identical to autoregressive: {fp32_identical:.0%}")
     if live:
         size = ours.config.max_position_embeddings
-        header = f"| live slots | {' | '.join(LIVE_VARIANTS.values())} |"
+        header = f"| live slots | {' | '.join(column for column, _, _ in LIVE_VARIANTS.values())} |"
         lines += ["", f"decode step by live length, cache of {size} slots (ms, alone on the device):", "",
                   header, "|---:" * (len(LIVE_VARIANTS) + 1) + "|"]  # fmt: skip
         lines += [f"| {n} | " + " | ".join(f"{v[k]:.3f}" for k in LIVE_VARIANTS) + " |" for n, v in live.items()]

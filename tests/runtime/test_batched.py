@@ -573,9 +573,8 @@ def fast_target(drafter: str, device: str = "cpu", attention: str = "sdpa"):
     emulated captured steps. The layers are traced by aot_eager on CUDA too: real CUDA graphs,
     without inductor's minutes of compiling a dozen shapes in gpu_check (scripts/bench_gpu_batch.py
     runs inductor's batches; a drafter's steps compiled by inductor in CUDA graphs: test_fast_path's
-    gpu test), but flex attention, which only inductor compiles into its kernel."""
-    backend = "inductor" if attention == "flex" and device == "cuda" else "aot_eager"
-    compile_ = lambda m: m.to(device).compile(backend=backend, attention=attention) or m  # noqa: E731
+    gpu test)."""
+    compile_ = lambda m: m.to(device).compile(backend="aot_eager", attention=attention) or m  # noqa: E731
     if drafter.startswith("eagle3"):  # a vocabulary small enough for random drafts to hit
         (_, eager, model), (_, fast, _) = eagle3_tiny(vocab=16, draft_vocab=12), eagle3_tiny(vocab=16, draft_vocab=12)
         prompts = [[t % 16 for t in p] for p in PROMPTS]
