@@ -24,7 +24,7 @@ from specdec_runtime.errors import SpecdecError
 from specdec_runtime.generate import left_padded
 from specdec_runtime.layers import rms_norm
 from specdec_runtime.model import Decoder
-from specdec_runtime.rows import keep_rows, one_row, prefill
+from specdec_runtime.rows import keep_rows, move_rows, one_row, prefill
 from specdec_runtime.sampling import Sampler, argmax
 
 
@@ -356,9 +356,8 @@ class RowMTP(RowDrafter):
         self.pending[b].append(hidden)
 
     def keep(self, rows: list[int]) -> bool:
-        index = torch.tensor(rows, device=self.d.target.device)
         for kv in self.kv_layers:  # (moved to the first rows, which _run reads: the cache keeps its size)
-            kv[: len(rows)] = kv.index_select(0, index)
+            move_rows(kv, rows)
         self.seen, self.pending = [self.seen[b] for b in rows], [self.pending[b] for b in rows]
         return True
 

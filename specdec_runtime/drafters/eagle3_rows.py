@@ -16,7 +16,7 @@ from specdec_runtime.drafters.eagle3 import CATCH_UP_ROWS, MAX_DEPTH, Eagle3Draf
 from specdec_runtime.drafters.protocol import Drafter, RowDrafter
 from specdec_runtime.graphs import CapturedStep
 from specdec_runtime.layers import linear, rms_norm, rope_table
-from specdec_runtime.rows import captured_rows
+from specdec_runtime.rows import captured_rows, move_rows
 from specdec_runtime.sampling import Sampler, argmax
 
 
@@ -71,7 +71,7 @@ class RowEagle3(RowDrafter):
     def keep(self, rows: list[int]) -> bool:
         if self.d.on_device:  # (its steps are captured for the batch's size)
             return False
-        self.kv[: len(rows)] = self.kv.index_select(0, torch.tensor(rows, device=self.kv.device))  # (the first rows)
+        move_rows(self.kv, rows)  # (to the first rows)
         self.seqs, self.pending = [self.seqs[b] for b in rows], [self.pending[b] for b in rows]
         return True
 

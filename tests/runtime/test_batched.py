@@ -287,6 +287,29 @@ def test_an_eager_batch_runs_its_live_rows_alone_once_nothing_waits(monkeypatch,
     assert [g.tokens for g in again] == alone and target.cache.kv is kv
 
 
+def test_kept_rows_move_in_place_without_a_copy_of_the_cache():
+    """rows.move_rows (the target's, EAGLE-3's and MTP's caches when a batch keeps its live rows):
+    the rows kept equal the naive gather's, and nothing the size of more than one row is allocated
+    on the way (a gather of the rows kept would allocate them all again); rows out of order refused."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    cache = torch.randn(3, 7, 2, 16, 4)  # [layers, rows, 2 Hkv, S, D], the target's
+    for keep in ([1, 4, 6], [0, 1, 5], [2], list(range(7))):
+        t, made = cache.clone(), []
+        with Sizes():
+            rows.move_rows(t, keep, dim=1)
+        assert torch.equal(t[:, : len(keep)], cache[:, keep]) and torch.equal(t[:, len(keep) :], cache[:, len(keep) :])
+        assert max(made, default=0) <= cache[:, 0].numel(), (keep, made)  # (views: a row's at most)
+    with pytest.raises(ValueError, match="ascending"):
+        rows.move_rows(cache.clone(), [3, 1])
+
+
 @pytest.mark.parametrize("window", [None, 2])
 def test_a_tree_in_a_row_attends_as_the_tree_of_one_sequence(window):
     """rows.attention_inputs with a token tree per row: each row's rope rows and mask equal one
