@@ -5,9 +5,11 @@ import copy
 import pytest
 import torch
 
+from specdec_runtime import layers
 from specdec_runtime.config import DecoderConfig
 from specdec_runtime.cpu import kernel as cpu_kernel
 from specdec_runtime.errors import SpecdecError
+from specdec_runtime.graphs import HostRead, NoHostReads
 from specdec_runtime.layers import rms_norm
 from specdec_runtime.model import Decoder, LayerSkip
 from tests.conftest import runtime_from_hf, tiny_hf_config, tiny_hf_model
@@ -274,3 +276,47 @@ def test_a_decode_step_reads_only_the_experts_its_token_chose():
                 layer.experts_down[e] = float("nan")
     assert all(len(p) == 2 for p in picked.values())
     torch.testing.assert_close(model(ids[:, 8:], 8).logits, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_more_rows_than_experts_go_to_grouped_products_without_a_host_read(monkeypatch, dtype):
+    """A forward of more rows than experts over top-k (a prefill, a batch's verify: 3 x 9 x top-2 >
+    8 experts) sorts its (row, expert) pairs into torch's grouped products: nothing read on the host
+    (graphs.NoHostReads, which refuses the expert-by-expert loop's read), and the logits equal that
+    loop's (where torch has no grouped product for the weights)."""
+    hf = tiny_hf_model("qwen3_moe", seed=5, num_hidden_layers=2)
+    model = runtime_from_hf(hf).to("cpu", dtype)
+    ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(2))
+    model.setup_cache(3, 9)
+    with NoHostReads():
+        got = model(ids, 0).logits
+    monkeypatch.setattr(layers, "grouped_product", lambda *tensors: None)
+    with pytest.raises(HostRead), NoHostReads():
+        model(ids, 0)
+    want = model(ids, 0).logits
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(got, want, **tol)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.9)
+
+
+@pytest.mark.gpu
+def test_cuda_grouped_experts_read_nothing_on_the_host_and_equal_the_loop(monkeypatch):
+    """layers.moe of 40 rows x top-8 > 128 experts (a Qwen3-30B-A3B's router shape) in bf16 on CUDA:
+    torch's grouped products under CUDA's sync check set to error, their output the expert-by-expert
+    loop's."""
+    torch.manual_seed(0)
+    E, H, I, N, k = 128, 256, 64, 40, 8  # noqa: E741
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    x, norm = torch.randn(N, H, **cuda), torch.ones(2 * H, **cuda)
+    router = layers.Weights(torch.randn(H, E, **cuda) / H**0.5)
+    gate_up, down = torch.randn(E, H, 2 * I, **cuda) / H**0.5, torch.randn(E, I, H, **cuda) / I**0.5
+    args = (x, norm, router, gate_up, down, k, True, 1e-6)
+    assert layers.grouped_product(x, gate_up, down) is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = layers.moe(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    monkeypatch.setattr(layers, "grouped_product", lambda *tensors: None)
+    torch.testing.assert_close(got, layers.moe(*args), atol=0.05, rtol=0.02)
