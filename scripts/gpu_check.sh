@@ -33,7 +33,8 @@
 #                                     # with the drafter's steps compiled, the 8B chains' batch table, the 8B bench
 #                                     # with flex attention (and a step by live length: SDPA, spans, flex), the
 #                                     # other batch tables (SmolLM2 shape, 8B trees), the [out, in] + inductor A/B
-#                                     # run, in that order under one deadline (GPU_CHECK_SECONDS, default 560):
+#                                     # run, a Qwen3-30B-A3B layer's experts three ways (bench_moe.py), in that
+#                                     # order under one deadline (GPU_CHECK_SECONDS, default 560):
 #                                     # each step gets at most its cap of what is left; four logs come back
 # A lease, in two calls on one warm machine (`--stage` here first; the second call within the 30 s the
 # machine waits):
@@ -154,6 +155,8 @@ if [ "${1:-}" = "--all" ]; then
   # (the products alone, 2026-11-28: [out, in] through inductor's one-row reduction was the fastest; each alone, not)
   step 80 ab.log env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 $PY scripts/bench_gpu.py "${ab[@]}" --layout out-in \
     --output-dir runs/all/out_in_cdt || status=1
+  # (a Qwen3-30B-A3B layer's experts, gathered / grouped / by expert: which way moe() should take for decoding)
+  step 60 ab.log $PY scripts/bench_moe.py --device cuda --dtype bfloat16 --output-dir runs/all/moe || status=1
   echo "gpu_check: --all took ${SECONDS}s"
   exit $status
 fi

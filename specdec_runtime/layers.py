@@ -260,49 +260,72 @@ def moe(x: Tensor, norm: Tensor, router: Weights, gate_up: Tensor, down: Tensor,
         eps: float) -> Tensor:  # fmt: skip
     """x + the router-weighted sum of the top_k experts' SwiGLU MLPs (Qwen3-MoE) for x [N, H];
     gate_up [E, H, 2I], down [E, I, H]. While N x top_k <= E (decoding, verifying a draft) each
-    row reads only its chosen experts' weights, gathered, in two batched products. More rows (a
-    prefill, a batch's verify) go to torch's grouped products, the (row, expert) pairs sorted by
-    expert: each chosen expert's weights read once for all its rows. Neither reads a value on the
-    host; where torch has no grouped product for the weights (grouped_product()), the rows go expert by
-    expert, a host read a layer."""
+    row reads only its chosen experts' weights, gathered (experts_gathered). More rows (a prefill, a
+    batch's verify) go to torch's grouped products where it has them for the weights (on CUDA in
+    bf16: experts_grouped), each chosen expert's weights read once for all its rows; neither reads a
+    value on the host. Elsewhere they go expert by expert (experts_by_expert), a host read a layer."""
     h = rms_norm(x, norm, eps)
     probs = linear(h, router).float().softmax(-1)  # [N, E]
     weights, chosen = probs.topk(top_k, dim=-1)  # [N, k]
     if renorm:
         weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights.to(h.dtype)
-    N, E = h.shape[0], gate_up.shape[0]
-    flat = chosen.flatten()  # [N k] the pairs' experts, row by row
-    if N * top_k <= E:
-        rows = h.repeat_interleave(top_k, dim=0)[:, None]  # [N k, 1, H]
-        gate, up = torch.bmm(rows, gate_up.index_select(0, flat)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, down.index_select(0, flat))  # [N k, 1, H]
-        return x + (y.view(N, top_k, -1) * weights[..., None]).sum(1)
+    experts = (h, weights.to(h.dtype), chosen, gate_up, down)
+    if h.shape[0] * top_k <= gate_up.shape[0]:
+        return x + experts_gathered(*experts)
     if (product := grouped_product(h, gate_up, down)) is not None:
-        experts, order = flat.sort(stable=True)  # the pairs grouped by expert
-        # [E] each expert's end among them (not bincount: on CUDA it reads its input's maximum on the host)
-        ends = torch.searchsorted(experts, torch.arange(E, device=flat.device), right=True).to(torch.int32)
-        gate, up = product(h.index_select(0, order // top_k), gate_up, offs=ends).chunk(2, dim=-1)
-        y = product(F.silu(gate) * up, down, offs=ends)  # [N k, H] in expert order
-        y = torch.empty_like(y).index_copy_(0, order, y)  # back in row order (a permutation: no atomic adds)
-        return x + (y.view(N, top_k, -1) * weights[..., None]).sum(1)
+        return x + experts_grouped(*experts, product)
+    return x + experts_by_expert(*experts)
+
+
+def experts_gathered(h: Tensor, weights: Tensor, chosen: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """moe()'s experts' weighted sum [N, H] for rows h [N, H], each row's top-k experts chosen [N, k]
+    with weights [N, k]: the chosen experts' weights gathered (a copy), in two batched products."""
+    N, top_k = chosen.shape
+    rows = h.repeat_interleave(top_k, dim=0)[:, None]  # [N k, 1, H]
+    flat = chosen.flatten()
+    gate, up = torch.bmm(rows, gate_up.index_select(0, flat)).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, down.index_select(0, flat))  # [N k, 1, H]
+    return (y.view(N, top_k, -1) * weights[..., None]).sum(1)
+
+
+def experts_grouped(h: Tensor, weights: Tensor, chosen: Tensor, gate_up: Tensor, down: Tensor, product) -> Tensor:
+    """experts_gathered's sum by torch's grouped products (grouped_product()): the (row, expert) pairs
+    sorted by expert, each expert's weights read once for its rows, in place."""
+    N, top_k = chosen.shape
+    experts, order = chosen.flatten().sort(stable=True)  # the pairs grouped by expert
+    # [E] each expert's end among them (not bincount: on CUDA it reads its input's maximum on the host)
+    ends = torch.searchsorted(experts, torch.arange(gate_up.shape[0], device=h.device), right=True).to(torch.int32)
+    gate, up = product(h.index_select(0, order // top_k), gate_up, offs=ends).chunk(2, dim=-1)
+    y = product(F.silu(gate) * up, down, offs=ends)  # [N k, H] in expert order
+    y = torch.empty_like(y).index_copy_(0, order, y)  # back in row order (a permutation: no atomic adds)
+    return (y.view(N, top_k, -1) * weights[..., None]).sum(1)
+
+
+def experts_by_expert(h: Tensor, weights: Tensor, chosen: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """experts_gathered's sum expert by expert over the rows that chose each (the experts read on the host)."""
     out = torch.zeros_like(h)
     for e in chosen.unique().tolist():
         row, slot = (chosen == e).nonzero(as_tuple=True)
         gate, up = (h[row] @ gate_up[e]).chunk(2, dim=-1)
         out.index_add_(0, row, (F.silu(gate) * up) @ down[e] * weights[row, slot, None])
-    return x + out
+    return out
+
+
+# Where moe() hands many rows to torch's grouped product, by device: CUDA's bf16 kernels (no host read).
+# Not a CPU's: there it ran slower than the loop over experts for a prefill's rows (2,048 rows:
+# docs/results.md, scripts/bench_moe.py), and the loop's host read costs a CPU nothing.
+GROUPED_DTYPES = {"cuda": (torch.bfloat16,)}
 
 
 def grouped_product(h: Tensor, *experts: Tensor):
     """torch's grouped product (rows [M, in] sorted by expert, weights [E, in, out], offs: each
-    expert's end) where it runs on these tensors: a CPU's any dtype, CUDA's bf16 from compute
-    capability 8.0 (its CUDA kernels are bf16's); dims and addresses in multiples of
-    16 bytes, as its kernels need. None elsewhere (moe() then goes expert by expert)."""
+    expert's end) where moe() takes it for these tensors (GROUPED_DTYPES; CUDA from compute
+    capability 8.0), their dims and addresses in multiples of 16 bytes as its kernels need; None
+    elsewhere (moe() then goes expert by expert)."""
     product = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if product is None or h.device.type not in ("cpu", "cuda"):
+    if product is None or h.dtype not in GROUPED_DTYPES.get(h.device.type, ()):
         return None
-    if h.device.type == "cuda" and (h.dtype != torch.bfloat16 or torch.cuda.get_device_capability(h.device) < (8, 0)):
+    if h.device.type == "cuda" and torch.cuda.get_device_capability(h.device) < (8, 0):
         return None
     size = h.element_size()
     if any(t.dtype != h.dtype or t.data_ptr() % 16 or any(d * size % 16 for d in t.shape[-2:]) for t in experts):

@@ -77,3 +77,21 @@ def test_the_products_bench_times_every_product(tmp_path):
     results = run_script("bench_gpu_products.py", out=tmp_path)
     assert set(results["us"]) == {"qkv", "o", "gate_up", "down", "head"}
     assert all(ms > 0 for ms in results["step_ms"].values())
+
+
+def test_the_moe_bench_times_each_way_and_says_which_moe_takes(tmp_path):
+    """scripts/bench_moe.py (gpu_check.sh --all's last step) on small experts: the gathered weights
+    up to experts / top-k rows, then the loop over experts on a CPU (no grouped products there), every
+    way timed where it runs (torch's grouped products run on a CPU too)."""
+    argv, path = sys.argv, list(sys.path)
+    shape = ["--experts", "8", "--top-k", "2", "--hidden", "64", "--intermediate", "32", "--rows", "1,4,40"]
+    sys.argv = ["bench_moe.py", "--device", "cpu", "--dtype", "float32", *shape, "--runs", "1"]
+    sys.argv += ["--output-dir", str(tmp_path)]
+    try:
+        runpy.run_path(str(SCRIPTS / "bench_moe.py"), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [(r["rows"], r["takes"]) for r in rows] == [(1, "gathered"), (4, "gathered"), (40, "by expert")]
+    assert all(r["grouped_ms"] > 0 and r["by_expert_ms"] > 0 for r in rows)
+    assert [r["gathered_ms"] is not None for r in rows] == [True, True, False]  # (40 x 2 > 4 x 8: not timed)

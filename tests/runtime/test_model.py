@@ -281,9 +281,10 @@ def test_a_decode_step_reads_only_the_experts_its_token_chose():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_more_rows_than_experts_go_to_grouped_products_without_a_host_read(monkeypatch, dtype):
     """A forward of more rows than experts over top-k (a prefill, a batch's verify: 3 x 9 x top-2 >
-    8 experts) sorts its (row, expert) pairs into torch's grouped products: nothing read on the host
-    (graphs.NoHostReads, which refuses the expert-by-expert loop's read), and the logits equal that
-    loop's (where torch has no grouped product for the weights)."""
+    8 experts) sorts its (row, expert) pairs into torch's grouped products (CUDA's bf16 ones in use,
+    the CPU's here): nothing read on the host (graphs.NoHostReads, which refuses the expert-by-expert
+    loop's read), and the logits equal that loop's."""
+    monkeypatch.setattr(layers, "GROUPED_DTYPES", {"cpu": (torch.float32, torch.bfloat16)})
     hf = tiny_hf_model("qwen3_moe", seed=5, num_hidden_layers=2)
     model = runtime_from_hf(hf).to("cpu", dtype)
     ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(2))
