@@ -57,7 +57,7 @@ def main() -> None:
     t = dict(device=device, dtype=dtype)
     router = torch.randn(H, E, **t) / H**0.5
     gate_up, down = torch.randn(E, H, 2 * I, **t) / H**0.5, torch.randn(E, I, H, **t) / I**0.5
-    takes_grouped = dtype in layers.GROUPED_DTYPES.get(device.type, ())
+    takes_grouped = layers.grouped_product(torch.empty(1, H, **t), gate_up, down) is not None
     policy, layers.GROUPED_DTYPES = layers.GROUPED_DTYPES, {device.type: (dtype,)}  # (timed wherever torch has them)
     try:
         product = layers.grouped_product(torch.empty(1, H, **t), gate_up, down)

@@ -294,7 +294,7 @@ def experts_grouped(h: Tensor, weights: Tensor, chosen: Tensor, gate_up: Tensor,
     N, top_k = chosen.shape
     experts, order = chosen.flatten().sort(stable=True)  # the pairs grouped by expert
     # [E] each expert's end among them (not bincount: on CUDA it reads its input's maximum on the host)
-    ends = torch.searchsorted(experts, torch.arange(gate_up.shape[0], device=h.device), right=True).to(torch.int32)
+    ends = torch.searchsorted(experts, torch.arange(gate_up.shape[0], device=h.device), right=True, out_int32=True)
     gate, up = product(h.index_select(0, order // top_k), gate_up, offs=ends).chunk(2, dim=-1)
     y = product(F.silu(gate) * up, down, offs=ends)  # [N k, H] in expert order
     y = torch.empty_like(y).index_copy_(0, order, y)  # back in row order (a permutation: no atomic adds)
@@ -311,7 +311,8 @@ def experts_by_expert(h: Tensor, weights: Tensor, chosen: Tensor, gate_up: Tenso
     return out
 
 
-# Where moe() hands many rows to torch's grouped product, by device: CUDA's bf16 kernels (no host read).
+# Where moe() hands many rows to torch's grouped product, by device: CUDA's bf16 kernels (no host read;
+# grouped_product() says on which GPUs).
 # Not a CPU's: there it ran slower than the loop over experts for a prefill's rows (2,048 rows:
 # docs/results.md, scripts/bench_moe.py), and the loop's host read costs a CPU nothing.
 GROUPED_DTYPES = {"cuda": (torch.bfloat16,)}
@@ -319,16 +320,18 @@ GROUPED_DTYPES = {"cuda": (torch.bfloat16,)}
 
 def grouped_product(h: Tensor, *experts: Tensor):
     """torch's grouped product (rows [M, in] sorted by expert, weights [E, in, out], offs: each
-    expert's end) where moe() takes it for these tensors (GROUPED_DTYPES; CUDA from compute
-    capability 8.0), their dims and addresses in multiples of 16 bytes as its kernels need; None
-    elsewhere (moe() then goes expert by expert)."""
+    expert's end) where moe() takes it for these tensors (GROUPED_DTYPES), every stride in
+    multiples of 16 bytes as its kernels need; None elsewhere (moe() then goes expert by expert). On
+    CUDA only at compute capability 9 and 10 (Hopper, Blackwell): elsewhere torch falls back to a
+    product per expert after reading the ends on the host (its _grouped_mm_fallback), and so on ROCm."""
     product = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if product is None or h.dtype not in GROUPED_DTYPES.get(h.device.type, ()):
         return None
-    if h.device.type == "cuda" and torch.cuda.get_device_capability(h.device) < (8, 0):
+    if h.device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(h.device)[0] not in (9, 10)):
         return None
-    size = h.element_size()
-    if any(t.dtype != h.dtype or t.data_ptr() % 16 or any(d * size % 16 for d in t.shape[-2:]) for t in experts):
+    # (the weights' strides, and their dims: the rows' and the activations' strides, H and I)
+    steps = [s for t in experts for s in (*t.stride(), *t.shape[-2:]) if s != 1]
+    if any(t.dtype != h.dtype or t.data_ptr() % 16 for t in experts) or any(s * h.element_size() % 16 for s in steps):
         return None
     return product
 

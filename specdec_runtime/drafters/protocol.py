@@ -119,8 +119,8 @@ class RowDrafter(Protocol):
         raise NotImplementedError
 
     def keep(self, rows: list[int]) -> bool:
-        """Keep only these rows, in this order (the batch's others are done, nothing is queued): whether
-        it did (a drafter that cannot, the default, leaves the batch as it is)."""
+        """Keep only these rows, ascending (rows.move_rows), as its first (the batch's others are done,
+        nothing is queued): whether it did (a drafter that cannot, the default, leaves the batch as it is)."""
         return False
 
     def pass_row(self, b: int) -> None:

@@ -285,12 +285,15 @@ def test_more_rows_than_experts_go_to_grouped_products_without_a_host_read(monke
     the CPU's here): nothing read on the host (graphs.NoHostReads, which refuses the expert-by-expert
     loop's read), and the logits equal that loop's."""
     monkeypatch.setattr(layers, "GROUPED_DTYPES", {"cpu": (torch.float32, torch.bfloat16)})
+    grouped, calls = layers.experts_grouped, []
+    monkeypatch.setattr(layers, "experts_grouped", lambda *a: calls.append(1) or grouped(*a))
     hf = tiny_hf_model("qwen3_moe", seed=5, num_hidden_layers=2)
     model = runtime_from_hf(hf).to("cpu", dtype)
     ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(2))
     model.setup_cache(3, 9)
     with NoHostReads():
         got = model(ids, 0).logits
+    assert len(calls) == 2  # (a layer each)
     monkeypatch.setattr(layers, "grouped_product", lambda *tensors: None)
     with pytest.raises(HostRead), NoHostReads():
         model(ids, 0)
@@ -302,22 +305,23 @@ def test_more_rows_than_experts_go_to_grouped_products_without_a_host_read(monke
 
 @pytest.mark.gpu
 def test_cuda_grouped_experts_read_nothing_on_the_host_and_equal_the_loop(monkeypatch):
-    """layers.moe of 40 rows x top-8 > 128 experts (a Qwen3-30B-A3B's router shape) in bf16 on CUDA:
+    """layers.moe of 40 and 2,048 rows x top-8 > 128 experts (Qwen3-30B-A3B's router) in bf16 on CUDA:
     torch's grouped products under CUDA's sync check set to error, their output the expert-by-expert
     loop's."""
     torch.manual_seed(0)
-    E, H, I, N, k = 128, 256, 64, 40, 8  # noqa: E741
+    E, H, I, k = 128, 256, 64, 8  # noqa: E741
     cuda = dict(device="cuda", dtype=torch.bfloat16)
-    x, norm = torch.randn(N, H, **cuda), torch.ones(2 * H, **cuda)
-    router = layers.Weights(torch.randn(H, E, **cuda) / H**0.5)
+    norm, router = torch.ones(2 * H, **cuda), layers.Weights(torch.randn(H, E, **cuda) / H**0.5)
     gate_up, down = torch.randn(E, H, 2 * I, **cuda) / H**0.5, torch.randn(E, I, H, **cuda) / I**0.5
-    args = (x, norm, router, gate_up, down, k, True, 1e-6)
-    assert layers.grouped_product(x, gate_up, down) is not None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = layers.moe(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    monkeypatch.setattr(layers, "grouped_product", lambda *tensors: None)
-    torch.testing.assert_close(got, layers.moe(*args), atol=0.05, rtol=0.02)
+    assert layers.grouped_product(norm[None, :H], gate_up, down) is not None
+    for N in (40, 2048):  # a batch's verify; a prefill (16k pairs: another of torch's sorts)
+        args = (torch.randn(N, H, **cuda), norm, router, gate_up, down, k, True, 1e-6)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = layers.moe(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        with monkeypatch.context() as m:
+            m.setattr(layers, "grouped_product", lambda *tensors: None)
+            torch.testing.assert_close(got, layers.moe(*args), atol=0.05, rtol=0.02)
